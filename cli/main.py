@@ -1,0 +1,98 @@
+"""The `planner` command: a thin typer + rich layer over the library.
+
+Errors: a `PlannerError` becomes a short red message on stderr and exit code 1;
+an unexpected exception exits with 3 and a one-line note. `--debug` shows the
+traceback instead. Usage errors (typer/click) exit with 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
+
+from planner import __version__
+from planner.errors import PlannerError
+
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+class _Group(TyperGroup):
+    """Maps library errors to messages and exit codes in one place."""
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            from click.exceptions import ClickException
+
+            if isinstance(exc, ClickException) or ctx.params.get("debug"):
+                raise
+            if isinstance(exc, PlannerError):
+                err_console.print(f"[bold red]error:[/] {escape(exc.message)}")
+                for i, remedy in enumerate(exc.remedies, 1):
+                    err_console.print(f"  {i}) {escape(remedy)}")
+                raise typer.Exit(1) from None
+            err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: "
+                              f"{escape(str(exc).splitlines()[0] if str(exc) else '')}\n"
+                              "This is a bug in planner; run again with --debug for the "
+                              "traceback and report it.")
+            raise typer.Exit(3) from None
+
+
+app = typer.Typer(
+    name="planner", cls=_Group, no_args_is_help=False, add_completion=True,
+    pretty_exceptions_enable=False, rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Plan and launch distributed PyTorch training on heterogeneous GPU clusters.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"planner {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def root(
+    ctx: typer.Context,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Plan and launch distributed PyTorch training on heterogeneous GPU clusters."""
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+
+
+def _register() -> None:
+    from cli import trace_cmd
+
+    trace_cmd.register(app)
+
+
+_register()
+
+
+def main() -> None:
+    """Console entry point. Exits without interpreter teardown, which takes seconds
+    after a big trace (millions of small objects) and does no useful work here."""
+    try:
+        app()
+        code: object = 0
+    except SystemExit as exc:
+        code = exc.code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+
+
+if __name__ == "__main__":
+    main()

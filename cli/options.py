@@ -1,0 +1,53 @@
+"""Options shared by several commands, as Annotated aliases (one definition each)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from planner.errors import PlannerError
+
+ModelArg = Annotated[str, typer.Argument(
+    metavar="MODEL",
+    help="A zoo flavor (see `planner models`), package.module:factory, hf:ConfigClass "
+         "or a transformers config.json.")]
+Batch = Annotated[int, typer.Option("--batch", "-b", help="Samples traced at once.")]
+SeqLen = Annotated[int | None, typer.Option("--seq-len", "-s",
+                                            help="Sequence length (default: the model's).")]
+Dtype = Annotated[str, typer.Option("--dtype", help="Training dtype: bf16, fp16, fp32, tf32.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
+Force = Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")]
+Layers = Annotated[int | None, typer.Option("--layers", help="Number of blocks.",
+                                            rich_help_panel="Model shape")]
+Hidden = Annotated[int | None, typer.Option("--hidden", help="Hidden size.",
+                                            rich_help_panel="Model shape")]
+Heads = Annotated[int | None, typer.Option("--heads", help="Attention heads.",
+                                           rich_help_panel="Model shape")]
+KvHeads = Annotated[int | None, typer.Option("--kv-heads", help="Key/value heads (GQA).",
+                                             rich_help_panel="Model shape")]
+Ffn = Annotated[int | None, typer.Option("--ffn", help="MLP inner size.",
+                                         rich_help_panel="Model shape")]
+Vocab = Annotated[int | None, typer.Option("--vocab", help="Vocabulary size.",
+                                           rich_help_panel="Model shape")]
+Set = Annotated[list[str] | None, typer.Option(
+    "--set", metavar="KEY=VALUE", rich_help_panel="Model shape",
+    help="Any other shape option or factory keyword, e.g. --set experts=16 "
+         "(repeatable).")]
+
+
+def overrides(*, layers: int | None = None, hidden: int | None = None,
+              heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None,
+              vocab: int | None = None, settings: list[str] | None = None) -> dict[str, Any]:
+    """Shape overrides from the shape options and KEY=VALUE settings."""
+    out: dict[str, Any] = {k: v for k, v in dict(layers=layers, hidden=hidden, heads=heads,
+                                                 kv_heads=kv_heads, ffn=ffn,
+                                                 vocab=vocab).items() if v is not None}
+    for item in settings or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise PlannerError("bad-option", f"--set {item!r} must look like KEY=VALUE.")
+        parsed = yaml.safe_load(value) if value.strip() else ""
+        out[key.strip().replace("-", "_")] = tuple(parsed) if isinstance(parsed, list) else parsed
+    return out

@@ -1,0 +1,57 @@
+"""The one exception type library code raises for bad input or impossible requests.
+
+The CLI turns a `PlannerError` into a short message and a non-zero exit code;
+library users catch it and read `kind`, `message` and `remedies`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class PlannerError(Exception):
+    """An error a user can act on.
+
+    kind:     a short machine-readable category ("unknown-model", "bad-value",
+              "trace-failed", "infeasible", ...).
+    message:  one paragraph naming the field, device or stage at fault.
+    remedies: things to try, printed as a numbered list.
+    """
+
+    def __init__(self, kind: str, message: str, remedies: Sequence[str] = ()) -> None:
+        self.kind = kind
+        self.message = message
+        self.remedies = tuple(remedies)
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        if not self.remedies:
+            return self.message
+        fixes = "  ".join(f"{i}) {r}" for i, r in enumerate(self.remedies, 1))
+        return f"{self.message}\nTry: {fixes}"
+
+
+def closest(name: str, candidates: Sequence[str], n: int = 3) -> list[str]:
+    """The candidates closest to `name`, for "did you mean" messages."""
+    import difflib
+
+    lowered = {c.lower(): c for c in candidates}
+    hits = difflib.get_close_matches(name.lower(), list(lowered), n=n, cutoff=0.4)
+    prefix = [c for c in candidates if c.lower().startswith(name.lower()[:3])]
+    out = [lowered[h] for h in hits]
+    for c in prefix:
+        if c not in out and len(out) < n:
+            out.append(c)
+    return out
+
+
+def unknown_name_error(kind: str, what: str, name: str, candidates: Sequence[str],
+                       listing_command: str) -> PlannerError:
+    """A PlannerError for a name that is not in a registry, with suggestions."""
+    near = closest(name, candidates)
+    hint = f" Did you mean {', '.join(repr(c) for c in near)}?" if near else ""
+    return PlannerError(
+        kind,
+        f"Unknown {what} {name!r}.{hint}",
+        [f"run `{listing_command}` to list every {what}"],
+    )

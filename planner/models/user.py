@@ -1,0 +1,182 @@
+"""Models the user brings: a `package.module:factory` callable or a transformers config.
+
+A factory is called with the shape overrides as keyword arguments, on the meta
+device, and returns either a module or `(module, inputs)`, where
+`inputs(batch, seq_len, device)` returns the forward's positional inputs (a
+tuple of tensors). A module may instead define `example_batch(batch, seq_len,
+device) -> (inputs, targets)` and `loss(output, targets)`, like the zoo models.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.errors import PlannerError
+
+Example = Callable[[int, int | None, Any], tuple[tuple, dict, Any]]
+
+
+def _import_target(target: str) -> Callable[..., Any]:
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise PlannerError("bad-model", f"Model factory {target!r} must look like "
+                           "'package.module:function'.", ["check the spelling"])
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise PlannerError(
+            "bad-model", f"Could not import module {module_name!r} for model factory "
+            f"{target!r}: {type(exc).__name__}: {exc}",
+            ["run from the directory that contains the package, or install it",
+             "run again with --debug for the traceback"]) from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PlannerError("bad-model", f"Module {module_name!r} has no attribute "
+                               f"{attr!r} (model factory {target!r}).", ["check the spelling"])
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise PlannerError("bad-model", f"{target!r} is not callable; it must be a function "
+                           "or class that returns an nn.Module.")
+    return obj
+
+
+def load_factory(target: str, overrides: Mapping[str, Any], device: Any = "meta"
+                 ) -> tuple[nn.Module, Example, Callable | None]:
+    factory = _import_target(target)
+    try:
+        with torch.device(device):
+            made = factory(**overrides)
+    except Exception as exc:
+        raise PlannerError(
+            "bad-model", f"Model factory {target!r} raised {type(exc).__name__}: {exc}",
+            ["check the factory's keyword arguments (shape options are passed as keywords)",
+             "run again with --debug for the traceback"]) from exc
+    inputs = None
+    if isinstance(made, tuple) and len(made) == 2 and callable(made[1]):
+        made, inputs = made
+    if not isinstance(made, nn.Module):
+        raise PlannerError("bad-model", f"Model factory {target!r} returned "
+                           f"{type(made).__name__}, not a torch.nn.Module (or a "
+                           "(module, inputs) pair).", ["return the model from the factory"])
+    module = made.to(device) if torch.device(device).type == "meta" else made
+    loss = getattr(module, "loss", None) if callable(getattr(module, "loss", None)) else None
+    if inputs is not None:
+        def example(batch: int, seq_len: int | None, device: Any) -> tuple[tuple, dict, Any]:
+            args = inputs(batch, seq_len, device)
+            if isinstance(args, torch.Tensor):
+                args = (args,)
+            if isinstance(args, dict):
+                return (), args, None
+            return tuple(args), {}, None
+        return module, example, None
+    if callable(getattr(module, "example_batch", None)):
+        def example(batch: int, seq_len: int | None, device: Any) -> tuple[tuple, dict, Any]:
+            args, targets = module.example_batch(batch, seq_len, device)
+            return tuple(args), {}, targets
+        return module, example, loss
+    raise PlannerError(
+        "bad-model", f"Model factory {target!r} returned a module but no example inputs, so "
+        "it cannot be traced.",
+        ["return (module, inputs) where inputs(batch, seq_len, device) returns the "
+         "forward's input tensors", "or give the module an example_batch(batch, seq_len, "
+         "device) method returning (inputs, targets)"])
+
+
+_HF_NAMES = {"layers": "num_hidden_layers", "hidden": "hidden_size",
+             "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+             "ffn": "intermediate_size", "vocab": "vocab_size"}
+
+
+def hf_config(name: str, overrides: Mapping[str, Any]) -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise PlannerError("missing-dependency", f"Model {name!r} needs the transformers "
+                           "package, which is not installed.",
+                           ["pip install 'hetero-planner[hf]'"]) from exc
+    settings = {_HF_NAMES.get(k, k): v for k, v in overrides.items()}
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise PlannerError("bad-model", f"Config file {str(path)!r} does not exist.",
+                               ["check the path"])
+        try:
+            data = json.loads(path.read_text())
+            config = transformers.AutoConfig.for_model(**{**data, **settings})
+        except Exception as exc:
+            raise PlannerError("bad-model", f"Could not read transformers config "
+                               f"{str(path)!r}: {type(exc).__name__}: {exc}",
+                               ["check that it is a transformers config.json with a "
+                                "model_type"]) from exc
+    else:
+        cls_name = name.removeprefix("hf:")
+        cls = getattr(transformers, cls_name, None)
+        if cls is None or not isinstance(cls, type) or not cls_name.endswith("Config"):
+            raise PlannerError("bad-model", f"transformers has no config class {cls_name!r}.",
+                               ["name a config class such as hf:LlamaConfig, or pass a "
+                                "config.json path"])
+        try:
+            config = cls(**settings)
+        except Exception as exc:
+            raise PlannerError("bad-shape", f"transformers {cls_name} rejected the options "
+                               f"{settings}: {type(exc).__name__}: {exc}",
+                               ["change the shape options"]) from exc
+    return config
+
+
+def load_hf(name: str, overrides: Mapping[str, Any]
+            ) -> tuple[nn.Module, Example, Callable | None, Any]:
+    import transformers
+
+    config = hf_config(name, overrides)
+    auto = [transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM,
+            transformers.AutoModelForMaskedLM, transformers.AutoModelForImageClassification,
+            transformers.AutoModel]
+    model = None
+    for cls in auto:
+        if type(config) in cls._model_mapping:
+            with torch.device("meta"):
+                model = cls.from_config(config)
+            break
+    if model is None:
+        raise PlannerError("bad-model", f"transformers has no model for config "
+                           f"{type(config).__name__}.")
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    import inspect
+
+    takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+    vocab = getattr(config, "vocab_size", None)
+    vision = getattr(config, "image_size", None) and not vocab
+    seq2seq = getattr(config, "is_encoder_decoder", False)
+
+    def example(batch: int, seq_len: int | None, device: Any) -> tuple[tuple, dict, Any]:
+        if vision:
+            size, channels = config.image_size, getattr(config, "num_channels", 3)
+            return (torch.zeros(batch, channels, size, size, device=device),), {}, None
+        ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+        kwargs = {"decoder_input_ids": ids} if seq2seq else {}
+        if takes_cache:
+            kwargs["use_cache"] = False
+        return (ids,), kwargs, ids
+
+    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        logits = output[0] if isinstance(output, (tuple, list)) else output.logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    return model, example, (None if vision else loss), config

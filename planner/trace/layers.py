@@ -1,0 +1,236 @@
+"""Coarsen recorded ops into the ordered layers a pipeline splits on.
+
+Blocks are found from the module tree: the children of the outermost
+ModuleList/Sequential/ModuleDict whose majority class repeats (transformer
+layers, residual blocks; ResNet's four stages contribute all their blocks).
+Ops outside every block form the embedding layer (before the first block),
+the head (after the last) and glue layers (real work between two runs of
+blocks, e.g. an encoder's final norm and the decoder's embedding).
+
+Boundaries: the bytes crossing the cut after layer i are the data tensors made
+at or before layer i and read after it. Model inputs (token ids, images,
+targets) are available to every stage and never cross; neither do tensors
+computed from parameters and constants alone (rotary tables, masks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from planner.errors import PlannerError
+from planner.trace.blocks import block_units, unit_of
+from planner.trace.capture import Capture, NodeRecord
+from planner.types import Kernel, Layer, LayerKind, OpClass
+
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
+               "n_head", "n_heads", "n_kv_heads")
+_HEAVY = (OpClass.MATMUL, OpClass.CONV, OpClass.ATTENTION)
+
+
+@dataclass
+class _Group:
+    kind: LayerKind
+    unit: str | None
+    records: list[NodeRecord] = field(default_factory=list)
+
+    def substantial(self) -> bool:
+        return any(r.params or any(c.flops for c in r.costs) for r in self.records)
+
+
+def group_records(capture: Capture) -> list[_Group]:
+    """Records split into ordered layer groups."""
+    units = block_units(capture.modules)
+    unit_set = set(units)
+    groups: list[_Group] = []
+    pending: list[NodeRecord] = []
+    seen_units: set[str] = set()
+    for record in capture.records:
+        unit = unit_of(record.module, unit_set)
+        if record.op in ("placeholder", "output", "get_attr") or unit is None:
+            pending.append(record)
+            continue
+        if groups and groups[-1].unit == unit:
+            groups[-1].records.extend(pending)
+            pending = []
+            groups[-1].records.append(record)
+            continue
+        if unit in seen_units:
+            raise PlannerError(
+                "trace-failed",
+                f"Block {unit!r} runs more than once, interleaved with other blocks (shared "
+                f"weights?); a pipeline needs each block to run once, in order.",
+                ["give each repeated use its own module", "trace a model without weight "
+                 "sharing across layers"])
+        seen_units.add(unit)
+        if not groups:
+            groups.append(_Group(LayerKind.EMBEDDING, None, pending))
+        else:
+            glue = _Group(LayerKind.GLUE, None, pending)
+            if glue.substantial():
+                groups.append(glue)
+            else:
+                groups[-1].records.extend(pending)
+        pending = []
+        groups.append(_Group(LayerKind.BLOCK, unit, [record]))
+    groups.append(_Group(LayerKind.HEAD, None, pending))
+    if len(groups) > 1 and not groups[-1].substantial():
+        groups[-2].records.extend(groups.pop().records)
+    if len(groups) > 1 and not groups[0].substantial():
+        first = groups.pop(0)
+        groups[0].records[:0] = first.records
+    return groups
+
+
+def _boundaries(groups: list[_Group]) -> tuple[list[float], float]:
+    """Bytes crossing the cut after each layer; bytes of model inputs read by layer 0."""
+    producer: dict[int, tuple[int, int]] = {}  # key -> (layer, bytes)
+    inputs: set[int] = set()
+    last_use: dict[int, int] = {}
+    for i, group in enumerate(groups):
+        for r in group.records:
+            for key in r.in_keys:
+                last_use[key] = max(last_use.get(key, i), i)
+            if r.op == "placeholder":
+                inputs.update(r.out_keys)
+            for key, size in r.out_keys.items():
+                producer.setdefault(key, (i, size))
+    crossing = [0.0] * len(groups)
+    for key, (made, size) in producer.items():
+        if key in inputs:
+            continue
+        for cut in range(made, last_use.get(key, made)):
+            crossing[cut] += size
+    first_inputs = sum(producer[k][1] for k in inputs
+                       if any(k in r.in_keys for r in groups[0].records))
+    return crossing, first_inputs
+
+
+def _kernels(records: list[NodeRecord], batch: int) -> tuple[Kernel, ...]:
+    acc: dict[tuple, list[float]] = {}
+    for r in records:
+        for c in r.costs:
+            gemm = (c.gemm[0] / batch, c.gemm[1], c.gemm[2]) if c.gemm else None
+            entry = acc.setdefault((c.op_class, gemm), [0, 0.0, 0.0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += c.flops / batch
+            entry[2] += c.bwd_flops / batch
+            entry[3] += c.bytes / batch
+            entry[4] += c.bytes_fixed
+    return tuple(
+        Kernel(op_class=cls, count=int(v[0]), flops=v[1], bwd_flops=v[2], bytes=v[3],
+               bytes_fixed=v[4], gemm=gemm)
+        for (cls, gemm), v in acc.items() if cls is not OpClass.RESHAPE or v[3])
+
+
+def _tp_comm_bytes(group: _Group, fixed_or_input: set[str]) -> float:
+    """Bytes a Megatron-style tensor-parallel forward all-reduces: one output per
+    residual add fed by a matmul branch (row-parallel projection), plus the
+    vocabulary-parallel embedding lookup."""
+    names = {r.name for r in group.records}
+    residual: dict[str, bool] = {}
+    total = 0.0
+    for r in group.records:
+        data_inputs = [i for i in r.inputs if i not in fixed_or_input]
+        from_residual = [i not in names or residual.get(i, False) for i in data_inputs]
+        residual[r.name] = r.op_class not in _HEAVY and any(from_residual)
+        if r.is_add and any(from_residual) and not all(from_residual):
+            total += r.out_bytes
+        if r.op_class is OpClass.EMBEDDING and not r.fixed and group.kind is LayerKind.EMBEDDING:
+            total += r.out_bytes
+    return total
+
+
+def _tp_divisor(group: _Group, capture: Capture, vocab_sizes: set[int]) -> int:
+    divisor = 0
+    modules = {r.module for r in group.records}
+    for path in modules:
+        module = capture.modules.get(path)
+        for owner in (module, getattr(module, "config", None)):
+            for attr in _HEAD_ATTRS:
+                value = getattr(owner, attr, None)
+                if isinstance(value, int) and value > 0:
+                    divisor = math.gcd(divisor, value)
+    for r in group.records:
+        for c in r.costs:
+            if c.gemm and c.bytes_fixed and c.gemm[2] not in vocab_sizes:
+                divisor = math.gcd(divisor, c.gemm[2])
+    return divisor
+
+
+def _signature(group: _Group, kind: LayerKind, capture: Capture) -> str:
+    unit = group.unit or ""
+
+    def relative(path: str) -> str:
+        return "" if path == unit else path.removeprefix(f"{unit}.") if unit else path
+
+    parts: list[object] = [kind.value, type(capture.modules.get(unit)).__name__]
+    for r in group.records:
+        parts.append((r.op, relative(r.target), relative(r.module), r.op_class.value, r.shape,
+                      r.dtype))
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:12]
+
+
+def _module_roots(records: list[NodeRecord], modules: dict[str, nn.Module]) -> tuple[str, ...]:
+    paths: list[str] = []
+    for r in records:
+        if r.module and r.module in modules and r.module not in paths:
+            paths.append(r.module)
+    roots = [p for p in paths if not any(p.startswith(f"{q}.") for q in paths)]
+    return tuple(roots)
+
+
+def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
+    """The ordered layers and, for each record name, the index of its layer."""
+    groups = group_records(capture)
+    batch = capture.batch
+    crossing, first_inputs = _boundaries(groups)
+    owner: dict[str, int] = {}
+    for i, group in enumerate(groups):
+        for r in group.records:
+            for name in r.params:
+                owner.setdefault(name, i)
+    units = {g.unit: i for i, g in enumerate(groups) if g.unit}
+    for name in [*capture.params, *capture.buffers]:
+        if name not in owner:
+            unit = unit_of(name.rpartition(".")[0], set(units))
+            owner[name] = units[unit] if unit else len(groups) - 1
+    fixed_or_input = {r.name for r in capture.records if r.fixed or r.op == "placeholder"}
+    vocab = {m.num_embeddings for m in capture.modules.values() if isinstance(m, nn.Embedding)}
+    glue_count = sum(g.kind is LayerKind.GLUE for g in groups)
+    layers, node_layer, glue_seen = [], {}, 0
+    for i, group in enumerate(groups):
+        kind = group.kind
+        if kind is LayerKind.GLUE:
+            glue_seen += 1
+        name = group.unit or (f"glue{glue_seen}" if kind is LayerKind.GLUE and glue_count > 1
+                              else kind.value)
+        saved_by_class: dict[str, float] = defaultdict(float)
+        for r in group.records:
+            node_layer[r.name] = i
+            for size in r.saved.values():
+                saved_by_class[r.op_class.value] += size / batch
+        owned = [n for n, o in owner.items() if o == i]
+        kernels = _kernels(group.records, batch)
+        layers.append(Layer(
+            index=i, name=name, kind=kind,
+            modules=(group.unit,) if group.unit else _module_roots(group.records, capture.modules),
+            params=sum(capture.params[n][0] for n in owned if n in capture.params),
+            param_bytes=sum(capture.params[n][1] for n in owned if n in capture.params),
+            buffer_bytes=sum(capture.buffers[n] for n in owned if n in capture.buffers),
+            fwd_flops=sum(k.flops for k in kernels),
+            bwd_flops=sum(k.bwd_flops for k in kernels),
+            activation_bytes=sum(saved_by_class.values()),
+            saved_by_class=dict(saved_by_class),
+            input_bytes=(crossing[i - 1] if i else first_inputs) / batch,
+            output_bytes=crossing[i] / batch if i < len(groups) - 1 else 0.0,
+            tp_comm_bytes=_tp_comm_bytes(group, fixed_or_input) / batch,
+            tp_divisor=_tp_divisor(group, capture, vocab),
+            kernels=kernels,
+            signature=_signature(group, kind, capture),
+        ))
+    return tuple(layers), node_layer

@@ -1,0 +1,177 @@
+"""The data model every pass speaks: frozen, keyword-only value objects.
+
+Units are SI everywhere: seconds, bytes, FLOP, FLOP/s, bytes/s. Human units are
+parsed only at the file/CLI boundary (`planner.units`).
+
+Model side (this module): `ModelSpec` names a model, `Kernel` and `Layer`
+describe the traced costs, `ModelGraph` holds the op graph and its layers.
+Per-sample quantities scale linearly with the micro-batch size; quantities
+named `*_fixed` (weights read by a kernel) do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+SCHEMA_VERSION = 1
+
+
+class OpClass(str, Enum):
+    """What kind of work an op does; the cost model picks an efficiency by class."""
+
+    MATMUL = "matmul"
+    CONV = "conv"
+    ATTENTION = "attention"
+    NORM = "norm"
+    ELEMENTWISE = "elementwise"
+    EMBEDDING = "embedding"
+    REDUCTION = "reduction"
+    POOLING = "pooling"
+    RESHAPE = "reshape"  # comm-free view/layout change: no FLOPs, usually no traffic
+    OTHER = "other"
+
+
+class LayerKind(str, Enum):
+    EMBEDDING = "embedding"  # everything before the first repeated block
+    BLOCK = "block"  # one repeated block (transformer layer, residual block)
+    GLUE = "glue"  # work between two runs of blocks (e.g. encoder -> decoder)
+    HEAD = "head"  # everything after the last block
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """How the user named a model; enough to rebuild it anywhere.
+
+    source: "zoo" (a built-in flavor), "factory" (`package.module:callable`) or
+            "hf" (a transformers config: a config.json path or a config class).
+    overrides: shape overrides (zoo, hf) or keyword arguments (factory).
+    """
+
+    source: str
+    name: str
+    overrides: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def describe(self) -> str:
+        extra = ", ".join(f"{k}={v}" for k, v in sorted(self.overrides.items()))
+        return f"{self.name} ({extra})" if extra else self.name
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kernel:
+    """Identical ops of one layer, aggregated, for the roofline cost model.
+
+    count:        how many such ops the layer runs per forward pass.
+    flops:        forward FLOPs per sample, all `count` ops together.
+    bwd_flops:    backward FLOPs per sample, all ops together.
+    bytes:        activation bytes read and written per sample (forward).
+    bytes_fixed:  bytes read once per micro-batch whatever its size (weights).
+    gemm:         (m_per_sample, k, n) of one matmul-like op, so efficiency can
+                  depend on problem size; None for other classes.
+    """
+
+    op_class: OpClass
+    count: int
+    flops: float
+    bwd_flops: float
+    bytes: float
+    bytes_fixed: float
+    gemm: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layer:
+    """One unit the pipeline splits on, with per-sample costs.
+
+    params / param_bytes:  parameters this layer owns (tied weights count once,
+                           in the first layer that uses them).
+    fwd_flops / bwd_flops: per sample.
+    activation_bytes:      bytes saved for backward per sample (no recompute),
+                           each tensor counted once; attention saves what a
+                           fused (flash) kernel saves.
+    saved_by_class:        activation_bytes split by the op class that saved them
+                           (selective recompute drops the cheap classes).
+    input_bytes:           per-sample bytes of the tensors entering this layer
+                           from earlier layers (kept under full recompute).
+    output_bytes:          per-sample bytes of the tensors crossing the boundary
+                           after this layer (sent to the next pipeline stage).
+    tp_comm_bytes:         per-sample bytes a tensor-parallel (Megatron-style)
+                           forward pass all-reduces; backward the same.
+    tp_divisor:            tensor-parallel degrees must divide this (heads, widths).
+    signature:             equal for identical repeated layers.
+    """
+
+    index: int
+    name: str
+    kind: LayerKind
+    modules: tuple[str, ...]
+    params: int
+    param_bytes: int
+    buffer_bytes: int
+    fwd_flops: float
+    bwd_flops: float
+    activation_bytes: float
+    saved_by_class: Mapping[str, float] = field(hash=False)
+    input_bytes: float
+    output_bytes: float
+    tp_comm_bytes: float
+    tp_divisor: int
+    kernels: tuple[Kernel, ...]
+    signature: str
+
+    @property
+    def flops(self) -> float:
+        """Forward plus backward FLOPs per sample."""
+        return self.fwd_flops + self.bwd_flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelGraph:
+    """A traced model: the op graph and the ordered layers built from it.
+
+    The graph's node attributes are for the traced batch (`batch` samples);
+    the layers' figures are per sample.
+    """
+
+    spec: ModelSpec
+    family: str
+    batch: int
+    seq_len: int | None
+    dtype: str
+    tracer: str  # "fx" or "export"
+    layers: tuple[Layer, ...]
+    graph: nx.DiGraph = field(compare=False, hash=False, repr=False)
+    config: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def fwd_flops(self) -> float:
+        """Forward FLOPs per sample."""
+        return sum(layer.fwd_flops for layer in self.layers)
+
+    @property
+    def bwd_flops(self) -> float:
+        return sum(layer.bwd_flops for layer in self.layers)
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self.seq_len
+
+    def repeated_groups(self) -> dict[str, list[int]]:
+        """Layer indices grouped by signature, for groups of two or more."""
+        groups: dict[str, list[int]] = {}
+        for layer in self.layers:
+            groups.setdefault(layer.signature, []).append(layer.index)
+        return {sig: idx for sig, idx in groups.items() if len(idx) > 1}

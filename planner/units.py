@@ -1,0 +1,131 @@
+"""Human units at the file/CLI boundary: parse "100Gbps", "25 GB/s", "80GiB", "5us";
+format SI values back for people. Inside the planner everything is SI (bytes,
+seconds, bytes/s, FLOP/s).
+"""
+
+from __future__ import annotations
+
+import re
+
+from planner.errors import PlannerError
+
+_NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_BINARY = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50}
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60.0}
+
+_BYTES_RE = re.compile(
+    rf"^\s*{_NUMBER}\s*(?P<prefix>Ki|Mi|Gi|Ti|Pi|[kKMGTP]?)(?P<unit>B|bytes?)?\s*$")
+_RATE_RE = re.compile(
+    rf"^\s*{_NUMBER}\s*(?P<prefix>Ki|Mi|Gi|Ti|Pi|[kKMGTP]?)(?P<unit>B/s|Bps|bps|bit/s|b/s)\s*$")
+_TIME_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>s|ms|us|µs|ns|min)?\s*$")
+_FLOPS_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<prefix>[kKMGTP]?)(?:FLOP/s|FLOPS|flops|flop/s)?\s*$")
+
+
+def _bad(what: str, text: object, examples: str, field: str | None) -> PlannerError:
+    where = f" for {field}" if field else ""
+    return PlannerError("bad-unit", f"Cannot read {text!r}{where} as {what}; write it like "
+                        f"{examples}.")
+
+
+def _scale(prefix: str) -> float:
+    return _BINARY.get(prefix) or _PREFIX[prefix]
+
+
+def parse_bytes(text: str | float | int, field: str | None = None) -> float:
+    """'80GiB' -> 85899345920.0; '40 GB' -> 4e10; plain numbers are bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = _BYTES_RE.match(str(text))
+        if not m:
+            raise _bad("a size", text, "'80GiB', '40 GB' or '512MiB'", field)
+        value = float(m["num"]) * _scale(m["prefix"])
+    if value < 0:
+        raise PlannerError("bad-value", f"{field or 'size'} must not be negative (got {text}).")
+    return value
+
+
+def parse_bandwidth(text: str | float | int, field: str | None = None) -> float:
+    """'100Gbps' -> 1.25e10 bytes/s; '25 GB/s' -> 2.5e10; plain numbers are bytes/s."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = _RATE_RE.match(str(text))
+        if not m:
+            raise _bad("a bandwidth", text, "'100Gbps', '25 GB/s' or '600GB/s'", field)
+        bits = m["unit"] in ("bps", "bit/s", "b/s")
+        value = float(m["num"]) * _scale(m["prefix"]) / (8.0 if bits else 1.0)
+    if value <= 0:
+        raise PlannerError("bad-value", f"{field or 'bandwidth'} must be positive (got {text}).")
+    return value
+
+
+def parse_duration(text: str | float | int, field: str | None = None) -> float:
+    """'5us' -> 5e-6 s; plain numbers are seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = _TIME_RE.match(str(text))
+        if not m:
+            raise _bad("a duration", text, "'5us', '1.5ms' or '0.002s'", field)
+        value = float(m["num"]) * _TIME[m["unit"] or "s"]
+    if value < 0:
+        raise PlannerError("bad-value", f"{field or 'duration'} must not be negative (got {text}).")
+    return value
+
+
+def parse_flops(text: str | float | int, field: str | None = None) -> float:
+    """'312 TFLOPS' -> 3.12e14 FLOP/s; plain numbers are FLOP/s."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = _FLOPS_RE.match(str(text))
+        if not m:
+            raise _bad("a compute rate", text, "'312 TFLOPS' or '19.5TFLOP/s'", field)
+        value = float(m["num"]) * _PREFIX[m["prefix"]]
+    if value <= 0:
+        raise PlannerError("bad-value", f"{field or 'compute rate'} must be positive "
+                           f"(got {text}).")
+    return value
+
+
+def _si(value: float, unit: str, base: float = 1000.0, prefixes: str = " kMGTPE") -> str:
+    for i, p in enumerate(prefixes):
+        if abs(value) < base ** (i + 1) or i == len(prefixes) - 1:
+            scaled = value / base**i
+            prefix = p.strip()
+            return f"{scaled:.3g} {prefix}{unit}"
+    return f"{value:g} {unit}"
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary prefixes: 1.5 GiB."""
+    for unit, scale in (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_flops(n: float) -> str:
+    return _si(n, "FLOP")
+
+
+def fmt_rate(n: float) -> str:
+    return _si(n, "B/s")
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def fmt_count(n: float) -> str:
+    """Parameter counts: 70.6B, 355M."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"

@@ -1,0 +1,126 @@
+"""`planner models` and `planner trace` through typer's CliRunner, bad input included."""
+
+import json
+import shutil
+import subprocess
+
+import networkx as nx
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_version_and_help():
+    assert run("--version").stdout.startswith("planner ")
+    result = run("trace", "--help")
+    assert result.exit_code == 0 and "--seq-len" in result.stdout
+
+
+def test_models_lists_the_zoo_with_counts():
+    result = run("models", "--json")
+    assert result.exit_code == 0
+    rows = {r["name"]: r for r in json.loads(result.stdout)}
+    assert rows["llama3-70b"]["params"] == 70_553_706_496
+    assert {"gpt2-small", "gpt3-175b", "opt-350m", "bert-large", "t5-base", "vit-h",
+            "resnet152", "mixtral-8x7b", "mlp", "llama3-405b"} <= set(rows)
+    table = run("models", "--family", "llama")
+    assert "llama3-8b" in table.stdout and "gpt2" not in table.stdout
+
+
+def test_trace_table():
+    result = run("trace", "gpt-tiny")
+    assert result.exit_code == 0, result.output
+    assert "layers.0" in result.stdout and "6·N·T check" in result.stdout
+    assert "4 blocks" in result.stdout
+
+
+def test_trace_json():
+    result = run("trace", "gpt-tiny", "--json", "--batch", "2", "--seq-len", "32")
+    data = json.loads(result.stdout)
+    assert data["schema_version"] == 1 and data["blocks"] == 4
+    assert data["batch"] == 2 and data["seq_len"] == 32
+    assert data["layers"][1]["output_bytes"] == 32 * 128 * 2
+    assert data["flop_check"]["ratio"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_shape_options_and_set():
+    result = run("trace", "llama2-7b", "--layers", "2", "--hidden", "256", "--heads", "4",
+                 "--ffn", "512", "--vocab", "1000", "--set", "kv_heads=2", "--json")
+    data = json.loads(result.stdout)
+    assert data["blocks"] == 2 and data["config"]["kv_heads"] == 2
+
+
+def test_user_factory(tmp_path):
+    result = run("trace", "tests.factories:mlp", "--set", "depth=5", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["blocks"] == 5
+
+
+@pytest.mark.parametrize("suffix", [".json", ".graphml", ".dot"])
+def test_graph_files(tmp_path, suffix):
+    path = tmp_path / f"g{suffix}"
+    assert run("trace", "gpt-tiny", "--graph", str(path)).exit_code == 0
+    if suffix == ".json":
+        data = json.loads(path.read_text())
+        graph = nx.node_link_graph(data["graph"], edges="edges")
+        assert data["schema_version"] == 1 and graph.number_of_nodes() > 50
+        assert {d["layer"] for _, d in graph.nodes(data=True)} == set(range(6))
+    elif suffix == ".graphml":
+        graph = nx.read_graphml(path)
+        assert graph.number_of_nodes() > 50
+    elif shutil.which("dot"):
+        done = subprocess.run(["dot", "-Tsvg", str(path)], capture_output=True, check=False)
+        assert done.returncode == 0 and b"<svg" in done.stdout
+    else:
+        pytest.skip("graphviz is not installed")
+
+
+def test_graph_file_is_not_overwritten(tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text("mine")
+    result = run("trace", "gpt-tiny", "--graph", str(path))
+    assert result.exit_code == 1 and "already exists" in result.stderr
+    assert path.read_text() == "mine"
+    assert run("trace", "gpt-tiny", "--graph", str(path), "--force").exit_code == 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["llama-70b"], "Did you mean"),
+    (["gpt2-small", "--seq-len", "-3"], "--seq-len must be positive"),
+    (["gpt2-small", "--batch", "0"], "--batch must be positive"),
+    (["gpt2-small", "--heads", "7"], "heads (7) must divide hidden (768)"),
+    (["gpt2-small", "--layers", "0"], "layers must be positive"),
+    (["gpt2-small", "--dtype", "int3"], "Unknown dtype"),
+    (["gpt2-small", "--graph", "g.xyz"], "Cannot tell the graph format"),
+    (["resnet50", "--seq-len", "64"], "no sequence length"),
+    (["tests.factories:missing"], "has no attribute 'missing'"),
+    (["nosuchpkg.models:build"], "Could not import module 'nosuchpkg.models'"),
+    (["tests.factories:raises"], "raised ValueError: no such checkpoint shape"),
+    (["tests.factories:not_a_module"], "returned dict, not a torch.nn.Module"),
+    (["tests.factories:module_only"], "no example inputs"),
+    (["tests.factories:branchy"], "Could not trace model"),
+    (["gpt2-small", "--set", "oops"], "must look like KEY=VALUE"),
+])
+def test_bad_input_is_one_clear_message(args, needle, tmp_path, monkeypatch):
+    result = run("trace", *args)
+    assert result.exit_code == 1, result.output
+    assert needle in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_untraceable_model_names_the_module():
+    result = run("trace", "tests.factories:branchy")
+    assert "in module" in result.stderr and "gate" not in result.stdout
+
+
+def test_debug_shows_the_traceback():
+    result = run("--debug", "trace", "nosuch-model")
+    assert result.exit_code != 0
+    assert result.exception is not None

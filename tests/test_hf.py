@@ -1,0 +1,43 @@
+"""transformers configs are built on meta and traced with torch.export (non-strict)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from planner.errors import PlannerError
+from planner.models import model_spec
+from planner.trace import trace_model
+from planner.trace.summary import count_blocks, flop_check
+
+SMALL = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2, "ffn": 256, "vocab": 500}
+
+
+def test_config_class_with_overrides():
+    g = trace_model(model_spec("hf:LlamaConfig", SMALL), seq_len=64)
+    assert g.tracer == "export"
+    assert count_blocks(g) == 2
+    assert [layer.name for layer in g.layers[1:3]] == ["model.layers.0", "model.layers.1"]
+    assert g.layers[1].signature == g.layers[2].signature
+    assert g.layers[1].tp_divisor == 2  # the key/value heads
+    assert flop_check(g).ratio == pytest.approx(1.0, abs=0.01)
+
+
+def test_config_json_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_layer": 3, "n_embd": 64,
+                                "n_head": 2, "vocab_size": 300}))
+    g = trace_model(model_spec(str(path)), seq_len=32)
+    assert count_blocks(g) == 3
+    assert g.params == sum(layer.params for layer in g.layers)
+
+
+def test_unknown_config_class():
+    with pytest.raises(PlannerError, match="no config class 'NopeConfig'"):
+        trace_model(model_spec("hf:NopeConfig"))
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(PlannerError, match="does not exist"):
+        trace_model(model_spec(str(tmp_path / "missing.json")))

@@ -1,0 +1,204 @@
+"""FLOPs, bytes and saved activations of traced ops against closed-form formulas."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.models import model_spec
+from planner.trace import trace_model, trace_module
+from planner.types import OpClass
+
+
+def kernels(graph, op_class):
+    return [k for layer in graph.layers for k in layer.kernels if k.op_class is op_class]
+
+
+class Wrap(nn.Module):
+    """Wraps a module in a one-block ModuleList so it forms one layer."""
+
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_linear_flops_and_bytes():
+    b, s, i, o = 2, 8, 64, 32
+    g = trace_module(Wrap(nn.Linear(i, o), nn.Linear(o, o)), (torch.zeros(b, s, i),))
+    first = g.layers[0].kernels
+    (mm,) = [k for k in first if k.op_class is OpClass.MATMUL]
+    assert mm.flops == 2 * s * i * o  # per sample
+    assert mm.gemm == (s, i, o)
+    assert mm.bytes == 4 * (s * i + s * o)  # fp32 input read + output written
+    assert mm.bytes_fixed == 4 * (i * o + o)  # weight and bias, once per micro-batch
+    # The input needs no gradient, so only the weight gradient is computed...
+    assert mm.bwd_flops == mm.flops
+    # ...while the second linear also back-propagates into its input.
+    (mm2,) = [k for k in g.layers[1].kernels if k.op_class is OpClass.MATMUL]
+    assert mm2.bwd_flops == 2 * mm2.flops
+
+
+class Attn(nn.Module):
+    def __init__(self, heads: int, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(heads * dim, 3 * heads * dim)
+        self.heads, self.dim = heads, dim
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.proj(x).view(b, s, 3, self.heads, self.dim).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_is_a_fused_kernel():
+    b, s, h, d = 2, 16, 4, 8
+    g = trace_module(Wrap(Attn(h, d)), (torch.zeros(b, s, h * d),), dtype="bf16")
+    (att,) = kernels(g, OpClass.ATTENTION)
+    assert att.flops == 4 * h * s * s * d  # QK^T and AV, per sample
+    assert att.bwd_flops == 2.5 * att.flops  # flash backward recomputes QK^T
+    assert att.bytes == 4 * h * s * d * 2  # q, k, v read, out written (bf16)
+    # flash attention keeps q, k, v (one projection output here), out and the
+    # fp32 log-sum-exp: never the s x s scores.
+    saved = g.layers[0].saved_by_class[OpClass.ATTENTION.value]
+    assert saved == 3 * h * s * d * 2 + h * s * d * 2 + h * s * 4
+
+
+def test_conv_flops_and_gradients():
+    b, c, o, k, hw = 3, 3, 8, 3, 16
+    g = trace_module(Wrap(nn.Conv2d(c, o, k, padding=1), nn.Conv2d(o, o, k, padding=1)),
+                     (torch.zeros(b, c, hw, hw),))
+    first, second = (next(x for x in layer.kernels if x.op_class is OpClass.CONV)
+                     for layer in g.layers)
+    assert first.flops == 2 * hw * hw * o * c * k * k
+    assert first.gemm == (hw * hw, c * k * k, o)
+    assert first.bwd_flops == first.flops  # images need no gradient
+    assert second.bwd_flops == 2 * second.flops
+
+
+def test_transformer_block_matches_closed_form():
+    """A pre-norm GPT block: 24 s h^2 + 4 s^2 h forward FLOPs, and the 34 s h bytes
+    of saved activations of Korthikanti et al. (2022) without dropout masks (flash
+    attention keeps no s^2 scores), plus the fp32 norm statistics and log-sum-exp."""
+    s, h, heads = 64, 128, 4
+    g = trace_model(model_spec("gpt-tiny"), seq_len=s)
+    block = g.layers[1]
+    assert block.fwd_flops == 24 * s * h * h + 4 * s * s * h
+    matmul = sum(k.flops for k in block.kernels if k.op_class is OpClass.MATMUL)
+    attention = sum(k.flops for k in block.kernels if k.op_class is OpClass.ATTENTION)
+    assert block.bwd_flops == 2 * matmul + 2.5 * attention
+    assert block.activation_bytes == 34 * s * h + 2 * 2 * s * 4 + heads * s * 4
+    assert block.params == 12 * h * h + 13 * h
+    assert block.output_bytes == s * h * 2  # the bf16 hidden state
+    assert block.tp_comm_bytes == 2 * s * h * 2  # two row-parallel all-reduces
+    assert block.tp_divisor == heads
+
+
+def test_layers_of_a_decoder():
+    g = trace_model(model_spec("gpt-tiny"))
+    assert [layer.kind.value for layer in g.layers] == ["embedding"] + ["block"] * 4 + ["head"]
+    assert [layer.name for layer in g.layers[1:5]] == [f"layers.{i}" for i in range(4)]
+    assert len({layer.signature for layer in g.layers[1:5]}) == 1
+    assert g.repeated_groups() == {g.layers[1].signature: [1, 2, 3, 4]}
+    assert sum(layer.params for layer in g.layers) == 867_072
+    # tied embeddings: the table belongs to the embedding layer, the head reuses it
+    assert g.layers[0].params == 512 * 128 + 64 * 128
+    assert g.layers[-1].params == 2 * 128
+
+
+def test_encoder_decoder_has_glue_and_wider_boundaries():
+    g = trace_model(model_spec("t5-base", {"layers": 2, "hidden": 64, "heads": 2,
+                                           "head_dim": 32, "ffn": 128, "vocab": 100}),
+                    seq_len=32)
+    kinds = [layer.kind.value for layer in g.layers]
+    assert kinds == ["embedding", "block", "block", "glue", "block", "block", "head"]
+    hidden = 32 * 64 * 2
+    # decoder blocks receive the encoder output as well as their own hidden state
+    assert [layer.output_bytes for layer in g.layers[:-1]] == [
+        hidden, hidden, hidden, 2 * hidden, 2 * hidden, hidden]
+
+
+def test_resnet_blocks_and_stem():
+    g = trace_model(model_spec("resnet50"))
+    assert len(g.layers) == 18
+    assert g.layers[0].kind.value == "embedding" and g.layers[-1].kind.value == "head"
+    assert g.layers[1].output_bytes == 256 * 56 * 56 * 2
+
+
+class Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x, skip=None):
+        y = self.linear(x)
+        return y if skip is None else y + skip
+
+
+class Skip(nn.Module):
+    """Block 0's output is read again by block 2: it crosses two boundaries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Mix() for _ in range(3))
+
+    def forward(self, x):
+        a = self.blocks[0](x)
+        b = self.blocks[1](a)
+        return self.blocks[2](b, a)
+
+
+def test_boundaries_count_skip_connections():
+    g = trace_module(Skip(), (torch.zeros(4, 16),))
+    assert [layer.output_bytes for layer in g.layers] == [16 * 4, 2 * 16 * 4, 0]
+
+
+def test_plain_sequential_user_model():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 4))
+    g = trace_module(model, (torch.zeros(2, 8),))
+    assert len(g.layers) == 3
+    assert sum(layer.params for layer in g.layers) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("gpt-tiny", {}),
+    ("t5-base", {"layers": 2, "hidden": 64, "heads": 2, "head_dim": 32, "ffn": 128,
+                 "vocab": 100}),
+    ("mixtral-8x7b", {"layers": 3, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96,
+                      "vocab": 100}),
+    ("resnet50", {"blocks": (2, 2, 1, 1), "width": 8}),
+])
+def test_copying_repeated_blocks_equals_replaying_them(name, overrides):
+    from planner.models import load_model
+    from planner.trace import trace_loaded
+
+    seq = 16 if name != "resnet50" else None
+    fast = trace_loaded(load_model(model_spec(name, overrides), seq_len=seq))
+    slow = trace_loaded(load_model(model_spec(name, overrides), seq_len=seq), reuse=False)
+    assert fast.layers == slow.layers
+    assert fast.graph.number_of_nodes() == slow.graph.number_of_nodes()
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("gpt2-small", {}), ("llama2-7b", {"layers": 2}), ("opt-350m", {"layers": 2}),
+    ("bert-large", {"layers": 2}), ("vit-l", {})])
+def test_training_flops_follow_six_n_t(name, overrides):
+    from planner.trace.summary import flop_check
+
+    check = flop_check(trace_model(model_spec(name, overrides)))
+    assert check is not None
+    assert check.ratio == pytest.approx(1.0, abs=0.006)
+
+
+def test_llama3_70b_traces_with_80_blocks():
+    from planner.trace.summary import count_blocks
+
+    g = trace_model(model_spec("llama3-70b"), seq_len=4096)
+    assert count_blocks(g) == 80
+    assert g.params == 70_553_706_496
+    assert len(g.repeated_groups()) == 1
