@@ -1,4 +1,4 @@
-"""The data model every pass speaks: frozen, keyword-only value objects.
+"""Model side of the data model: what tracing produces.
 
 Units are SI everywhere: seconds, bytes, FLOP, FLOP/s, bytes/s. Human units are
 parsed only at the file/CLI boundary (`planner.units`).

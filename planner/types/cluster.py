@@ -1,0 +1,139 @@
+"""Cluster side of the data model: devices, links, nodes, groups, measurements.
+
+Bandwidths are bytes/s per direction, what one device (or one node's network
+interface) can send; latencies are seconds; memory is bytes; compute is dense
+FLOP/s per dtype name ("fp32", "tf32", "bf16", "fp16").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from planner.errors import PlannerError
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    name: str
+    bandwidth: float
+    latency: float
+
+    def slowest(self, *others: LinkSpec | None) -> LinkSpec:
+        """The link a transfer over all of these links sees: the lowest bandwidth and
+        the highest latency (a mixed group is limited by its slowest link)."""
+        links = [self, *(o for o in others if o is not None)]
+        if len(links) == 1:
+            return self
+        bottleneck = min(links, key=lambda link: link.bandwidth)
+        return LinkSpec(name=bottleneck.name, bandwidth=bottleneck.bandwidth,
+                        latency=max(link.latency for link in links))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTiming:
+    """A measured forward and backward time of one traced layer on one device type."""
+
+    model: str  # ModelSpec.describe()
+    layer: str  # Layer.signature
+    seq_len: int | None
+    dtype: str
+    micro_batch: int
+    tp: int = 1
+    fwd: float
+    bwd: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredDevice:
+    """What `planner profile` measured on a device; overrides catalog figures."""
+
+    matmul_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
+    memory_bandwidth: float | None = None
+    layer_times: tuple[LayerTiming, ...] = ()
+    source: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """A device type: catalog figures (with their sources) and any measurements."""
+
+    name: str
+    vendor: str
+    memory: float
+    memory_bandwidth: float
+    peak_flops: Mapping[str, float] = field(hash=False)
+    intra_link: LinkSpec
+    sources: Mapping[str, str] = field(default_factory=dict, hash=False)
+    measured: MeasuredDevice | None = None
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s in `dtype`; a dtype the device has no fast path for runs
+        at its fp32 rate (V100 has no bf16 tensor cores)."""
+        for name in (dtype, "fp32"):
+            if name in self.peak_flops:
+                return self.peak_flops[name]
+        raise PlannerError("bad-device", f"Device {self.name} has no peak FLOP/s for "
+                           f"{dtype} or fp32.", ["add peak_flops to its catalog entry"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeSpec:
+    """One machine: `devices` identical devices joined by `intra_link`.
+
+    nic:    this node's network interface, capping its traffic to other nodes
+            (None: only the network or group link applies).
+    groups: names of the groups (rack, zone, site...) it is in, outermost first.
+    """
+
+    name: str
+    host: str | None = None
+    device: DeviceSpec
+    devices: int
+    intra_link: LinkSpec
+    nic: LinkSpec | None = None
+    groups: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """A set of nodes (rack, zone, site) whose members talk over `link`, unless a
+    smaller group they share is faster."""
+
+    name: str
+    link: LinkSpec
+    parent: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    name: str
+    nodes: tuple[NodeSpec, ...]
+    network: LinkSpec  # between nodes that share no group
+    groups: tuple[GroupSpec, ...] = ()
+
+    @property
+    def num_devices(self) -> int:
+        return sum(n.devices for n in self.nodes)
+
+    def node(self, name: str) -> NodeSpec:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise PlannerError("unknown-node", f"Cluster {self.name} has no node {name!r}.",
+                           [f"use one of {', '.join(n.name for n in self.nodes)}"])
+
+    def device_types(self) -> dict[str, DeviceSpec]:
+        """Device types by name, in name order."""
+        return {d.name: d for d in sorted((n.device for n in self.nodes), key=lambda d: d.name)}
+
+    def link_between(self, a: str, b: str) -> LinkSpec:
+        """The link between a device on node `a` and one on node `b`."""
+        first, second = self.node(a), self.node(b)
+        if first.name == second.name:
+            return first.intra_link
+        shared = [g for g in first.groups if g in second.groups]
+        link = self.network
+        if shared:
+            link = next(g.link for g in self.groups if g.name == shared[-1])
+        return link.slowest(first.nic, second.nic)
