@@ -73,9 +73,10 @@ def root(
 
 
 def _register() -> None:
-    from cli import trace_cmd
+    from cli import devices_cmd, trace_cmd
 
     trace_cmd.register(app)
+    devices_cmd.register(app)
 
 
 _register()

@@ -23,8 +23,8 @@ _FLOPS_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<prefix>[kKMGTP]?)(?:FLOP/s|FLOPS|f
 
 
 def _bad(what: str, text: object, examples: str, field: str | None) -> PlannerError:
-    where = f" for {field}" if field else ""
-    return PlannerError("bad-unit", f"Cannot read {text!r}{where} as {what}; write it like "
+    where = f" (for {field})" if field else ""
+    return PlannerError("bad-unit", f"Cannot read {text!r} as {what}{where}; write it like "
                         f"{examples}.")
 
 
@@ -69,7 +69,9 @@ def parse_duration(text: str | float | int, field: str | None = None) -> float:
         m = _TIME_RE.match(str(text))
         if not m:
             raise _bad("a duration", text, "'5us', '1.5ms' or '0.002s'", field)
-        value = float(m["num"]) * _TIME[m["unit"] or "s"]
+        scale = _TIME[m["unit"] or "s"]
+        # divide by 1e6 rather than multiply by 1e-6: "5us" is exactly 5e-06
+        value = float(m["num"]) / round(1 / scale) if scale < 1 else float(m["num"]) * scale
     if value < 0:
         raise PlannerError("bad-value", f"{field or 'duration'} must not be negative (got {text}).")
     return value

@@ -40,7 +40,8 @@ def _op_graph(capture: Capture, node_layer: dict[str, int]) -> nx.DiGraph:
             bwd_flops=sum(c.bwd_flops for c in r.costs),
             bytes=sum(c.bytes + c.bytes_fixed for c in r.costs),
             param_bytes=sum(capture.params[p][1] for p in r.params if p in capture.params),
-            output_bytes=sum(r.out_keys.values()), saved_bytes=sum(r.saved.values()),
+            output_bytes=sum(r.out_keys.values()),
+            saved_bytes=sum(r.saved.values()) + r.stats_saved,
             params=sorted(p for p in r.params if p in capture.params),
             shape=list(r.shape) if r.shape is not None else None, dtype=r.dtype)
         for source in r.inputs:

@@ -60,6 +60,7 @@ class NodeRecord:
     inputs: list[str]
     costs: list[OpCost] = field(default_factory=list)
     saved: dict[int, int] = field(default_factory=dict)  # storage key -> bytes
+    stats_saved: int = 0  # bytes fused kernels keep besides tensors (lse, rstd)
     in_keys: set[int] = field(default_factory=set)  # data storages read
     out_keys: dict[int, int] = field(default_factory=dict)  # data storages created -> bytes
     params: set[str] = field(default_factory=set)
@@ -352,7 +353,7 @@ class _Interpreter(torch.fx.Interpreter):
         record.costs = [OpCost(OpClass.ATTENTION, flops, attention_backward_flops(flops),
                                moved, 0.0, None)]
         self._replace_saved(record, [*data[:3], *outputs])
-        record.saved[next(self.state.fresh)] = lse  # a key no tensor has
+        record.stats_saved = lse
 
     def _replace_saved(self, record: NodeRecord, keep: list[torch.Tensor]) -> None:
         for key in record.saved:
@@ -371,7 +372,7 @@ class _Interpreter(torch.fx.Interpreter):
         record.costs = [OpCost(OpClass.NORM, 0.0, 0.0, nbytes(x) + nbytes(out), weight_bytes,
                                None)]
         self._replace_saved(record, [x])
-        record.saved[next(self.state.fresh)] = x.numel() // x.shape[-1] * 4
+        record.stats_saved = x.numel() // x.shape[-1] * 4
 
     def _finish(self, record: NodeRecord, out: Any) -> None:
         if "Norm" in record.module_type:

@@ -87,11 +87,19 @@ class BlockTracer(torch.fx.Tracer):
                 return path
             return f"{path}.{s[len(old) + 1:]}" if s.startswith(f"{old}.") else s
 
+        old_name, new_name = old.replace(".", "_"), path.replace(".", "_")
         mapping = {a: p.node for a, p in zip(template.inputs, proxies, strict=True)}
         for node in template.nodes:
-            new = self.graph.node_copy(node, lambda n: mapping[n])
-            if isinstance(new.target, str) and new.op in ("call_module", "get_attr"):
-                new.target = rename(new.target)
+            target = node.target
+            if isinstance(target, str) and node.op in ("call_module", "get_attr"):
+                target = rename(target)
+            name = node.name
+            if name.startswith(old_name):
+                name = new_name + name[len(old_name):]
+            new = self.graph.create_node(
+                node.op, target, torch.fx.node.map_arg(node.args, lambda n: mapping[n]),
+                torch.fx.node.map_arg(node.kwargs, lambda n: mapping[n]), name, node.type)
+            new.meta = dict(node.meta)
             stack = node.meta.get("nn_module_stack")
             if stack is not None:
                 new.meta["nn_module_stack"] = type(stack)(

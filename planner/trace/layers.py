@@ -145,6 +145,15 @@ def _tp_comm_bytes(group: _Group, fixed_or_input: set[str]) -> float:
     return total
 
 
+def _selective_bytes(group: _Group, input_bytes: float) -> float:
+    """Layer input plus outputs of heavy ops (and attention's log-sum-exp)."""
+    kept = input_bytes
+    for r in group.records:
+        if r.op_class in _HEAVY:
+            kept += sum(r.out_keys.values()) + r.stats_saved
+    return kept
+
+
 def _tp_divisor(group: _Group, capture: Capture, vocab_sizes: set[int]) -> int:
     divisor = 0
     modules = {r.module for r in group.records}
@@ -212,10 +221,12 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
         saved_by_class: dict[str, float] = defaultdict(float)
         for r in group.records:
             node_layer[r.name] = i
-            for size in r.saved.values():
+            for size in [*r.saved.values(), r.stats_saved]:
                 saved_by_class[r.op_class.value] += size / batch
         owned = [n for n, o in owner.items() if o == i]
         kernels = _kernels(group.records, batch)
+        input_bytes = (crossing[i - 1] if i else first_inputs) / batch
+        saved = sum(saved_by_class.values())
         layers.append(Layer(
             index=i, name=name, kind=kind,
             modules=(group.unit,) if group.unit else _module_roots(group.records, capture.modules),
@@ -224,9 +235,10 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             buffer_bytes=sum(capture.buffers[n] for n in owned if n in capture.buffers),
             fwd_flops=sum(k.flops for k in kernels),
             bwd_flops=sum(k.bwd_flops for k in kernels),
-            activation_bytes=sum(saved_by_class.values()),
+            activation_bytes=saved,
             saved_by_class=dict(saved_by_class),
-            input_bytes=(crossing[i - 1] if i else first_inputs) / batch,
+            selective_bytes=min(saved, _selective_bytes(group, input_bytes * batch) / batch),
+            input_bytes=input_bytes,
             output_bytes=crossing[i] / batch if i < len(groups) - 1 else 0.0,
             tp_comm_bytes=_tp_comm_bytes(group, fixed_or_input) / batch,
             tp_divisor=_tp_divisor(group, capture, vocab),

@@ -2,7 +2,9 @@
 
 model.py:    ModelSpec, Kernel, Layer, ModelGraph (what tracing produces)
 cluster.py:  LinkSpec, DeviceSpec, Measured*, NodeSpec, GroupSpec, ClusterSpec
-training.py: OptimizerSpec, TrainingSpec
+training.py: OptimizerSpec, Recompute, TrainingSpec
+plan.py:     Plan, PipelinePlan, StagePlan, DeviceGroup, MemoryBreakdown, CostBreakdown,
+             SolverReport, Baseline, Schedule
 """
 
 from planner.types.cluster import (
@@ -23,10 +25,23 @@ from planner.types.model import (
     ModelSpec,
     OpClass,
 )
+from planner.types.plan import (
+    Baseline,
+    CostBreakdown,
+    DeviceGroup,
+    MemoryBreakdown,
+    PipelinePlan,
+    Plan,
+    Schedule,
+    SolverReport,
+    StagePlan,
+)
 from planner.types.training import OptimizerSpec, Recompute, TrainingSpec
 
 __all__ = [
-    "SCHEMA_VERSION", "ClusterSpec", "DeviceSpec", "GroupSpec", "Kernel", "Layer", "LayerKind",
-    "LayerTiming", "LinkSpec", "MeasuredDevice", "ModelGraph", "ModelSpec", "NodeSpec",
-    "OpClass", "OptimizerSpec", "Recompute", "TrainingSpec",
+    "SCHEMA_VERSION", "Baseline", "ClusterSpec", "CostBreakdown", "DeviceGroup", "DeviceSpec",
+    "GroupSpec", "Kernel", "Layer", "LayerKind", "LayerTiming", "LinkSpec", "MeasuredDevice",
+    "MemoryBreakdown", "ModelGraph", "ModelSpec", "NodeSpec", "OpClass", "OptimizerSpec",
+    "PipelinePlan", "Plan", "Recompute", "Schedule", "SolverReport", "StagePlan",
+    "TrainingSpec",
 ]

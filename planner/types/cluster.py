@@ -67,6 +67,10 @@ class DeviceSpec:
     sources: Mapping[str, str] = field(default_factory=dict, hash=False)
     measured: MeasuredDevice | None = None
 
+    @property
+    def is_cpu(self) -> bool:
+        return self.name.split("@")[0] == "cpu"
+
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s in `dtype`; a dtype the device has no fast path for runs
         at its fp32 rate (V100 has no bf16 tensor cores)."""

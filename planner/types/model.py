@@ -94,8 +94,10 @@ class Layer:
     activation_bytes:      bytes saved for backward per sample (no recompute),
                            each tensor counted once; attention saves what a
                            fused (flash) kernel saves.
-    saved_by_class:        activation_bytes split by the op class that saved them
-                           (selective recompute drops the cheap classes).
+    saved_by_class:        activation_bytes split by the op class that saved them.
+    selective_bytes:       what op-level selective recompute keeps instead: the
+                           layer input and the outputs of matmuls, convolutions
+                           and attention (recomputing the cheap ops between them).
     input_bytes:           per-sample bytes of the tensors entering this layer
                            from earlier layers (kept under full recompute).
     output_bytes:          per-sample bytes of the tensors crossing the boundary
@@ -117,6 +119,7 @@ class Layer:
     bwd_flops: float
     activation_bytes: float
     saved_by_class: Mapping[str, float] = field(hash=False)
+    selective_bytes: float
     input_bytes: float
     output_bytes: float
     tp_comm_bytes: float

@@ -1,0 +1,360 @@
+"""Cluster specs: a YAML file a person writes, a built-in example by name, or an
+inline shorthand like `2x8xA100-80G,4x8xV100-32G@100Gbps`.
+
+File format (schema_version 1), human units everywhere:
+
+    schema_version: 1
+    name: lab
+    network: {bandwidth: 100Gbps, latency: 5us}   # per node, between nodes sharing no group
+    groups:                                       # optional: racks, zones, sites
+      - {name: site-a, bandwidth: 400Gbps, latency: 2us}
+      - {name: rack-1, parent: site-a, bandwidth: 800Gbps, latency: 1us}
+    nodes:
+      - name: a100            # with count: a100-0, a100-1; or list hosts: [...]
+        count: 2
+        device: A100-80G-SXM  # a catalog name, or a mapping (custom or `base:` + overrides)
+        devices: 8            # devices per node
+        intra_link: nvlink3   # optional: a catalog link or {bandwidth, latency}
+        nic: 25Gbps           # optional: caps this node's network traffic
+        group: rack-1         # optional: the innermost group it is in
+
+Intra-node links are per device (what one device sends); network, group and
+NIC bandwidths are per node (what one node sends).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from cost_models import catalog
+from cost_models.yamlfile import Fields, read_yaml
+from planner.errors import PlannerError, closest
+from planner.types import (
+    ClusterSpec,
+    DeviceSpec,
+    GroupSpec,
+    LayerTiming,
+    LinkSpec,
+    MeasuredDevice,
+    NodeSpec,
+)
+from planner.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
+
+SCHEMA_VERSION = 1
+EXAMPLES = Path(__file__).with_name("examples")
+DEFAULT_NETWORK = LinkSpec(name="100 Gb/s Ethernet (default)", bandwidth=100e9 / 8,
+                           latency=5e-6)
+_INLINE_ITEM = re.compile(r"^\s*(?:(\d+)\s*[xX]\s*)?(\d+)\s*[xX]\s*([A-Za-z][\w.\-]*)\s*$")
+
+
+def example_names() -> list[str]:
+    return sorted(p.stem for p in EXAMPLES.glob("*.yaml"))
+
+
+def load_cluster(spec: str) -> ClusterSpec:
+    """A cluster from a file path, a built-in example name or an inline shorthand."""
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
+        return parse_cluster(read_yaml(path), str(path))
+    if spec in example_names():
+        return parse_cluster(read_yaml(EXAMPLES / f"{spec}.yaml"), f"example {spec}")
+    if any(_INLINE_ITEM.match(item) for item in spec.split("@", 1)[0].split(",")):
+        return parse_inline(spec)
+    near = closest(spec, example_names())
+    hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+    raise PlannerError(
+        "unknown-cluster",
+        f"Cluster {spec!r} is not a file, a built-in example or an inline spec.{hint}",
+        ["pass a YAML file (see docs/clusters.md)",
+         f"use an example: {', '.join(example_names())}",
+         "or write it inline: 2x8xA100-80G,4x8xV100-32G@100Gbps (nodes x devices x type)"])
+
+
+def parse_inline(spec: str) -> ClusterSpec:
+    """`[NODES x] DEVICES x TYPE, ... [@BANDWIDTH[/LATENCY]]`, e.g. `2x8xA100-80G@100Gbps`."""
+    body, at, net = spec.partition("@")
+    network = DEFAULT_NETWORK
+    if at:
+        bandwidth, _, latency = net.partition("/")
+        network = LinkSpec(name=f"{bandwidth.strip()} network",
+                           bandwidth=parse_bandwidth(bandwidth.strip(), "the inline network"),
+                           latency=parse_duration(latency.strip() or "5us", "the inline network"))
+    nodes: list[NodeSpec] = []
+    counters: dict[str, int] = {}
+    for item in body.split(","):
+        m = _INLINE_ITEM.match(item)
+        if not m:
+            raise PlannerError("bad-cluster", f"Inline cluster {spec!r}: cannot read {item!r}; "
+                               "write NODESxDEVICESxTYPE, e.g. 2x8xA100-80G.",
+                               ["run `planner devices` for device type names"])
+        count, per_node, kind = int(m[1] or 1), int(m[2]), m[3]
+        if count <= 0 or per_node <= 0:
+            raise PlannerError("bad-cluster", f"Inline cluster {spec!r}: {item!r} has zero "
+                               "nodes or devices; every node needs at least one device.")
+        device = catalog.device(kind)
+        for _ in range(count):
+            index = counters.get(device.name, 0)
+            counters[device.name] = index + 1
+            nodes.append(NodeSpec(name=f"{device.name.lower()}-{index}", device=device,
+                                  devices=per_node, intra_link=device.intra_link))
+    return ClusterSpec(name=spec, nodes=tuple(nodes), network=network)
+
+
+def _link(fields: Fields, key: str, default: LinkSpec | None, *, per: str) -> LinkSpec | None:
+    """A link given as a catalog name, a bandwidth string, or {bandwidth, latency, name}."""
+    value = fields.get(key)
+    if value is None:
+        return default
+    if isinstance(value, str) and not re.match(r"^\s*[0-9.]", value):
+        try:
+            return catalog.link(value)
+        except PlannerError as exc:
+            raise fields.error(exc.message, key, list(exc.remedies)) from None
+    if isinstance(value, (str, int, float)):
+        bandwidth = fields.parse(key, parse_bandwidth)
+        return LinkSpec(name=f"{value} {per}", bandwidth=bandwidth,
+                        latency=default.latency if default else 5e-6)
+    sub = fields.sub(key, value)
+    link = LinkSpec(name=str(sub.get("name", f"{sub.get('bandwidth')} {per}")),
+                    bandwidth=sub.parse("bandwidth", parse_bandwidth),
+                    latency=sub.parse("latency", parse_duration,
+                                      default.latency if default else 5e-6))
+    sub.check_unknown()
+    return link
+
+
+def _measured(fields: Fields) -> MeasuredDevice:
+    flops = fields.get("matmul_flops", {})
+    if not isinstance(flops, dict):
+        raise fields.error("must map dtypes to FLOP/s", "matmul_flops")
+    times = []
+    for i, item in enumerate(fields.get("layer_times", []) or []):
+        t = fields.sub("layer_times", item, i)
+        times.append(LayerTiming(
+            model=str(t.get("model", "")), layer=str(t.get("layer", required=True)),
+            seq_len=t.get("seq_len"), dtype=str(t.get("dtype", "fp32")),
+            micro_batch=t.positive_int("micro_batch"), tp=t.positive_int("tp", 1),
+            fwd=t.parse("fwd", parse_duration), bwd=t.parse("bwd", parse_duration)))
+        t.check_unknown()
+    measured = MeasuredDevice(
+        matmul_flops={str(k): parse_flops(v, f"matmul_flops.{k}") for k, v in flops.items()},
+        memory_bandwidth=fields.parse("memory_bandwidth", parse_bandwidth, 0.0) or None,
+        layer_times=tuple(times), source=str(fields.get("source", "")))
+    fields.check_unknown()
+    return measured
+
+
+def _device(fields: Fields, node_name: str) -> DeviceSpec:
+    value = fields.get("device", required=True)
+    if isinstance(value, str):
+        try:
+            device = catalog.device(value)
+        except PlannerError as exc:
+            raise fields.error(exc.message, "device", list(exc.remedies)) from None
+    else:
+        sub = fields.sub("device", value)
+        base = sub.get("base")
+        try:
+            device = catalog.device(str(base)) if base else None
+        except PlannerError as exc:
+            raise sub.error(exc.message, "base", list(exc.remedies)) from None
+        peak = sub.get("peak_flops", None)
+        if device is None and peak is None:
+            raise sub.error("a custom device needs peak_flops (or a catalog `base`)")
+        if peak is not None and not isinstance(peak, dict):
+            raise sub.error("must map dtypes to FLOP/s, e.g. {bf16: 100TFLOPS}", "peak_flops")
+        name = str(sub.get("name", base or "", required=device is None))
+        default_link = device.intra_link if device else catalog.link("pcie4")
+        device = DeviceSpec(
+            name=name, vendor=str(sub.get("vendor", device.vendor if device else "custom")),
+            memory=sub.parse("memory", parse_bytes, device.memory if device else None),
+            memory_bandwidth=sub.parse("memory_bandwidth", parse_bandwidth,
+                                       device.memory_bandwidth if device else None),
+            peak_flops={**(device.peak_flops if device else {}),
+                        **{str(k): parse_flops(v, f"peak_flops.{k}")
+                           for k, v in (peak or {}).items()}},
+            intra_link=_link(sub, "intra_link", default_link, per="per device"),
+            sources={**(device.sources if device else {}), "custom": "given in the cluster spec"})
+        sub.check_unknown()
+    measured = fields.get("measured")
+    if measured is not None:
+        device = replace(device, name=f"{device.name}@{node_name}",
+                         measured=_measured(fields.sub("measured", measured)))
+    return device
+
+
+def _groups(top: Fields) -> dict[str, GroupSpec]:
+    groups: dict[str, GroupSpec] = {}
+    for i, item in enumerate(top.get("groups", []) or []):
+        g = top.sub("groups", item, i)
+        name = str(g.get("name", required=True))
+        if name in groups:
+            raise g.error(f"duplicate group name {name!r}", "name")
+        link = LinkSpec(name=f"group {name}", bandwidth=g.parse("bandwidth", parse_bandwidth),
+                        latency=g.parse("latency", parse_duration, 5e-6))
+        parent = g.get("parent")
+        groups[name] = GroupSpec(name=name, link=link, parent=str(parent) if parent else None)
+        g.check_unknown()
+    for name, group in groups.items():
+        seen = {name}
+        parent = group.parent
+        while parent is not None:
+            if parent not in groups:
+                raise top.error(f"group {name!r} has unknown parent {parent!r}", "groups")
+            if parent in seen:
+                raise top.error(f"groups {sorted(seen)} form a cycle of parents", "groups")
+            seen.add(parent)
+            parent = groups[parent].parent
+    return groups
+
+
+def _chain(groups: dict[str, GroupSpec], innermost: str | None) -> tuple[str, ...]:
+    chain: list[str] = []
+    while innermost is not None:
+        chain.insert(0, innermost)
+        innermost = groups[innermost].parent
+    return tuple(chain)
+
+
+def parse_cluster(data: Any, source: str) -> ClusterSpec:
+    """A validated ClusterSpec from parsed YAML; errors name the file, line and field."""
+    top = Fields(data, source)
+    version = top.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise top.error(f"schema_version {version!r} is not supported (this planner reads "
+                        f"version {SCHEMA_VERSION})", "schema_version",
+                        ["write the file for schema_version 1 (see docs/clusters.md)"])
+    groups = _groups(top)
+    items = top.get("nodes", required=True)
+    if not isinstance(items, list) or not items:
+        raise top.error("must be a non-empty list of node entries", "nodes")
+    nodes: list[NodeSpec] = []
+    hosts_seen: dict[str, str] = {}
+    for i, item in enumerate(items):
+        f = top.sub("nodes", item, i)
+        hosts = f.get("hosts")
+        if hosts is not None and (not isinstance(hosts, list) or not hosts):
+            raise f.error("must be a non-empty list of host names", "hosts")
+        count = len(hosts) if hosts else f.positive_int("count", 1)
+        base = str(f.get("name", "" if hosts else None) or "") or None
+        if base is None and not hosts:
+            raise f.error("is missing field 'name' (or a hosts list)")
+        devices = f.positive_int("devices")
+        group = f.get("group")
+        if group is not None and group not in groups:
+            raise f.error(f"unknown group {group!r}", "group",
+                          [f"define it under groups: ({', '.join(groups) or 'none defined'})"])
+        nic = _link(f, "nic", None, per="per node")
+        for k in range(count):
+            host = str(hosts[k]) if hosts else None
+            name = (f"{base}-{k}" if base and count > 1 else base) or host
+            if host is not None and host in hosts_seen:
+                raise f.error(f"host {host!r} is listed twice (also in {hosts_seen[host]})",
+                              "hosts", ["each host can appear once"])
+            if host is not None:
+                hosts_seen[host] = f.where("hosts")
+            device = _device(f, name)
+            nodes.append(NodeSpec(
+                name=name, host=host, device=device, devices=devices,
+                intra_link=_link(f, "intra_link", device.intra_link, per="per device"),
+                nic=nic, groups=_chain(groups, group)))
+        f.used.update({"measured"})
+        f.check_unknown()
+    names = [n.name for n in nodes]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise top.error(f"node name {duplicates[0]!r} is used twice", "nodes",
+                        ["give each node entry its own name"])
+    network = _link(top, "network", None, per="per node")
+    if network is None:
+        if len(nodes) > 1:
+            raise top.error("is missing field 'network' (the link between nodes)", None,
+                            ["add e.g. network: {bandwidth: 100Gbps, latency: 5us}"])
+        network = DEFAULT_NETWORK
+    name = str(top.get("name", Path(source).stem))
+    top.check_unknown()
+    return ClusterSpec(name=name, nodes=tuple(nodes), network=network,
+                       groups=tuple(groups.values()))
+
+
+def _human(value: float, units: tuple[tuple[str, float], ...]) -> str:
+    for unit, scale in units:
+        if value >= scale:
+            return f"{value / scale:.12g}{unit}"
+    return f"{value / units[-1][1]:.12g}{units[-1][0]}"
+
+
+_RATE = (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3), ("B/s", 1.0))
+_BYTES = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10), ("B", 1.0))
+_TIME = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+_FLOPS = (("PFLOPS", 1e15), ("TFLOPS", 1e12), ("GFLOPS", 1e9), ("MFLOPS", 1e6), ("FLOPS", 1.0))
+
+
+def _link_dict(link: LinkSpec) -> str | dict[str, Any]:
+    for key, known in catalog.load_catalog().links.items():
+        if known == link:
+            return key
+    return {"name": link.name, "bandwidth": _human(link.bandwidth, _RATE),
+            "latency": _human(link.latency, _TIME)}
+
+
+def _device_dict(device: DeviceSpec) -> str | dict[str, Any]:
+    base_name = device.name.split("@")[0]
+    try:
+        base = catalog.device(base_name)
+    except PlannerError:
+        base = None
+    bare = replace(device, name=base_name, measured=None)
+    if base is not None and bare == base:
+        return base.name
+    return {"name": base_name, "vendor": device.vendor,
+            "memory": _human(device.memory, _BYTES),
+            "memory_bandwidth": _human(device.memory_bandwidth, _RATE),
+            "peak_flops": {k: _human(v, _FLOPS) for k, v in device.peak_flops.items()},
+            "intra_link": _link_dict(device.intra_link)}
+
+
+def _measured_dict(measured: MeasuredDevice) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "matmul_flops": {k: _human(v, _FLOPS) for k, v in measured.matmul_flops.items()}}
+    if measured.memory_bandwidth:
+        out["memory_bandwidth"] = _human(measured.memory_bandwidth, _RATE)
+    if measured.layer_times:
+        out["layer_times"] = [
+            {"model": t.model, "layer": t.layer, "seq_len": t.seq_len, "dtype": t.dtype,
+             "micro_batch": t.micro_batch, "tp": t.tp, "fwd": _human(t.fwd, _TIME),
+             "bwd": _human(t.bwd, _TIME)} for t in measured.layer_times]
+    if measured.source:
+        out["source"] = measured.source
+    return out
+
+
+def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
+    """The cluster as a schema_version 1 mapping (write it with yaml.safe_dump)."""
+    nodes = []
+    for n in cluster.nodes:
+        entry: dict[str, Any] = {"name": n.name}
+        if n.host is not None:
+            entry["hosts"] = [n.host]
+        entry["device"] = _device_dict(n.device)
+        entry["devices"] = n.devices
+        if n.intra_link != n.device.intra_link:
+            entry["intra_link"] = _link_dict(n.intra_link)
+        if n.nic is not None:
+            entry["nic"] = _link_dict(n.nic)
+        if n.groups:
+            entry["group"] = n.groups[-1]
+        if n.device.measured is not None:
+            entry["measured"] = _measured_dict(n.device.measured)
+        nodes.append(entry)
+    out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "name": cluster.name,
+                           "network": _link_dict(cluster.network)}
+    if cluster.groups:
+        out["groups"] = [{"name": g.name, **({"parent": g.parent} if g.parent else {}),
+                          "bandwidth": _human(g.link.bandwidth, _RATE),
+                          "latency": _human(g.link.latency, _TIME)} for g in cluster.groups]
+    out["nodes"] = nodes
+    return out

@@ -1,0 +1,124 @@
+"""Communication times: alpha-beta models of collectives and point-to-point transfers.
+
+Conventions follow nccl-tests: for a collective over S bytes (the full buffer)
+and n ranks, algbw = S / time predicts time, and busbw = algbw * factor
+compares with a link's peak (all-reduce 2(n-1)/n, all-gather and
+reduce-scatter (n-1)/n, broadcast and point-to-point 1).
+
+Algorithms (the faster one is used, as NCCL picks per size):
+
+    ring          over all n ranks; every step crosses the slowest link in the
+                  group: intra-node links between devices of a node, the
+                  node-to-node link between nodes (a mixed group is bounded by
+                  its slowest link)
+    hierarchical  reduce-scatter inside each node, a ring across the N nodes
+                  on 1/g of the data per device (the g devices of a node share
+                  its network bandwidth), all-gather inside each node
+
+With B_i the intra-node and B_n the per-node network bandwidth, g ranks per
+node (the most on any node), N nodes:
+
+    ring all-reduce          2(n-1)/n * S / min(B_i, B_n) + 2(n-1) * alpha
+    hierarchical all-reduce  2(g-1)/g * S / B_i + 2(g-1) * alpha_i
+                           + 2(N-1)/N * S / B_n + 2(N-1) * alpha_n
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from planner.errors import PlannerError
+from planner.types import ClusterSpec, LinkSpec
+
+
+class Collective(str, Enum):
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
+
+
+# (bandwidth terms, latency terms) as multiples of (n-1)/n * S / B and (n-1) * alpha
+_SHAPE = {Collective.ALL_REDUCE: (2.0, 2.0), Collective.REDUCE_SCATTER: (1.0, 1.0),
+          Collective.ALL_GATHER: (1.0, 1.0), Collective.ALL_TO_ALL: (1.0, 1.0)}
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """Ranks of a collective, as (node name, ranks on that node) pairs."""
+
+    members: tuple[tuple[str, int], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(count for _, count in self.members)
+
+    @staticmethod
+    def of(nodes: list[str]) -> CommGroup:
+        """A group from one node name per rank."""
+        counts: dict[str, int] = {}
+        for name in nodes:
+            counts[name] = counts.get(name, 0) + 1
+        return CommGroup(tuple(sorted(counts.items())))
+
+
+def bus_factor(kind: Collective, n: int) -> float:
+    if n <= 1 or kind is Collective.BROADCAST:
+        return 1.0
+    return _SHAPE[kind][0] * (n - 1) / n
+
+
+def group_links(cluster: ClusterSpec, group: CommGroup) -> tuple[LinkSpec | None, LinkSpec | None]:
+    """(slowest intra-node link among nodes with several ranks, slowest link between
+    any two member nodes); None where the group has no such pair."""
+    intra = [cluster.node(name).intra_link for name, count in group.members if count > 1]
+    names = [name for name, _ in group.members]
+    inter = [cluster.link_between(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
+    slowest_intra = intra[0].slowest(*intra[1:]) if intra else None
+    slowest_inter = inter[0].slowest(*inter[1:]) if inter else None
+    return slowest_intra, slowest_inter
+
+
+def _ring(kind: Collective, nbytes: float, n: int, link: LinkSpec) -> float:
+    if kind is Collective.BROADCAST:
+        return nbytes / link.bandwidth + (n - 1) * link.latency
+    bw_terms, lat_terms = _SHAPE[kind]
+    return bw_terms * (n - 1) / n * nbytes / link.bandwidth + lat_terms * (n - 1) * link.latency
+
+
+def collective_time(kind: Collective, nbytes: float, group: CommGroup,
+                    cluster: ClusterSpec) -> float:
+    """Seconds for a collective over `nbytes` (the full buffer) among `group`."""
+    if nbytes < 0:
+        raise PlannerError("bad-value", f"A collective cannot move {nbytes} bytes.")
+    n = group.size
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    intra, inter = group_links(cluster, group)
+    if inter is None:
+        return _ring(kind, nbytes, n, intra)
+    nodes = len(group.members)
+    per_node = max(count for _, count in group.members)
+    if kind is Collective.ALL_TO_ALL:
+        # every rank sends nbytes/n to every other; a node's cross-node share of its
+        # per_node * nbytes goes through its network link
+        cross = per_node * nbytes * (n - per_node) / n / inter.bandwidth
+        local = nbytes * (per_node - 1) / n / intra.bandwidth if intra else 0.0
+        return max(cross, local) + (n - 1) * inter.latency
+    bottleneck = inter.slowest(intra)
+    flat = _ring(kind, nbytes, n, bottleneck)
+    if per_node == 1:
+        return flat
+    inner = _ring(kind, nbytes, per_node, intra)
+    if kind is Collective.BROADCAST:
+        return min(flat, inner + _ring(kind, nbytes, nodes, inter))
+    # the inter-node ring carries nbytes/g per device over bandwidth/g each: nbytes/B_n
+    outer = _ring(kind, nbytes, nodes, inter)
+    return min(flat, inner + outer)
+
+
+def p2p_time(nbytes: float, link: LinkSpec) -> float:
+    """One-way transfer of `nbytes` over `link`."""
+    return link.latency + nbytes / link.bandwidth if nbytes > 0 else 0.0

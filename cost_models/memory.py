@@ -1,0 +1,74 @@
+"""Memory per device of one pipeline stage, by term, so a plan that does not fit can
+say which term is too big.
+
+For P parameters in the stage, on one device of a tensor-parallel group of
+`tp` and a data-parallel group of `dp` (the ZeRO sharding group):
+
+    weights     P/tp * dtype bytes                 (/dp under ZeRO-3)
+    gradients   P/tp * gradient bytes              (/dp under ZeRO-2 and 3)
+    optimizer   P/tp * optimizer state bytes       (/dp under ZeRO-1, 2 and 3)
+    activations per micro-batch * micro-batches in flight, by recompute policy:
+                  none       the bytes each layer saves for backward
+                  selective  the layer input plus outputs of matmuls and attention
+                  full       only each layer's input, plus one layer's full
+                             activations while its backward runs
+                tensor parallelism shards them except norm inputs (replicated
+                without sequence parallelism)
+    reserve     framework and allocator overhead: 1 GiB on GPUs (CUDA context,
+                NCCL buffers, fragmentation), 0.25 GiB on CPUs
+
+Adam in mixed precision keeps 12 bytes per parameter (fp32 master weights and
+two moments), so weights + gradients + states = 2 + 2 + 12 = 16 bytes per
+parameter without ZeRO: the rule of thumb of the ZeRO paper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.dtypes import dtype_bytes
+from planner.types import DeviceSpec, Layer, MemoryBreakdown, OpClass, TrainingSpec
+from planner.types.training import Recompute
+
+GIB = 2.0**30
+
+
+def optimizer_state_bytes(training: TrainingSpec) -> float:
+    """Bytes per parameter of optimizer state (Adam: moments, plus master weights
+    when the training dtype is 16-bit)."""
+    if training.optimizer.state_bytes is not None:
+        return training.optimizer.state_bytes
+    master = 4.0 if dtype_bytes(training.dtype) < 4 else 0.0
+    return 8.0 + master
+
+
+def activation_bytes(layer: Layer, *, recompute: Recompute, tp: int) -> float:
+    """Per-sample bytes a layer keeps between its forward and backward."""
+    if recompute is Recompute.FULL:
+        return layer.input_bytes
+    if recompute is Recompute.SELECTIVE:
+        return layer.selective_bytes / tp
+    replicated = layer.saved_by_class.get(OpClass.NORM.value, 0.0)
+    return replicated + (layer.activation_bytes - replicated) / tp
+
+
+def stage_memory(layers: Sequence[Layer], *, device: DeviceSpec, training: TrainingSpec,
+                 tp: int = 1, dp: int = 1, zero: int = 0, recompute: Recompute = Recompute.NONE,
+                 micro_batch: int = 1, in_flight: int = 1) -> MemoryBreakdown:
+    """Memory of one device that holds `layers` (a stage, or one virtual stage)."""
+    params = sum(layer.params for layer in layers) / tp
+    weight = dtype_bytes(training.dtype)
+    grad = training.optimizer.grad_bytes or weight
+    per_sample = sum(activation_bytes(layer, recompute=recompute, tp=tp) for layer in layers)
+    activations = per_sample * micro_batch * in_flight
+    if recompute is Recompute.FULL and layers:
+        # the layer whose backward is running holds its full activations again
+        activations += max(activation_bytes(layer, recompute=Recompute.NONE, tp=tp)
+                           for layer in layers) * micro_batch
+    return MemoryBreakdown(
+        weights=params * weight / (dp if zero >= 3 else 1),
+        gradients=params * grad / (dp if zero >= 2 else 1),
+        optimizer=params * optimizer_state_bytes(training) / (dp if zero >= 1 else 1),
+        activations=activations,
+        reserve=0.25 * GIB if device.is_cpu else GIB,
+    )

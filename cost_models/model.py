@@ -1,0 +1,88 @@
+"""The cost-model protocol the solver, simulator and CLI use, and its analytical default.
+
+    costs = AnalyticalCostModel(cluster)
+    costs.layer_time(layer, device, tp=2, micro_batch=4, dtype="bf16").fwd
+    costs.collective_time(Collective.ALL_REDUCE, 2**30, CommGroup.of(["a-0", "a-1"]))
+    costs.memory(stage_layers, device, training, tp=2, zero=1, dp=8, in_flight=4)
+
+Measured profiles enter through the cluster spec: devices carry measured
+matmul rates, memory bandwidth and layer timings, links carry measured
+bandwidth and latency (see `planner profile merge`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from cost_models.comm import Collective, CommGroup, collective_time, p2p_time
+from cost_models.compute import (
+    DEFAULT_EFFICIENCY,
+    Efficiency,
+    LayerTime,
+    layer_time,
+    optimizer_time,
+    recompute_time,
+)
+from cost_models.memory import optimizer_state_bytes, stage_memory
+from planner.dtypes import dtype_bytes
+from planner.types import ClusterSpec, DeviceSpec, Layer, MemoryBreakdown, TrainingSpec
+from planner.types.training import Recompute
+
+
+class CostModel(Protocol):
+    cluster: ClusterSpec
+
+    def layer_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
+                   dtype: str) -> LayerTime: ...
+
+    def recompute_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
+                       dtype: str, policy: Recompute) -> float: ...
+
+    def collective_time(self, kind: Collective, nbytes: float, group: CommGroup) -> float: ...
+
+    def p2p_time(self, nbytes: float, src: str, dst: str) -> float: ...
+
+    def memory(self, layers: Sequence[Layer], device: DeviceSpec, training: TrainingSpec, *,
+               tp: int, dp: int, zero: int, recompute: Recompute, micro_batch: int,
+               in_flight: int) -> MemoryBreakdown: ...
+
+    def optimizer_time(self, params: float, device: DeviceSpec,
+                       training: TrainingSpec) -> float: ...
+
+
+@dataclass(frozen=True)
+class AnalyticalCostModel:
+    """Roofline compute, alpha-beta communication, memory by term (see the modules)."""
+
+    cluster: ClusterSpec
+    efficiency: Efficiency = DEFAULT_EFFICIENCY
+
+    def layer_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
+                   dtype: str) -> LayerTime:
+        return layer_time(layer, device, tp=tp, micro_batch=micro_batch, dtype=dtype,
+                          eff=self.efficiency)
+
+    def recompute_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
+                       dtype: str, policy: Recompute) -> float:
+        return recompute_time(layer, device, tp=tp, micro_batch=micro_batch, dtype=dtype,
+                              policy=policy, eff=self.efficiency)
+
+    def collective_time(self, kind: Collective, nbytes: float, group: CommGroup) -> float:
+        return collective_time(kind, nbytes, group, self.cluster)
+
+    def p2p_time(self, nbytes: float, src: str, dst: str) -> float:
+        return p2p_time(nbytes, self.cluster.link_between(src, dst))
+
+    def memory(self, layers: Sequence[Layer], device: DeviceSpec, training: TrainingSpec, *,
+               tp: int = 1, dp: int = 1, zero: int = 0, recompute: Recompute = Recompute.NONE,
+               micro_batch: int = 1, in_flight: int = 1) -> MemoryBreakdown:
+        return stage_memory(layers, device=device, training=training, tp=tp, dp=dp, zero=zero,
+                            recompute=recompute, micro_batch=micro_batch, in_flight=in_flight)
+
+    def optimizer_time(self, params: float, device: DeviceSpec,
+                       training: TrainingSpec) -> float:
+        return optimizer_time(params, device, dtype_bytes=dtype_bytes(training.dtype),
+                              optimizer=training.optimizer,
+                              state_bytes=optimizer_state_bytes(training), eff=self.efficiency)

@@ -1,0 +1,168 @@
+"""Plan side of the data model: pipelines of stages on concrete devices, the
+predicted costs, the solver's report and baselines.
+
+A plan runs one or more pipelines side by side. Each pipeline takes its own
+share of the global batch (fast pipelines take more), split into micro-batches
+of a common size, and runs its stages on tensor-parallel groups of one node's
+devices. Pipelines may split the layers differently; every layer's gradients
+are averaged over all pipelines that hold it. All pipelines use the same
+tensor-parallel degree for a given layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+
+from planner.types.cluster import ClusterSpec
+from planner.types.model import ModelSpec
+from planner.types.training import Recompute, TrainingSpec
+
+
+class Schedule(str, Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved-1f1b"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes per device by term."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    reserve: float
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def terms(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def largest(self) -> str:
+        terms = self.terms()
+        return max(terms, key=terms.__getitem__)
+
+    def fits(self, capacity: float) -> bool:
+        return self.total <= capacity
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceGroup:
+    """The devices one stage of one pipeline runs on: `tp` devices of one node."""
+
+    node: str
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage.
+
+    layers:  [start, end) layer indices; with an interleaved schedule the stage
+             holds several chunks, listed in `chunks` (layers is then the span).
+    modules: module names of the layers, for building the stage at run time.
+    memory:  predicted bytes per device.
+    """
+
+    index: int
+    layers: tuple[int, int]
+    chunks: tuple[tuple[int, int], ...]
+    modules: tuple[str, ...]
+    device_type: str
+    devices: DeviceGroup
+    tp: int
+    recompute: Recompute
+    zero: int
+    memory: MemoryBreakdown
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelinePlan:
+    index: int
+    stages: tuple[StagePlan, ...]
+    batch_share: int  # samples per step
+    micro_batch: int
+    num_microbatches: int
+    schedule: Schedule
+    interleave: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostBreakdown:
+    """Predicted seconds per training step by cause, and what they add up to.
+
+    The terms are on the critical path: compute (forward, backward and
+    recompute of the slowest pipeline's bottleneck stages), bubble (pipeline
+    fill and drain), tp_comm (tensor-parallel all-reduces), pp_comm
+    (activations and gradients between stages), dp_comm (gradient
+    synchronisation across pipelines), optimizer (the optimizer step).
+    """
+
+    step_time: float
+    compute: float
+    bubble: float
+    tp_comm: float
+    pp_comm: float
+    dp_comm: float
+    optimizer: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    mfu: float  # model FLOPs per second / sum of the used devices' peak FLOP/s
+
+    def terms(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in
+                ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverReport:
+    """How the plan was found.
+
+    status:      "optimal" (the whole search space was covered), "feasible" (a
+                 time limit stopped the search), "fixed" (the user fixed the plan).
+    objective:   predicted step time of the plan (seconds).
+    best_bound:  no plan in the search space is faster than this.
+    gap:         (objective - best_bound) / objective.
+    lower_bound: no plan of any shape is faster than this (an LP relaxation
+                 that ignores communication and pipeline bubbles).
+    """
+
+    status: str
+    objective: float
+    best_bound: float
+    gap: float
+    wall_time: float
+    lower_bound: float
+    explored: int
+    pruned: int
+    search_space: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Baseline:
+    """Another way to run the same job, predicted by the same cost model."""
+
+    name: str
+    description: str
+    prediction: CostBreakdown | None
+    reason: str = ""  # why there is no prediction (it does not fit, ...)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    schema_version: int
+    model: ModelSpec
+    training: TrainingSpec
+    cluster: ClusterSpec
+    pipelines: tuple[PipelinePlan, ...]
+    prediction: CostBreakdown
+    solver: SolverReport
+    baselines: tuple[Baseline, ...] = ()
+
+    @property
+    def num_devices(self) -> int:
+        return sum(s.tp for p in self.pipelines for s in p.stages)

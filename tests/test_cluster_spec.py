@@ -1,0 +1,140 @@
+"""Cluster specs: YAML files, the inline shorthand, examples, round trips, bad input."""
+
+import textwrap
+
+import pytest
+import yaml
+
+from cost_models.cluster import cluster_to_dict, example_names, load_cluster, parse_cluster
+from cost_models.yamlfile import load_yaml
+from planner.errors import PlannerError
+from planner.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+GOOD = """\
+    schema_version: 1
+    name: lab
+    network: {bandwidth: 100Gbps, latency: 5us}
+    groups:
+      - {name: site, bandwidth: 400Gbps, latency: 2us}
+      - {name: rack, parent: site, bandwidth: 800Gbps}
+    nodes:
+      - name: a100
+        count: 2
+        device: A100-80G-SXM
+        devices: 8
+        group: rack
+      - hosts: [gpu-v1, gpu-v2]
+        device: V100-32G
+        devices: 4
+        nic: 25Gbps
+      - name: custom
+        device: {name: MyAccel, memory: 24GiB, memory_bandwidth: 900GB/s,
+                 peak_flops: {bf16: 100TFLOPS}, intra_link: pcie4}
+        devices: 2
+    """
+
+
+def test_a_hand_written_file(tmp_path):
+    c = load_cluster(write(tmp_path, GOOD))
+    assert [n.name for n in c.nodes] == ["a100-0", "a100-1", "gpu-v1", "gpu-v2", "custom"]
+    assert c.num_devices == 8 * 2 + 4 * 2 + 2
+    assert c.nodes[0].groups == ("site", "rack")
+    assert c.nodes[2].host == "gpu-v1"
+    assert c.link_between("a100-0", "a100-1").bandwidth == 100e9  # the rack link
+    assert c.link_between("a100-0", "gpu-v1").bandwidth == 25e9 / 8  # capped by the NIC
+    assert c.link_between("gpu-v1", "gpu-v1").name.startswith("NVLink 2")
+    custom = c.node("custom").device
+    assert custom.memory == 24 * 2**30 and custom.peak_flops == {"bf16": 100e12}
+
+
+def test_inline_shorthand():
+    c = load_cluster("2x8xA100-80G,4x8xV100-32G@100Gbps")
+    assert [n.devices for n in c.nodes] == [8] * 6
+    assert [n.device.name for n in c.nodes] == ["A100-80G-SXM"] * 2 + ["V100-32G"] * 4
+    assert c.network.bandwidth == 12.5e9
+    single = load_cluster("4xRTX4090")
+    assert len(single.nodes) == 1 and single.num_devices == 4
+    assert load_cluster("2x8xH100@400Gbps/2us").network.latency == 2e-6
+
+
+@pytest.mark.parametrize("name", example_names())
+def test_examples_load_and_round_trip(name):
+    c = load_cluster(name)
+    text = yaml.safe_dump(cluster_to_dict(c), sort_keys=False)
+    assert parse_cluster(load_yaml(text, "again"), "again") == c
+
+
+def test_example_set():
+    assert {"dgx-a100-pod", "a100-v100-lab", "consumer-rtx", "four-type-1024"} <= set(
+        example_names())
+    big = load_cluster("four-type-1024")
+    assert big.num_devices == 1024 and len(big.nodes) == 128
+    assert len(big.device_types()) == 4
+
+
+def test_round_trip_of_a_file(tmp_path):
+    c = load_cluster(write(tmp_path, GOOD))
+    again = parse_cluster(load_yaml(yaml.safe_dump(cluster_to_dict(c)), "x"), "x")
+    assert again == c
+
+
+def test_units():
+    assert parse_bandwidth("100Gbps") == 12.5e9
+    assert parse_bandwidth("25 GB/s") == 25e9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("40 GB") == 40e9
+    assert parse_duration("5us") == 5e-6
+    assert parse_duration("1.5ms") == 1.5e-3
+    assert parse_flops("312 TFLOPS") == 312e12
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("nodes: [{name: a, device: A100-80G-SXM, devices: 0}]",
+     "line 1, nodes[0].devices: must be a positive integer (got 0)"),
+    ("nodes:\n  - name: a\n    device: A100-80GG\n    devices: 8\n",
+     "line 3, nodes[0].device: Unknown device"),
+    ("nodes:\n  - {name: a, device: A100-80G, devices: 8}\n  - {name: b, device: A100-80G, "
+     "devices: 8}\n", "is missing field 'network'"),
+    ("network: 10 parsecs\nnodes: [{name: a, device: A100-80G, devices: 8}]",
+     "line 1, network: Cannot read '10 parsecs' as a bandwidth"),
+    ("network: {bandwidth: -5Gbps}\nnodes: [{name: a, device: A100-80G, devices: 8}]",
+     "network.bandwidth"),
+    ("nodes: [{hosts: [h1, h1], device: A100-80G, devices: 8}]", "host 'h1' is listed twice"),
+    ("network: 1Gbps\nnodes: [{name: a, device: A100-80G, devices: 8},"
+     " {name: a, device: A100-80G, devices: 8}]", "node name 'a' is used twice"),
+    ("schema_version: 2\nnodes: [{name: a, device: A100-80G, devices: 8}]",
+     "schema_version 2 is not supported"),
+    ("nodes: [{name: a, device: A100-80G, devices: 8, colour: red}]", "unknown field 'colour'"),
+    ("nodes: [{name: a, device: A100-80G, devices: 8, group: rack}]", "unknown group 'rack'"),
+    ("nodes: [{name: a, devices: 8}]", "is missing field 'device'"),
+    ("nodes: []", "must be a non-empty list"),
+    ("nodes: [{name: a, device: A100-80G, devices: 8}\n", "not valid YAML"),
+    ("groups: [{name: x, parent: y, bandwidth: 1Gbps}, {name: y, parent: x, bandwidth: 1Gbps}]"
+     "\nnodes: [{name: a, device: A100-80G, devices: 8}]", "cycle"),
+])
+def test_bad_files_name_file_line_and_field(tmp_path, text, needle):
+    path = write(tmp_path, text)
+    with pytest.raises(PlannerError) as err:
+        load_cluster(path)
+    assert needle in err.value.message
+    assert path in err.value.message
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("2x0xA100-80G", "zero nodes or devices"),
+    ("2x8xA999", "Unknown device"),
+    ("dgx-a100-pd", "Did you mean 'dgx-a100-pod'"),
+    ("missing.yaml", "does not exist"),
+    ("2x8xA100-80G@fast", "Cannot read 'fast' as a bandwidth"),
+])
+def test_bad_specs(spec, needle):
+    with pytest.raises(PlannerError, match=None) as err:
+        load_cluster(spec)
+    assert needle in err.value.message
