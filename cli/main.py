@@ -77,6 +77,7 @@ def _register() -> None:
 
     trace_cmd.register(app)
     devices_cmd.register(app)
+    __import__("cli.profile_cmd", fromlist=["register"]).register(app)
 
 
 _register()

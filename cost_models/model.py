@@ -13,7 +13,7 @@ bandwidth and latency (see `planner profile merge`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from cost_models.comm import Collective, CommGroup, collective_time, p2p_time
@@ -54,23 +54,36 @@ class CostModel(Protocol):
 
 @dataclass(frozen=True)
 class AnalyticalCostModel:
-    """Roofline compute, alpha-beta communication, memory by term (see the modules)."""
+    """Roofline compute, alpha-beta communication, memory by term (see the modules).
+
+    Prices are memoised per instance (identical layers and replicas repeat a lot);
+    the inputs are immutable values, so the memo never goes stale."""
 
     cluster: ClusterSpec
     efficiency: Efficiency = DEFAULT_EFFICIENCY
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def layer_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                    dtype: str) -> LayerTime:
-        return layer_time(layer, device, tp=tp, micro_batch=micro_batch, dtype=dtype,
-                          eff=self.efficiency)
+        key = ("layer", id(layer), layer.signature, device, tp, micro_batch, dtype)
+        if key not in self.memo:
+            self.memo[key] = layer_time(layer, device, tp=tp, micro_batch=micro_batch,
+                                        dtype=dtype, eff=self.efficiency)
+        return self.memo[key]
 
     def recompute_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                        dtype: str, policy: Recompute) -> float:
-        return recompute_time(layer, device, tp=tp, micro_batch=micro_batch, dtype=dtype,
-                              policy=policy, eff=self.efficiency)
+        key = ("recompute", id(layer), layer.signature, device, tp, micro_batch, dtype, policy)
+        if key not in self.memo:
+            self.memo[key] = recompute_time(layer, device, tp=tp, micro_batch=micro_batch,
+                                            dtype=dtype, policy=policy, eff=self.efficiency)
+        return self.memo[key]
 
     def collective_time(self, kind: Collective, nbytes: float, group: CommGroup) -> float:
-        return collective_time(kind, nbytes, group, self.cluster)
+        key = ("collective", kind, nbytes, group)
+        if key not in self.memo:
+            self.memo[key] = collective_time(kind, nbytes, group, self.cluster)
+        return self.memo[key]
 
     def p2p_time(self, nbytes: float, src: str, dst: str) -> float:
         return p2p_time(nbytes, self.cluster.link_between(src, dst))

@@ -15,6 +15,8 @@ head first, from the start of `backward()`, and the embedding last, until
 pass therefore add up to the pass. A layer whose modules are never entered (all of
 its ops at the root) begins where the previous layer's modules were last left. A
 module shared by several layers (T5's embedding) counts toward the next of them.
+Gradients are not reset between steps: they accumulate, as they do across the
+micro-batches of one optimizer step (and no step allocates them afresh).
 """
 
 from __future__ import annotations
@@ -139,7 +141,6 @@ def _step(loaded: LoadedModel, recorder: _Recorder,
         warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
         loss.backward()
     end = clock.mark()
-    loaded.module.zero_grad(set_to_none=True)
     return (split_pass(recorder.forward, count, start, middle, clock, backward=False),
             split_pass(recorder.backward, count, middle, end, clock, backward=True),
             clock.seconds(start, end))

@@ -1,0 +1,173 @@
+"""`planner profile`: measure this machine and write a device profile.
+
+`profile` is a group so that sub-commands (e.g. merging profiles) can sit next to
+it; without a sub-command it measures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cli import options as opt
+from planner.errors import PlannerError
+from planner.units import fmt_bytes, fmt_flops, fmt_rate, fmt_seconds
+
+console = Console()
+err_console = Console(stderr=True)
+
+profile_app = typer.Typer(no_args_is_help=False)
+
+
+class Devices(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+    all = "all"
+
+
+@profile_app.callback(invoke_without_command=True)
+def profile(
+    ctx: typer.Context,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Write the profile (JSON) to this file.")] = None,
+    quick: Annotated[bool, typer.Option(
+        "--quick/--full", help="A short sweep (seconds) or the full one (minutes).")] = False,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Also time each layer of this model (a zoo flavor, "
+        "package.module:factory or transformers config) in training steps.")] = None,
+    seq_len: Annotated[int | None, typer.Option(
+        "--seq-len", "-s", help="Sequence length for --model (default: the model's; "
+        "--quick: at most 64).")] = None,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="dtype of the layer timings: fp32, bf16, fp16, tf32.")] = "fp32",
+    processes: Annotated[int, typer.Option(
+        "--processes", help="Local processes for the communication benchmark.")] = 2,
+    devices: Annotated[Devices, typer.Option(
+        "--devices", help="Profile the CPU, the CUDA devices, or all of them.")] = Devices.all,
+    no_comm: Annotated[bool, typer.Option(
+        "--no-comm", help="Skip the communication benchmark.")] = False,
+    json_out: opt.JsonOut = False,
+    force: opt.Force = False,
+) -> None:
+    """Measure this machine and write a device profile.
+
+    Measures matmul FLOP/s per dtype and memory bandwidth of the CPU and each CUDA
+    device, each layer's forward and backward time of a model (--model), and
+    collectives among local processes.
+
+    Examples:
+      planner profile --quick
+      planner profile -o node1.json --model gpt2-small --dtype bf16
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    import torch
+
+    from cost_models.profile import run_profile
+
+    if output is not None and output.exists() and not force:
+        raise PlannerError("file-exists", f"{str(output)!r} already exists; it was left as it "
+                           "is.", ["pass --force to overwrite it", "choose another file name"])
+    if output is not None and not output.parent.is_dir():
+        raise PlannerError("bad-path", f"Cannot write {output}: {output.parent} is not a "
+                           "directory.")
+    if devices is Devices.all and not torch.cuda.is_available():
+        err_console.print("no CUDA device: profiling the CPU")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    start = time.perf_counter()
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        doc = run_profile(quick=quick, model=model, seq_len=seq_len, dtype=dtype,
+                          processes=processes, devices=devices.value, comm=not no_comm,
+                          progress=lambda label, done, total: bar.update(
+                              task, description=label, completed=done, total=total))
+    elapsed = time.perf_counter() - start
+    if output is not None:
+        try:
+            output.write_text(json.dumps(doc, indent=1) + "\n")
+        except OSError as exc:
+            raise PlannerError("write-failed", f"Cannot write {output}: "
+                               f"{exc.strerror or exc}.") from None
+    if json_out:
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+        return
+    _render(doc, elapsed)
+    if output is not None:
+        console.print(f"Wrote the profile to {output}", soft_wrap=True)
+
+
+def _render(doc: dict, elapsed: float) -> None:
+    dtypes = [d for d in ("fp32", "tf32", "bf16", "fp16")
+              if any(d in dev["matmul"] for dev in doc["devices"])]
+    load = doc["load_average"][0]
+    table = Table(title=f"{doc['host']}: {doc['mode']} profile in {elapsed:.1f} s (load "
+                        f"{load:.1f} at the start)",
+                  caption="fp32...: best achieved matmul FLOP/s; copy: memory bandwidth "
+                          "(bytes read + written)")
+    for column in ("device", "name", "memory", *dtypes, "copy"):
+        table.add_column(column, justify="left" if column in ("device", "name") else "right")
+    for dev in doc["devices"]:
+        threads = f", {dev['threads']} threads" if dev.get("threads") else ""
+        table.add_row(_label(dev), dev["name"] + threads, fmt_bytes(dev["memory_bytes"]),
+                      *(fmt_flops(dev["matmul"][d]["best_flops"]) + "/s"
+                        if d in dev["matmul"] else "-" for d in dtypes),
+                      fmt_rate(dev["memory_bandwidth"]["best"]))
+    console.print(table)
+    for dev in doc["devices"]:
+        if dev["layers"] is not None:
+            _render_layers(dev)
+    if doc["communication"] is not None:
+        _render_comm(doc["communication"])
+
+
+def _render_layers(dev: dict) -> None:
+    layers = dev["layers"]
+    batches = [s["micro_batch"] for s in layers["steps"]]
+    table = Table(title=f"Layer times on {_label(dev)}: {layers['model']}, seq "
+                        f"{layers['seq_len'] or '-'}, {layers['dtype']} (median)")
+    table.add_column("layer")
+    for b in batches:
+        table.add_column(f"fwd ×{b}", justify="right")
+        table.add_column(f"bwd ×{b}", justify="right")
+    rows: dict[str, list[str]] = {}
+    for t in layers["timings"]:
+        rows.setdefault(t["layer"], []).extend([fmt_seconds(t["fwd"]), fmt_seconds(t["bwd"])])
+    for name, cells in rows.items():
+        table.add_row(name, *cells)
+    console.print(table)
+    steps = ", ".join(f"{fmt_seconds(s['seconds'])} at micro-batch {s['micro_batch']}"
+                      for s in layers["steps"])
+    console.print(f"Whole training step (forward, loss, backward): {steps}.", soft_wrap=True)
+
+
+def _label(dev: dict) -> str:
+    return "cpu" if dev["kind"] == "cpu" else f"cuda:{dev['index']}"
+
+
+def _render_comm(comm: dict) -> None:
+    table = Table(title=f"Communication: {comm['world_size']} processes, {comm['backend']} on "
+                        f"{comm['device']}",
+                  caption="latency and bandwidth: fit of seconds = α + bytes / bandwidth; "
+                          "busbw as in nccl-tests")
+    for column in ("operation", "latency α", "bandwidth", "best busbw", "sizes"):
+        table.add_column(column, justify="left" if column == "operation" else "right")
+    for name, c in comm["collectives"].items():
+        best = max(c["sweep"], key=lambda p: p["busbw"])
+        sizes = f"{fmt_bytes(c['sweep'][0]['bytes'])} – {fmt_bytes(c['sweep'][-1]['bytes'])}"
+        table.add_row(name, fmt_seconds(c["alpha"]), fmt_rate(c["beta_bandwidth"]),
+                      f"{fmt_rate(best['busbw'])} at {fmt_bytes(best['bytes'])}", sizes)
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(profile_app, name="profile")

@@ -1,0 +1,174 @@
+"""Collective and point-to-point communication among N local processes.
+
+The processes are spawned with torch.multiprocessing and joined with
+torch.distributed over TCP on localhost: gloo on CPU tensors, nccl with one GPU
+per process. For each message size, after a warm-up call, each operation is timed
+`repeats` times back to back on rank 0 and the median kept. Figures follow
+nccl-tests: algbw = bytes / seconds; busbw = algbw × 2(n-1)/n for all_reduce
+(bytes = the buffer), algbw × (n-1)/n for all_gather (bytes = the whole output),
+and algbw for p2p, whose time is half a send/recv ping-pong between ranks 0 and 1.
+
+Each operation also gets an alpha-beta fit, seconds = alpha + bytes / beta_bandwidth
+(alpha: latency; beta_bandwidth in algbw terms, so bus bandwidth = beta_bandwidth ×
+bus_factor), by least squares on relative error, so small and large messages weigh
+alike; a negative intercept is refitted through the origin.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cost_models.profile.timing import Clock
+from planner.errors import PlannerError
+
+_SIZES = {True: tuple(2**i for i in range(10, 23, 4)),  # 1 KiB .. 4 MiB
+          False: tuple(2**i for i in range(10, 29, 2))}  # 1 KiB .. 256 MiB
+_REPEATS = {True: 10, False: 20}
+_OP_TIMEOUT = {True: 60, False: 300}  # seconds one collective may wait for the others
+_DEADLINE = {True: 300, False: 1800}  # seconds for the whole measurement
+OPERATIONS = ("all_reduce", "all_gather", "p2p")
+# newer torch deprecates all_gather_into_tensor in favour of all_gather_single
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def bus_factor(operation: str, world: int) -> float:
+    return {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world,
+            "p2p": 1.0}[operation]
+
+
+def measure_comm(*, processes: int, device: str, quick: bool) -> dict:
+    """Spawn `processes` processes on `device` ("cpu": gloo; "cuda": nccl, one GPU
+    each) and time every operation over the mode's message sizes."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory(prefix="planner-comm-") as tmp:
+        out = Path(tmp) / "seconds.json"
+        context = mp.start_processes(
+            _worker, args=(processes, f"tcp://127.0.0.1:{_free_port()}", backend, quick,
+                           str(out)),
+            nprocs=processes, join=False, start_method="spawn")
+        _join(context, _DEADLINE[quick], backend)
+        seconds = json.loads(out.read_text())
+    return {"backend": backend, "world_size": processes, "device": device,
+            "collectives": {op: _summary(op, seconds[op], processes) for op in OPERATIONS}}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _join(context: mp.ProcessContext, deadline_s: float, backend: str) -> None:
+    """Wait for the workers; a failure or the deadline ends all of them."""
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise PlannerError("comm-failed", f"The {backend} communication benchmark "
+                                   f"did not finish within {deadline_s} s; it was stopped.",
+                                   ["run again with --no-comm to skip it"])
+    except mp.ProcessException as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        remedies = ["run again with --no-comm to skip it"]
+        if backend == "gloo":
+            remedies.insert(0, "if gloo picked the wrong network interface, set "
+                            "GLOO_SOCKET_IFNAME=lo")
+        raise PlannerError("comm-failed", f"The {backend} communication benchmark failed: "
+                           f"{lines[-1] if lines else exc}", remedies) from None
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+
+def _worker(rank: int, world: int, init_method: str, backend: str, quick: bool,
+            out: str) -> None:
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=_OP_TIMEOUT[quick]),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        clock = Clock(device)
+        seconds = {op: [[size, _median_seconds(_operation(op, size, rank, world, device),
+                                               clock, _REPEATS[quick])]
+                        for size in _SIZES[quick]]
+                   for op in OPERATIONS}
+        if rank == 0:
+            Path(out).write_text(json.dumps(seconds))
+    finally:
+        dist.destroy_process_group()
+
+
+def _operation(op: str, size: int, rank: int, world: int,
+               device: torch.device) -> Callable[[], object]:
+    """A call doing `op` on about `size` bytes of fp32 (all_gather: the whole output)."""
+    buffer = torch.zeros(size // 4, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(buffer)
+    if op == "all_gather":
+        part = torch.zeros(size // 4 // world, device=device)
+        whole = torch.empty(part.numel() * world, device=device)
+        return lambda: _gather_into(whole, part)
+    peer = 1 - rank
+    if rank == 0:
+        return lambda: (dist.send(buffer, peer), dist.recv(buffer, peer))
+    if rank == 1:
+        return lambda: (dist.recv(buffer, peer), dist.send(buffer, peer))
+    return lambda: None  # ranks past 1 sit the ping-pong out
+
+
+def _median_seconds(fn: Callable[[], object], clock: Clock, repeats: int) -> float:
+    fn()
+    clock.sync()
+    dist.barrier()
+    samples = []
+    for _ in range(repeats):
+        start = clock.mark()
+        fn()
+        samples.append(clock.seconds(start, clock.mark()))
+    return statistics.median(samples)
+
+
+def _summary(op: str, measured: list[list[float]], world: int) -> dict:
+    factor = bus_factor(op, world)
+    sweep = []
+    for size, seconds in measured:
+        nbytes = size // 4 // world * world * 4 if op == "all_gather" else size
+        seconds = seconds / 2 if op == "p2p" else seconds  # one way of the ping-pong
+        sweep.append({"bytes": nbytes, "seconds": seconds, "algbw": nbytes / seconds,
+                      "busbw": nbytes / seconds * factor})
+    alpha, bandwidth = fit_alpha_beta([(p["bytes"], p["seconds"]) for p in sweep])
+    return {"alpha": alpha, "beta_bandwidth": bandwidth, "bus_factor": factor, "sweep": sweep}
+
+
+def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha, bandwidth) with seconds ≈ alpha + bytes / bandwidth, by least squares on
+    relative error (weights 1/seconds²). A negative intercept is refitted through the
+    origin; if time does not grow with size, the bandwidth is the best measured one."""
+    weights = [1 / s**2 for _, s in points]
+    sw = sum(weights)
+    sx = sum(w * x for w, (x, _) in zip(weights, points, strict=True))
+    sy = sum(w * y for w, (_, y) in zip(weights, points, strict=True))
+    sxx = sum(w * x * x for w, (x, _) in zip(weights, points, strict=True))
+    sxy = sum(w * x * y for w, (x, y) in zip(weights, points, strict=True))
+    denominator = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / denominator if denominator > 0 else 0.0
+    intercept = (sy - slope * sx) / sw
+    if intercept < 0:
+        intercept, slope = 0.0, sxy / sxx
+    bandwidth = 1 / slope if slope > 0 else max(x / y for x, y in points)
+    return intercept, bandwidth

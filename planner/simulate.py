@@ -1,0 +1,215 @@
+"""Event-driven replay of one training step, to cross-check the closed form in
+`planner.solver.timing`.
+
+Every pipeline stage is one device (its tensor-parallel group acts as one). A
+device runs one compute op at a time, in the fixed order its schedule gives
+(`_device_order`), and starts each op as soon as the device is free and the
+op's input has arrived:
+
+- forward of micro-batch i on (virtual) stage k waits for the activation from
+  stage k-1 (the first stage's input is there at time 0);
+- backward of i on stage k waits for the gradient from stage k+1; the last
+  stage's backward waits only for its own forward (the loss is part of it).
+
+Sends are asynchronous: they do not occupy the sending device, but each link
+direction carries one transfer at a time, first come first served. Links are
+separate resources per (pipeline, boundary, direction): boundary b joins
+stage b and stage b+1; with the interleaved schedule boundary S-1 is the
+wrap-around link from the last device back to device 0 (next model chunk).
+Every transfer over boundary b takes `stages[b].send`, in both directions.
+The wrap-around link takes the last stage's `send` if it is positive, else the
+mean `send` of the other boundaries (what the closed form assumes for every
+hop).
+
+Schedules (the per-device order of compute ops):
+
+- GPIPE: forwards of micro-batches 0..m-1, then backwards in reverse order
+  m-1..0 (GPipe/torchgpipe: the last stage starts the backward of the
+  micro-batch it finished last).
+- ONE_F_ONE_B (PipeDream-flush, Megatron's non-interleaved schedule): stage s
+  runs min(m, S-s-1) warm-up forwards, then alternates one forward and one
+  backward, then the remaining backwards; micro-batches in order.
+- INTERLEAVED (Megatron's interleaved 1F1B) with v = `interleave` chunks per
+  device: virtual stage j*S + s (chunk j) lives on device s and costs fwd/v
+  and bwd/v. Micro-batches go in groups of S; within a group the device runs
+  chunk 0 for all S of them, then chunk 1, ... (Megatron's schedule table with
+  `microbatch_group_size_per_vp_stage` = S; backwards visit the chunks in
+  reverse). Warm-up is min(m*v, 2*(S-s-1) + (v-1)*S) forwards, then 1F1B,
+  then cool-down. Requires m % S == 0. With v = 1 it is ONE_F_ONE_B.
+  `interleave` is ignored by the other schedules (as in `pipeline_time`).
+
+After every pipeline's last backward, every device runs the gradient sync
+(`sync` seconds) and then the optimizer step (`optimizer` seconds).
+
+Event kinds:
+
+    "fwd", "bwd"   compute of (pipeline, stage, micro-batch, chunk) on device `stage`
+    "send"         activation over boundary `stage` (from stage to stage+1, or
+                   S-1 to 0 for the wrap-around link); chunk = the sender's chunk
+    "send-grad"    gradient over boundary `stage` (from stage+1 back to stage);
+                   chunk = the sender's chunk
+    "sync", "optimizer"  on every device; micro-batch and chunk are None
+
+`stage` of a transfer is the boundary, i.e. the stage whose `send` it takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.solver.timing import StageTiming
+from planner.types import Schedule
+
+FWD, BWD, SEND, SEND_GRAD, SYNC, OPTIMIZER = "fwd", "bwd", "send", "send-grad", "sync", "optimizer"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval on one device (compute, sync, optimizer) or link (transfers)."""
+
+    pipeline: int
+    stage: int
+    kind: str
+    microbatch: int | None
+    chunk: int | None
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    step_time: float
+    pipeline_times: tuple[float, ...]  # when each pipeline's last backward ends
+    events: tuple[Event, ...]  # every compute and communication interval, sorted by start
+
+
+def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[int], *,
+             schedule: Schedule = Schedule.ONE_F_ONE_B, interleave: int = 1,
+             sync: float = 0.0, optimizer: float = 0.0) -> Simulation:
+    """Replay one training step of the pipelines, each with its number of micro-batches."""
+    _check(pipelines, microbatches, schedule, interleave, sync, optimizer)
+    v = interleave if schedule is Schedule.INTERLEAVED else 1
+    if v == 1 and schedule is Schedule.INTERLEAVED:
+        schedule = Schedule.ONE_F_ONE_B
+    events: list[Event] = []
+    times = []
+    for p, (stages, m) in enumerate(zip(pipelines, microbatches, strict=True)):
+        pipeline_events = _run_pipeline(p, list(stages), m, schedule, v)
+        events += pipeline_events
+        times.append(max(e.end for e in pipeline_events if e.kind == BWD))
+    end = max(times)
+    for p, stages in enumerate(pipelines):
+        for s in range(len(stages)):
+            events.append(Event(p, s, SYNC, None, None, end, end + sync))
+            events.append(Event(p, s, OPTIMIZER, None, None, end + sync, end + sync + optimizer))
+    events.sort(key=lambda e: (e.start, e.end, e.pipeline, e.stage))
+    return Simulation(step_time=end + sync + optimizer, pipeline_times=tuple(times),
+                      events=tuple(events))
+
+
+def _check(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[int],
+           schedule: Schedule, interleave: int, sync: float, optimizer: float) -> None:
+    if not pipelines:
+        raise ValueError("simulate needs at least one pipeline")
+    if len(microbatches) != len(pipelines):
+        raise ValueError(f"got {len(pipelines)} pipelines but {len(microbatches)} "
+                         "micro-batch counts; give one count per pipeline")
+    if interleave < 1:
+        raise ValueError(f"interleave must be >= 1, got {interleave}")
+    if sync < 0 or optimizer < 0:
+        raise ValueError(f"sync and optimizer times must be >= 0, got {sync} and {optimizer}")
+    for p, (stages, m) in enumerate(zip(pipelines, microbatches, strict=True)):
+        if not stages:
+            raise ValueError(f"pipeline {p} has no stages")
+        if m < 1:
+            raise ValueError(f"pipeline {p} needs at least 1 micro-batch, got {m}")
+        if schedule is Schedule.INTERLEAVED and interleave > 1 and m % len(stages):
+            raise ValueError(
+                f"pipeline {p}: the interleaved schedule needs the number of micro-batches "
+                f"({m}) to be a multiple of the number of stages ({len(stages)})")
+        for s, st in enumerate(stages):
+            if min(st.fwd, st.bwd, st.send) < 0:
+                raise ValueError(f"pipeline {p} stage {s}: negative time in {st}")
+
+
+def _device_order(schedule: Schedule, num_stages: int, s: int, m: int, v: int
+                  ) -> list[tuple[str, int, int]]:
+    """The compute ops of device s in the order it runs them: (kind, micro-batch, chunk)."""
+    if schedule is Schedule.GPIPE:
+        return [(FWD, i, 0) for i in range(m)] + [(BWD, i, 0) for i in reversed(range(m))]
+    if v == 1:
+        table = [(i, 0) for i in range(m)]
+        warmup = min(m, num_stages - s - 1)
+    else:
+        table = [(g + i, j) for g in range(0, m, num_stages) for j in range(v)
+                 for i in range(num_stages)]
+        warmup = min(m * v, 2 * (num_stages - s - 1) + (v - 1) * num_stages)
+    fwd = [(FWD, i, j) for i, j in table]
+    bwd = [(BWD, i, v - 1 - j) for i, j in table]
+    order = fwd[:warmup]
+    for k in range(len(fwd) - warmup):
+        order += [fwd[warmup + k], bwd[k]]
+    return order + bwd[len(bwd) - warmup:]
+
+
+def _run_pipeline(p: int, stages: list[StageTiming], m: int, schedule: Schedule, v: int
+                  ) -> list[Event]:
+    """List scheduler: each device takes its next op as soon as the op's input is known.
+
+    A link direction only carries the outputs of one device, produced in that
+    device's order, so booking transfers as the ops are placed keeps the links
+    first come first served.
+    """
+    num = len(stages)
+    last = num * v - 1  # last virtual stage
+    others = [st.send for st in stages[:-1]]
+    wrap = stages[-1].send if stages[-1].send > 0 else sum(others) / max(1, len(others))
+    cost = [st.send for st in stages[:-1]] + [wrap]
+    orders = [_device_order(schedule, num, s, m, v) for s in range(num)]
+    nxt = [0] * num  # index of each device's next op
+    free = [0.0] * num  # when each device is free
+    link_free: dict[tuple[int, str], float] = {}
+    fwd_end: dict[tuple[int, int], float] = {}  # (virtual stage, micro-batch) -> time
+    arrived: dict[tuple[str, int, int], float] = {}  # input of (kind, virtual stage, mb)
+    events: list[Event] = []
+
+    def transfer(kind: str, boundary: int, i: int, chunk: int, ready: float) -> float:
+        start = max(ready, link_free.get((boundary, kind), 0.0))
+        end = start + cost[boundary]
+        link_free[(boundary, kind)] = end
+        events.append(Event(p, boundary, kind, i, chunk, start, end))
+        return end
+
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(num):
+            while nxt[s] < len(orders[s]):
+                kind, i, j = orders[s][nxt[s]]
+                k = j * num + s
+                if kind == FWD:
+                    ready = 0.0 if k == 0 else arrived.get((FWD, k, i))
+                elif k == last:
+                    ready = fwd_end.get((k, i))
+                else:
+                    ready = arrived.get((BWD, k, i))
+                if ready is None or (kind == BWD and (k, i) not in fwd_end):
+                    break
+                start = max(free[s], ready)
+                dur = (stages[s].fwd if kind == FWD else stages[s].bwd) / v
+                free[s] = start + dur
+                events.append(Event(p, s, kind, i, j, start, free[s]))
+                if kind == FWD:
+                    fwd_end[(k, i)] = free[s]
+                    if k < last:
+                        arrived[(FWD, k + 1, i)] = transfer(SEND, s, i, j, free[s])
+                elif k > 0:
+                    boundary = (k - 1) % num
+                    arrived[(BWD, k - 1, i)] = transfer(SEND_GRAD, boundary, i, j, free[s])
+                nxt[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for the schedules above
+            raise RuntimeError(f"pipeline {p}: the {schedule.value} schedule deadlocked")
+    return events

@@ -1,0 +1,131 @@
+"""Find the fastest plan for a model on a (heterogeneous) cluster.
+
+    plans = solve(model_graph, cluster, TrainingSpec(global_batch=512, seq_len=2048))
+    plans[0].prediction.step_time, plans[0].solver.gap
+
+The search (`search.py`) runs on a cost table (`table.py`) built from the cost
+model; `partition.py` splits layers exactly, `evaluate.py` prices structures,
+`bounds.py` gives a lower bound on any plan, `build.py` turns the result into a
+Plan whose predictions `predict.py` computes, and `baselines.py` prices what the
+same job costs without heterogeneity-aware planning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cost_models.model import AnalyticalCostModel, CostModel
+from planner.errors import PlannerError
+from planner.solver.baselines import baselines
+from planner.solver.bounds import lower_bound
+from planner.solver.build import from_evaluation
+from planner.solver.diagnose import diagnose
+from planner.solver.evaluate import Space
+from planner.solver.search import SEARCH_SPACE, Limits, search
+from planner.solver.table import build_table
+from planner.types import ClusterSpec, ModelGraph, Plan, SolverReport, TrainingSpec
+
+__all__ = ["Limits", "SolveOptions", "Space", "solve"]
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    limits: Limits = field(default_factory=Limits)
+    space: Space = field(default_factory=Space)
+    exclude: tuple[str, ...] = ()  # node names not to use
+    top_k: int = 1
+    gap: float = 0.005  # stop when no structure can be this much faster
+    time_limit: float | None = None
+    tps: tuple[int, ...] = (1, 2, 4, 8, 16)
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    with_baselines: bool = True
+
+
+def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
+           options: SolveOptions) -> ClusterSpec:
+    if training.global_batch < 1:
+        raise PlannerError("bad-option", f"--global-batch must be positive (got "
+                           f"{training.global_batch}).")
+    unknown = [n for n in options.exclude if n not in {x.name for x in cluster.nodes}]
+    if unknown:
+        raise PlannerError("bad-option", f"--exclude names node {unknown[0]!r}, which cluster "
+                           f"{cluster.name} does not have.",
+                           [f"use one of {', '.join(n.name for n in cluster.nodes)}"])
+    used = dataclasses.replace(cluster, nodes=tuple(n for n in cluster.nodes
+                                                    if n.name not in options.exclude))
+    if not used.nodes:
+        raise PlannerError("no-devices", "Every node is excluded: the cluster has no usable "
+                           "device.", ["drop some --exclude options"])
+    limits = options.limits
+    biggest = max(n.devices for n in used.nodes)
+    tp = limits.tp
+    if tp is not None and not any(n.devices % tp == 0 for n in used.nodes):
+        raise PlannerError(
+            "bad-option", f"--tp {tp} cannot be used: tensor parallelism stays inside a node, "
+            f"and the nodes have {sorted({n.devices for n in used.nodes})} devices.",
+            [f"use --tp {max(t for t in options.tps if t <= biggest)} or less"])
+    if tp is not None and limits.max_tp is not None and tp > limits.max_tp:
+        raise PlannerError("bad-option", f"--tp {tp} contradicts --max-tp {limits.max_tp}.",
+                           ["drop one of them"])
+    if limits.pp is not None and limits.pp > len(model.layers):
+        raise PlannerError("bad-option", f"--pp {limits.pp} is more stages than the model has "
+                           f"layers ({len(model.layers)}).", [f"use --pp {len(model.layers)} "
+                                                              "or less"])
+    mb = limits.micro_batch
+    if mb is not None and training.global_batch % mb:
+        raise PlannerError("bad-option", f"--micro-batch {mb} does not divide the global batch "
+                           f"{training.global_batch}.", ["pick a divisor of the global batch"])
+    if limits.dp is not None and limits.dp > training.global_batch:
+        raise PlannerError("bad-option", f"--dp {limits.dp} pipelines cannot share a global "
+                           f"batch of {training.global_batch}.", ["lower --dp"])
+    return used
+
+
+def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
+          options: SolveOptions | None = None, *, costs: CostModel | None = None,
+          progress: Callable[[int], None] | None = None) -> list[Plan]:
+    """The best `top_k` plans, best first; each carries its solver report, the first
+    also the baselines."""
+    options = options or SolveOptions()
+    used = _check(model, cluster, training, options)
+    costs = costs or AnalyticalCostModel(cluster)
+    tps = [t for t in options.tps if options.limits.max_tp is None
+           or t <= options.limits.max_tp]
+    table = build_table(model.layers, used, training, costs, tps=tps,
+                        micro_batches=options.micro_batches)
+    try:
+        result = search(table, training.global_batch, limits=options.limits,
+                        space=options.space, top_k=options.top_k, gap=options.gap,
+                        time_limit=options.time_limit, progress=progress)
+    except PlannerError as exc:
+        if exc.kind != "infeasible":
+            raise
+        raise diagnose(model.layers, used, training, costs) from None
+    floor = lower_bound(table, training.global_batch)
+    plans = []
+    for evaluation in result.best:
+        objective = evaluation.step_time
+        report = SolverReport(
+            status=result.status, objective=objective, best_bound=min(result.bound, objective),
+            gap=(objective - min(result.bound, objective)) / objective,
+            wall_time=result.wall_time, lower_bound=floor, explored=result.explored,
+            pruned=result.pruned, search_space=SEARCH_SPACE)
+        plans.append(from_evaluation(evaluation, model=model.spec, training=training,
+                                     cluster=cluster, layers=model.layers, costs=costs,
+                                     solver=report))
+    if options.with_baselines:
+        plans[0] = dataclasses.replace(plans[0], baselines=baselines(
+            layers=model.layers, model=model.spec, cluster=used, training=training,
+            costs=costs, fastest_alone=lambda alone: _alone(model, alone, training, options)))
+    return plans
+
+
+def _alone(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
+           options: SolveOptions) -> Plan | None:
+    try:
+        return solve(model, cluster, training,
+                     dataclasses.replace(options, top_k=1, with_baselines=False, exclude=()))[0]
+    except PlannerError:
+        return None

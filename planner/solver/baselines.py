@@ -1,0 +1,84 @@
+"""What the same job costs without heterogeneity-aware planning, on the same cost model.
+
+  data-parallel     every device holds the whole model, shares of the batch even
+  uniform           the best Megatron-style TP x PP x DP recipe: even layer split,
+                    even shares, devices in cluster-file order (what a planner that
+                    assumes identical GPUs can do at best)
+  fastest-type      the best plan using only the fastest device type
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+from cost_models.model import CostModel
+from planner.errors import PlannerError
+from planner.solver.uniform import overflows, uniform_plan
+from planner.types import Baseline, ClusterSpec, Layer, ModelSpec, Plan, TrainingSpec
+from planner.types.training import Recompute
+
+# memory savers in order of cost: the first that fits is the fastest
+_SAVERS = [(Recompute.NONE, 0), (Recompute.NONE, 1), (Recompute.NONE, 2),
+           (Recompute.SELECTIVE, 2), (Recompute.FULL, 2), (Recompute.FULL, 3)]
+
+
+def _best(candidates: Sequence[Callable[[Recompute, int], Plan]]) -> Plan | None:
+    """The fastest plan over candidates, each with the cheapest memory saver that fits."""
+    best = None
+    for make in candidates:
+        for recompute, zero in _SAVERS:
+            try:
+                plan = make(recompute, zero)
+            except PlannerError:
+                break
+            if overflows(plan):
+                continue
+            if best is None or plan.prediction.step_time < best.prediction.step_time:
+                best = plan
+            break
+    return best
+
+
+def _powers(limit: int) -> list[int]:
+    return [2**i for i in range(8) if 2**i <= limit]
+
+
+def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec,
+              training: TrainingSpec, costs: CostModel,
+              fastest_alone: Callable[[ClusterSpec], Plan | None]) -> tuple[Baseline, ...]:
+    common = dict(layers=layers, model=model, cluster=cluster, training=training, costs=costs)
+    micro = [m for m in (1, 2, 4, 8) if training.global_batch % m == 0]
+    out = []
+    dp_plan = _best([
+        (lambda r, z, mb=mb: uniform_plan(**common, tp=1, pp=1, dp=cluster.num_devices,
+                                          micro_batch=mb, recompute=r, zero=z))
+        for mb in micro])
+    out.append(_baseline("data-parallel", "every device a replica, even batch shares", dp_plan,
+                         "the model does not fit one device of every type"))
+    biggest = max(n.devices for n in cluster.nodes)
+    uniform = _best([
+        (lambda r, z, tp=tp, pp=pp, mb=mb: uniform_plan(
+            **common, tp=tp, pp=pp, micro_batch=mb, recompute=r, zero=z))
+        for tp, pp, mb in itertools.product(_powers(biggest), _powers(min(len(layers), 64)),
+                                            micro[:3])])
+    out.append(_baseline("uniform", "best Megatron-style TP x PP x DP recipe: even layers, "
+                         "even shares, devices in file order", uniform,
+                         "no uniform recipe fits in memory"))
+    fastest = max(cluster.device_types().values(), key=lambda d: d.flops(training.dtype))
+    alone = dataclasses.replace(cluster, nodes=tuple(n for n in cluster.nodes
+                                                     if n.device.name == fastest.name))
+    out.append(_baseline("fastest-type", f"the best plan on the {fastest.name} devices alone",
+                         fastest_alone(alone), f"the model does not fit the {fastest.name} "
+                         "devices alone"))
+    return tuple(out)
+
+
+def _baseline(name: str, description: str, plan: Plan | None, reason: str) -> Baseline:
+    if plan is None:
+        return Baseline(name=name, description=description, prediction=None, reason=reason)
+    shape = plan.pipelines[0]
+    detail = (f" (tp {shape.stages[0].tp}, pp {len(shape.stages)}, dp {len(plan.pipelines)}, "
+              f"micro-batch {shape.micro_batch})")
+    return Baseline(name=name, description=description + detail, prediction=plan.prediction)

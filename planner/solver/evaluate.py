@@ -1,0 +1,229 @@
+"""The objective: step time of a structure, given each class's split.
+
+    step = max over pipelines p of T_p(m_p)  +  gradient sync  +  optimizer step
+
+Micro-batches m_p >= 1 (sum: global batch / micro-batch size) go greedily to
+the pipeline whose time grows least, which minimises the maximum for any
+non-decreasing T_p (HAP's uneven shares). Gradient sync: each stage's
+gradients are all-reduced (ZeRO-1/2: reduce-scattered and gathered, the same
+volume) among every pipeline that holds its first layer, on the nodes those
+pipelines hold it on; ZeRO-3 stages already reduce-scatter per micro-batch.
+The optimizer step updates each device's share of its stage's parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cost_models.comm import Collective, CommGroup
+from planner.solver.partition import (
+    ZERO_GATHER_REF,
+    ClassResult,
+    Split,
+    class_costs,
+    frontier,
+    optimize,
+)
+from planner.solver.structure import ClassShape, Placement, Slot, place
+from planner.solver.table import CostTable
+from planner.types import LinkSpec, Schedule
+from planner.types.training import Recompute
+
+
+@dataclass(frozen=True)
+class Config:
+    tp: int
+    mb: int
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+
+
+@dataclass(frozen=True)
+class Space:
+    """Choices the search may make besides structure (the user can narrow them)."""
+
+    policies: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+    zeros: tuple[int, ...] = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A fully priced structure."""
+
+    config: Config
+    shapes: tuple[ClassShape, ...]
+    placement: Placement
+    splits: tuple[Split, ...]  # one per class
+    microbatches: tuple[tuple[int, ...], ...]  # per class, per pipeline
+    pipeline_times: tuple[tuple[float, ...], ...]
+    sync: float
+    optimizer: float
+
+    @property
+    def step_time(self) -> float:
+        return max(max(times) for times in self.pipeline_times) + self.sync + self.optimizer
+
+
+def class_links(table: CostTable, slots: Sequence[Sequence[Slot]]) -> list[LinkSpec]:
+    """The slowest link at each stage boundary over a class's pipelines."""
+    out = []
+    for s in range(len(slots[0]) - 1):
+        links = [table.link(p[s].node, p[s + 1].node) for p in slots]
+        out.append(links[0].slowest(*links[1:]))
+    return out
+
+
+def zero_gathers(table: CostTable, slots: Sequence[Sequence[Slot]]
+                 ) -> list[tuple[float, float]]:
+    """Per stage, a ZeRO-3 all-gather among the class's pipelines (on their nodes) of
+    1 byte and of ZERO_GATHER_REF bytes."""
+    out = []
+    for s in range(len(slots[0])):
+        group = CommGroup.of([p[s].node for p in slots])
+        out.append((table.collective(Collective.ALL_GATHER, 1.0, group),
+                    table.collective(Collective.ALL_GATHER, ZERO_GATHER_REF, group)))
+    return out
+
+
+def class_result(table: CostTable, shape: ClassShape, config: Config, space: Space,
+                 slots: Sequence[Sequence[Slot]]) -> ClassResult | None:
+    """The class's best split (cached by everything its prices depend on)."""
+    links, gathers = tuple(class_links(table, slots)), tuple(zero_gathers(table, slots))
+    key = ("class", shape, config, space, links, gathers)
+    if key not in table.cache:
+        table.cache[key] = optimize(class_costs(
+            table, shape.types, tp=config.tp, mb=config.mb, n=shape.n, links=links,
+            gathers=gathers, schedule=config.schedule, policies=space.policies,
+            zeros=space.zeros))
+    return table.cache[key]
+
+
+def shares(lines: Sequence[tuple[int, float, float]], total: int) -> list[int] | None:
+    """Micro-batches per pipeline minimising the slowest pipeline's time.
+
+    lines: (pipeline count, bottleneck b, fill c) per class, a pipeline taking
+    T(m) = (m - 1) b + c for m micro-batches. Returns every pipeline's count in
+    order (each at least one), or None if there are fewer micro-batches than
+    pipelines. The optimum t* is the smallest time by which the pipelines can
+    finish `total` micro-batches (a pipeline finishes 1 + floor((t - c) / b) by
+    t); identical pipelines share a class's micro-batches as evenly as possible."""
+    pipelines = sum(count for count, _, _ in lines)
+    if total < pipelines:
+        return None
+
+    def capacity(t: float, b: float, c: float) -> int:
+        return 0 if t < c else min(total, 1 + int((t - c) / b + 1e-9))
+
+    def done(t: float) -> int:
+        return sum(n * capacity(t, b, c) for n, b, c in lines)
+
+    low = max(c for _, _, c in lines)
+    high = max(c + (total - pipelines) * b for _, b, c in lines)
+    while high - low > 1e-12 * high:
+        mid = (low + high) / 2
+        if done(mid) >= total:
+            high = mid
+        else:
+            low = mid
+    counts = [[max(1, capacity(high, b, c))] * n for n, b, c in lines]
+    excess = sum(map(sum, counts)) - total
+    while excess > 0:  # take micro-batches back from the slowest pipelines
+        j = max((j for j, row in enumerate(counts) if max(row) > 1),
+                key=lambda j: (max(counts[j]) - 1) * lines[j][1] + lines[j][2])
+        row = counts[j]
+        row[row.index(max(row))] -= 1
+        excess -= 1
+    return [m for row in counts for m in row]
+
+
+def _holder_nodes(placement: Placement, splits: Sequence[Split], layer: int) -> list[str]:
+    nodes = []
+    for slots, split in zip(placement, splits, strict=True):
+        stage = next(s for s in range(len(split.bounds) - 1)
+                     if split.bounds[s] <= layer < split.bounds[s + 1])
+        nodes.extend(p[stage].node for p in slots)
+    return nodes
+
+
+def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassShape],
+                       placement: Placement, splits: Sequence[Split]) -> tuple[float, float]:
+    sync = opt = 0.0
+    for shape, split in zip(shapes, splits, strict=True):
+        for s in range(shape.stages):
+            a, b = split.bounds[s], split.bounds[s + 1]
+            params = float(table.params[a:b].sum())
+            zero = split.options[s].zero
+            if zero < 3:
+                group = CommGroup.of(_holder_nodes(placement, splits, a))
+                sync = max(sync, table.collective(Collective.ALL_REDUCE,
+                                                  params * table.grad_bytes, group))
+            local = params / config.tp / (shape.n if zero >= 1 else 1)
+            opt = max(opt, table.optimizer_time(shape.types[s], local))
+    return sync, opt
+
+
+def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
+             placement: Placement, splits: Sequence[Split], microbatches: int
+             ) -> Evaluation | None:
+    """Price a structure whose classes use the given splits."""
+    counts = shares([(shape.n, split.bottleneck, split.total) for shape, split in zip(
+        shapes, splits, strict=True)], microbatches)
+    if counts is None:
+        return None
+    it = iter(counts)
+    per_class = tuple(tuple(next(it) for _ in range(shape.n)) for shape in shapes)
+    times = tuple(tuple(split.time(m) for m in ms) for split, ms in zip(splits, per_class,
+                                                                        strict=True))
+    sync, opt = sync_and_optimizer(table, config, shapes, placement, splits)
+    return Evaluation(config=config, shapes=shapes, placement=placement, splits=tuple(splits),
+                      microbatches=per_class, pipeline_times=times, sync=sync, optimizer=opt)
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A structure with its classes' first splits (an achievable plan) and bounds."""
+
+    config: Config
+    shapes: tuple[ClassShape, ...]
+    placement: Placement
+    results: tuple[ClassResult, ...]
+    upper: Evaluation
+    lower: float  # no choice of splits makes this structure faster
+
+
+def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassShape, ...],
+          microbatches: int) -> Priced | None:
+    """Price a structure with each class's smallest-bottleneck split, and bound it."""
+    placement = place(table, shapes, config.tp)
+    if placement is None:
+        return None
+    results = []
+    for shape, slots in zip(shapes, placement, strict=True):
+        result = class_result(table, shape, config, space, slots)
+        if result is None:
+            return None
+        results.append(result)
+    upper = evaluate(table, config, shapes, placement, [r.first for r in results],
+                     microbatches)
+    if upper is None:
+        return None
+    counts = shares([(shape.n, r.min_period, r.floor) for shape, r in zip(
+        shapes, results, strict=True)], microbatches)
+    lower = max(r.lower(m) for r, m in zip(
+        [r for shape, r in zip(shapes, results, strict=True) for _ in range(shape.n)],
+        counts, strict=True))
+    return Priced(config=config, shapes=shapes, placement=placement, results=tuple(results),
+                  upper=upper, lower=lower)
+
+
+def refine(table: CostTable, priced: Priced, microbatches: int) -> Evaluation:
+    """The structure's exact best: every combination of each class's frontier splits."""
+    fronts = [frontier(r) for r in priced.results]
+    best = priced.upper
+    for combo in itertools.product(*fronts):
+        candidate = evaluate(table, priced.config, priced.shapes, priced.placement, combo,
+                             microbatches)
+        if candidate is not None and candidate.step_time < best.step_time:
+            best = candidate
+    return best

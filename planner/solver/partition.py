@@ -1,0 +1,312 @@
+"""Exact layer split of one pipeline class: contiguous, uneven ranges per stage, with
+each stage's recompute policy and ZeRO stage chosen as the fastest that fits.
+
+For a pipeline of S stages of given device types (and links between them), a
+split b_0 = 0 < b_1 < ... < b_S = L gives each stage s the layers [b_s, b_s+1)
+and per micro-batch a busy time t_s (forward + backward + recompute + ZeRO-3
+gathers) and a send time c_s. Its time for m micro-batches is
+
+    T(m) = (m - 1) * max_s h_s + sum_s w_s,   h_s = max(t_s, c_s),  w_s = t_s + 2 c_s
+
+For a bottleneck bound M, G(M) = min sum_s w_s over splits with every h_s <= M
+is a dynamic program over (stage, boundary) [Alpa, Metis]; G is a
+non-increasing step function of M, and T(m) is the lower envelope of
+(m - 1) * M + G(M) over its steps. `optimize` finds the first step (the
+smallest feasible bottleneck M0) and G's floor G(inf), which bound T(m) from
+both sides; `frontier` lists every step, which makes T(m) exact.
+
+Memory of stage s (position s holds in-flight micro-batches of the schedule)
+must fit: states sharded by ZeRO over the class's n pipelines, activations by
+recompute policy, plus the framework reserve.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.solver.table import POLICIES, CostTable
+from planner.solver.timing import StageTiming, in_flight
+from planner.types import LinkSpec, Schedule
+from planner.types.training import Recompute
+
+INF = float("inf")
+ZERO_GATHER_REF = 2.0**30  # bytes; ZeRO-3 gathers are priced affinely from two points
+
+
+@dataclass(frozen=True)
+class Option:
+    recompute: Recompute
+    zero: int
+
+
+@dataclass(frozen=True)
+class Split:
+    """A layer split and what it costs."""
+
+    bounds: tuple[int, ...]  # b_0 = 0 < ... < b_S = L
+    options: tuple[Option, ...]
+    stages: tuple[StageTiming, ...]
+    bottleneck: float  # max_s h_s
+    total: float  # sum_s w_s
+
+    def time(self, m: int) -> float:
+        return (m - 1) * self.bottleneck + self.total
+
+
+@dataclass
+class ClassCosts:
+    """The per-stage matrices of one class, and the dynamic program over them."""
+
+    busy: list[np.ndarray]  # [s][b', b]: busy seconds (inf: infeasible)
+    option: list[np.ndarray]  # [s][b', b]: index into `options`
+    send: list[np.ndarray]  # [s][b]: one-way send seconds after layer b - 1
+    options: tuple[Option, ...]
+    parts: dict  # per-stage sums for rebuilding StageTiming
+    links: tuple  # what each stage's send depends on (None for the last stage)
+    _hw: dict = field(default_factory=dict, repr=False)  # shared between classes
+
+    @property
+    def stages(self) -> int:
+        return len(self.busy)
+
+    def h_w(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """h = max(busy, send) and w = busy + 2 send, per layer range [a, b)."""
+        key = (id(self.busy[s]), self.links[s])
+        if key not in self._hw:
+            send = self.send[s][None, :]
+            self._hw[key] = (np.maximum(self.busy[s], send), self.busy[s] + 2 * send)
+        return self._hw[key]
+
+    def solve(self, bound: float) -> tuple[float, list[np.ndarray]]:
+        """G(bound) and the argmin tables to rebuild the split."""
+        size = self.busy[0].shape[0]
+        g = np.full(size, INF)
+        g[0] = 0.0
+        choices = []
+        for s in range(self.stages):
+            h, w = self.h_w(s)
+            total = g[:, None] + np.where(h <= bound, w, INF)
+            arg = total.argmin(axis=0)
+            g = total[arg, np.arange(size)]
+            choices.append(arg)
+        return float(g[-1]), choices
+
+    def min_bottleneck(self) -> float:
+        """The smallest achievable max_s h_s (a min-max dynamic program)."""
+        size = self.busy[0].shape[0]
+        g = np.full(size, INF)
+        g[0] = 0.0
+        for s in range(self.stages):
+            h, _ = self.h_w(s)
+            g = np.maximum(g[:, None], h).min(axis=0)
+        return float(g[-1])
+
+    def split(self, choices: list[np.ndarray]) -> Split:
+        bounds = [self.busy[0].shape[0] - 1]
+        for s in range(self.stages - 1, -1, -1):
+            bounds.append(int(choices[s][bounds[-1]]))
+        bounds.reverse()
+        options, stages, hs, ws = [], [], [], []
+        for s in range(self.stages):
+            a, b = bounds[s], bounds[s + 1]
+            option = self.options[int(self.option[s][a, b])]
+            p = self.parts[s]
+            option = Option(option.recompute, p["least_zero"](option, a, b))
+            send = float(self.send[s][b])
+            gather = float(p["gather"][a, b]) if option.zero == 3 else 0.0
+            fwd = p["fwd"][b] - p["fwd"][a] + gather  # ZeRO-3: gather weights for forward,
+            bwd = (p["bwd"][b] - p["bwd"][a] + p["rec"][option.recompute][b]  # and again
+                   - p["rec"][option.recompute][a] + 2 * gather)  # and reduce-scatter grads
+            stages.append(StageTiming(
+                fwd=float(fwd), bwd=float(bwd),
+                tp_fwd=float(p["tp_fwd"][b] - p["tp_fwd"][a]),
+                tp_bwd=float(p["tp_bwd"][b] - p["tp_bwd"][a]),
+                recompute=float(p["rec"][option.recompute][b] - p["rec"][option.recompute][a]),
+                send=send))
+            options.append(option)
+            hs.append(max(stages[-1].busy, send))
+            ws.append(stages[-1].busy + 2 * send)
+        total = sum(ws)  # the round trip over S bounds the period too (see timing.py)
+        return Split(bounds=tuple(bounds), options=tuple(options), stages=tuple(stages),
+                     bottleneck=max(max(hs), total / len(stages)), total=total)
+
+
+def _prefixes(table: CostTable, kind: str, tp: int, mb: int) -> tuple:
+    """Prefix sums of a type's per-layer times and their [a, b) range matrices (cached)."""
+    key = ("prefixes", kind, tp, mb)
+    if key not in table.cache:
+        costs = table.costs(kind, tp, mb)
+        prefix = {name: np.concatenate([[0.0], np.cumsum(getattr(costs, name))])
+                  for name in ("fwd", "bwd", "tp_fwd", "tp_bwd")}
+        rec = {p: np.concatenate([[0.0], np.cumsum(costs.recompute[p])]) for p in POLICIES}
+        rec_range = {p: rec[p][None, :] - rec[p][:, None] for p in POLICIES}
+        busy = prefix["fwd"] + prefix["bwd"]
+        table.cache[key] = (prefix, rec, rec_range, busy[None, :] - busy[:, None])
+    return table.cache[key]
+
+
+def _options(n: int, policies: Sequence[Recompute], zeros: Sequence[int]) -> tuple[Option, ...]:
+    """ZeRO-1 and -2 cost no time, so stages are priced with the most sharded of {0, 1, 2}
+    allowed (and ZeRO-3); `Split` reports the least sharded level that fits."""
+    cheap = max((z for z in zeros if z <= 2 and (z == 0 or n > 1)), default=None)
+    levels = [z for z in (cheap, 3 if 3 in zeros and n > 1 else None) if z is not None]
+    return tuple(Option(p, z) for p in policies for z in levels)
+
+
+def _memory_terms(table: CostTable, tp: int, mb: int, n: int, zeros: Sequence[int]) -> tuple:
+    """[a, b) range matrices: parameters per device, states per ZeRO level, activations
+    per policy (per micro-batch in flight), and the largest single layer's activations."""
+    key = ("memory", tp, mb, n, tuple(zeros))
+    if key not in table.cache:
+        size = table.num_layers + 1
+        params = np.concatenate([[0.0], np.cumsum(table.params)]) / tp
+        range_params = params[None, :] - params[:, None]
+        state = {z: range_params * (table.weight_bytes / (n if z >= 3 else 1)
+                                    + table.grad_bytes / (n if z >= 2 else 1)
+                                    + table.state_bytes / (n if z >= 1 else 1))
+                 for z in zeros if z == 0 or n > 1}
+        acts = {}
+        for p in POLICIES:
+            prefix = np.concatenate([[0.0], np.cumsum(table.activations(p, tp))]) * mb
+            acts[p] = prefix[None, :] - prefix[:, None]
+        none_act = table.activations(Recompute.NONE, tp) * mb
+        range_max = np.zeros((size, size))
+        for a in range(size - 1):
+            range_max[a, a + 1:] = np.maximum.accumulate(none_act[a:])
+        valid = np.triu(np.ones((size, size), dtype=bool), 1)
+        table.cache[key] = (range_params, state, acts, range_max, valid)
+    return table.cache[key]
+
+
+def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: float,
+           gather: tuple[float, float], policies: Sequence[Recompute], zeros: Sequence[int]
+           ) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Busy time and option of every layer range [a, b) as one stage (cached)."""
+    key = ("stage", kind, tp, mb, n, flight, gather if n > 1 else None, tuple(policies),
+           tuple(zeros))
+    if key in table.cache:
+        return table.cache[key]
+    info = table.type(kind)
+    prefix, rec, rec_range, base = _prefixes(table, kind, tp, mb)
+    range_params, state, acts, range_max, valid = _memory_terms(table, tp, mb, n, zeros)
+    options = _options(n, policies, zeros)
+    # each of the tp ranks gathers its shard; together they move the whole stage
+    weight_bytes = range_params * tp * table.weight_bytes
+    gathers = (gather[0] + (gather[1] - gather[0]) * weight_bytes / ZERO_GATHER_REF) * (
+        weight_bytes > 0)
+    zero_time = {z: (gathers if z == 3 else 0.0) for z in (0, 1, 2, 3)}
+    busy = np.full(base.shape, INF)
+    choice = np.zeros(base.shape, dtype=np.int16)
+    for i, option in enumerate(options):
+        memory = state[option.zero] + acts[option.recompute] * flight
+        if option.recompute is Recompute.FULL:
+            memory = memory + range_max
+        t = base + rec_range[option.recompute] + 3 * zero_time[option.zero]
+        better = valid & (memory + info.reserve <= info.memory) & (t < busy)
+        busy = np.where(better, t, busy)
+        choice = np.where(better, i, choice)
+
+    def least_zero(option: Option, a: int, b: int) -> int:
+        if option.zero == 3:
+            return 3
+        used = acts[option.recompute][a, b] * flight + (
+            range_max[a, b] if option.recompute is Recompute.FULL else 0.0)
+        return next(z for z in sorted(state) if z <= option.zero
+                    and state[z][a, b] + used + info.reserve <= info.memory)
+
+    parts = {**prefix, "rec": rec, "gather": gathers, "options": options,
+             "least_zero": least_zero}
+    table.cache[key] = (busy, choice, parts)
+    return table.cache[key]
+
+
+def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: int,
+                links: Sequence[LinkSpec], gathers: Sequence[tuple[float, float]],
+                schedule: Schedule, policies: Sequence[Recompute], zeros: Sequence[int]
+                ) -> ClassCosts:
+    """Matrices of busy time, option choice and send time for every stage position.
+
+    gathers[s]: seconds of a ZeRO-3 all-gather among the class's pipelines at stage s
+    of 1 byte and of ZERO_GATHER_REF bytes (gathers are priced affinely between)."""
+    boundary = np.concatenate([[0.0], table.boundary]) * mb
+    busy_all, option_all, send_all, parts_all = [], [], [], []
+    for s, kind in enumerate(types):
+        busy, choice, parts = _stage(
+            table, kind, tp=tp, mb=mb, n=n, flight=in_flight(s, len(types), 10**9, schedule),
+            gather=tuple(gathers[s]), policies=policies, zeros=zeros)
+        last = s == len(types) - 1
+        busy_all.append(busy)
+        option_all.append(choice)
+        send_all.append(np.zeros_like(boundary) if last else
+                        links[s].latency + boundary / links[s].bandwidth)
+        parts_all.append(parts)
+    hw = table.cache.setdefault(("h_w", mb), {})
+    return ClassCosts(busy=busy_all, option=option_all, send=send_all,
+                      options=_options(n, policies, zeros), parts=parts_all,
+                      links=(*links, None), _hw=hw)
+
+
+@dataclass(frozen=True)
+class ClassResult:
+    """The first step of G (smallest bottleneck) and G's floor."""
+
+    costs: ClassCosts
+    first: Split
+    floor: float  # G(inf): no split has a smaller sum_s w_s
+    smallest_max: float  # M0: no split has a smaller max_s h_s
+
+    @property
+    def min_period(self) -> float:
+        """No split of this class has a shorter period."""
+        return max(self.smallest_max, self.floor / self.costs.stages)
+
+    def lower(self, m: int) -> float:
+        """No split of this class runs m micro-batches faster."""
+        return (m - 1) * self.min_period + self.floor
+
+
+def optimize(costs: ClassCosts) -> ClassResult | None:
+    """The smallest feasible bottleneck and its cheapest split, or None if nothing fits."""
+    bottleneck = costs.min_bottleneck()
+    if not np.isfinite(bottleneck):
+        return None
+    _, choices = costs.solve(bottleneck)
+    floor, _ = costs.solve(INF)
+    return ClassResult(costs=costs, first=costs.split(choices), floor=floor,
+                       smallest_max=bottleneck)
+
+
+def frontier(result: ClassResult) -> list[Split]:
+    """Every step of G: the splits whose (bottleneck, total) make T(m) exact for all m."""
+    costs = result.costs
+    hs = [costs.h_w(s)[0] for s in range(costs.stages)]
+    cands = np.unique(np.concatenate([h[np.isfinite(h)] for h in hs]))
+    points = [result.first]
+    largest_h = result.smallest_max
+    while points[-1].total > result.floor + 1e-12:
+        current = points[-1]
+        lo = bisect.bisect_right(cands, largest_h)
+        hi = len(cands) - 1
+        if lo > hi:
+            break
+        while lo < hi:  # smallest bound whose G is below the current total
+            mid = (lo + hi) // 2
+            if costs.solve(float(cands[mid]))[0] < current.total - 1e-12:
+                hi = mid
+            else:
+                lo = mid + 1
+        largest_h = float(cands[lo])
+        g, choices = costs.solve(largest_h)
+        if not g < current.total - 1e-12:
+            break
+        points.append(costs.split(choices))
+    return points
+
+
+def best_time(points: Sequence[Split], m: int) -> tuple[float, Split]:
+    split = min(points, key=lambda p: p.time(m))
+    return split.time(m), split

@@ -1,0 +1,146 @@
+"""Predictions for a concrete plan: per-stage timings, step time by cause, memory.
+
+This prices a `Plan` (from the solver, `estimate`, a baseline or a plan file)
+with the cost model, by the same rules the search uses on its cost table:
+
+  * a stage's busy time is its layers' forward and backward, tensor-parallel
+    all-reduces inside its node, recomputation, and for ZeRO-3 three gathers of
+    its weights among its replicas per micro-batch;
+  * a stage's replicas are the stages of other pipelines with the same layers,
+    device type and tp (its ZeRO group);
+  * gradients of each stage are all-reduced among every pipeline holding its
+    first layer (ZeRO-3 stages reduce-scatter per micro-batch instead);
+  * step = slowest pipeline (`timing.pipeline_time`) + gradient sync + optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cost_models.comm import Collective, CommGroup
+from cost_models.model import CostModel
+from planner.dtypes import dtype_bytes
+from planner.solver.partition import ZERO_GATHER_REF
+from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
+from planner.types import CostBreakdown, Layer, Plan, StagePlan
+
+
+class _Groups:
+    """Who holds what: a stage's replicas (its ZeRO group) and a layer's holders."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.replicas: dict[tuple, list[str]] = {}
+        self.stages = [s for p in plan.pipelines for s in p.stages]
+        for s in self.stages:
+            self.replicas.setdefault(self.key(s), []).append(s.devices.node)
+        self._holders: dict[int, list[str]] = {}
+
+    @staticmethod
+    def key(stage: StagePlan) -> tuple:
+        return stage.layers, stage.device_type, stage.tp
+
+    def of(self, stage: StagePlan) -> list[str]:
+        return self.replicas[self.key(stage)]
+
+    def holders(self, layer: int) -> list[str]:
+        if layer not in self._holders:
+            self._holders[layer] = [s.devices.node for s in self.stages
+                                    if s.layers[0] <= layer < s.layers[1]]
+        return self._holders[layer]
+
+
+def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
+                  ) -> list[list[StageTiming]]:
+    """Seconds per micro-batch of every stage of every pipeline."""
+    cluster, dtype = costs.cluster, plan.training.dtype
+    groups = _Groups(plan)
+    out = []
+    for pipeline in plan.pipelines:
+        mb, timings = pipeline.micro_batch, []
+        for i, stage in enumerate(pipeline.stages):
+            node = cluster.node(stage.devices.node)
+            device = node.device
+            fwd = bwd = tp_fwd = recompute = 0.0
+            group = CommGroup(((node.name, stage.tp),))
+            chunk_layers = [layer for a, b in stage.chunks for layer in layers[a:b]]
+            for layer in chunk_layers:
+                t = costs.layer_time(layer, device, tp=stage.tp, micro_batch=mb, dtype=dtype)
+                tp_comm = (costs.collective_time(Collective.ALL_REDUCE,
+                                                 layer.tp_comm_bytes * mb, group)
+                           if stage.tp > 1 else 0.0)
+                rec = costs.recompute_time(layer, device, tp=stage.tp, micro_batch=mb,
+                                           dtype=dtype, policy=stage.recompute)
+                fwd += t.fwd + tp_comm
+                bwd += t.bwd + tp_comm + rec
+                tp_fwd += tp_comm
+                recompute += rec
+            if stage.zero == 3:
+                zero_group = CommGroup.of(groups.of(stage))
+                weight = sum(layer.params for layer in chunk_layers) * plan_weight_bytes(plan)
+                g0 = costs.collective_time(Collective.ALL_GATHER, 1.0, zero_group)
+                g1 = costs.collective_time(Collective.ALL_GATHER, ZERO_GATHER_REF, zero_group)
+                gather = (g0 + (g1 - g0) * weight / ZERO_GATHER_REF) if weight else 0.0
+                fwd += gather
+                bwd += 2 * gather
+            send = 0.0
+            if i < len(pipeline.stages) - 1:
+                last = layers[stage.layers[1] - 1]
+                send = costs.p2p_time(last.output_bytes * mb, node.name,
+                                      pipeline.stages[i + 1].devices.node)
+            timings.append(StageTiming(fwd=fwd, bwd=bwd, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
+                                       recompute=recompute, send=send))
+        out.append(timings)
+    return out
+
+
+def plan_weight_bytes(plan: Plan) -> float:
+    return float(dtype_bytes(plan.training.dtype))
+
+
+def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
+                       ) -> tuple[float, float]:
+    grad = plan.training.optimizer.grad_bytes or plan_weight_bytes(plan)
+    groups = _Groups(plan)
+    seen: set[tuple] = set()
+    sync = opt = 0.0
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            key = (groups.key(stage), stage.zero, stage.devices.node)
+            if key in seen:  # a replica on the same node costs the same
+                continue
+            seen.add(key)
+            params = sum(layer.params for layer in layers[stage.layers[0]:stage.layers[1]])
+            if stage.zero < 3:
+                group = CommGroup.of(groups.holders(stage.layers[0]))
+                sync = max(sync, costs.collective_time(Collective.ALL_REDUCE, params * grad,
+                                                       group))
+            shard = len(groups.of(stage)) if stage.zero >= 1 else 1
+            device = costs.cluster.node(stage.devices.node).device
+            opt = max(opt, costs.optimizer_time(params / stage.tp / shard, device,
+                                                plan.training))
+    return sync, opt
+
+
+def pipeline_times(plan: Plan, timings: Sequence[Sequence[StageTiming]]
+                   ) -> list[PipelineTime]:
+    return [pipeline_time(t, p.num_microbatches, schedule=p.schedule, interleave=p.interleave)
+            for p, t in zip(plan.pipelines, timings, strict=True)]
+
+
+def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakdown:
+    """The step time of `plan` by cause, throughput and MFU."""
+    timings = stage_timings(plan, layers, costs)
+    times = pipeline_times(plan, timings)
+    sync, opt = sync_and_optimizer(plan, layers, costs)
+    slowest = max(times, key=lambda t: t.total)
+    step = slowest.total + sync + opt
+    batch = plan.training.global_batch
+    flops = batch * sum(layer.flops for layer in layers)
+    peak = sum(costs.cluster.node(s.devices.node).device.flops(plan.training.dtype) * s.tp
+               for p in plan.pipelines for s in p.stages)
+    seq = plan.training.seq_len
+    return CostBreakdown(
+        step_time=step, compute=slowest.compute, bubble=slowest.bubble,
+        tp_comm=slowest.tp_comm, pp_comm=slowest.pp_comm, dp_comm=sync, optimizer=opt,
+        samples_per_s=batch / step, tokens_per_s=batch * seq / step if seq else None,
+        mfu=flops / step / peak if peak else 0.0)

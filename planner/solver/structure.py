@@ -1,0 +1,102 @@
+"""Plan structures and their placement on nodes.
+
+A structure is a set of pipeline classes. A class is `n` identical pipelines,
+each a sequence of stage device types in which stages of one type are
+consecutive (a "block"). Each stage runs on a slot: `tp` devices of one node.
+
+Placement packs classes in order onto nodes taken in canonical order (by type,
+then node name), first fit: a block that fits in one node stays inside one node
+(its boundaries use the intra-node link), a longer block takes whole nodes.
+Placement is deterministic, so every plan's links and collectives follow from
+its structure alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.solver.table import CostTable
+
+
+@dataclass(frozen=True)
+class ClassShape:
+    types: tuple[str, ...]  # device type of each stage
+    n: int
+
+    @property
+    def stages(self) -> int:
+        return len(self.types)
+
+    def blocks(self) -> list[tuple[str, int]]:
+        """(type, stage count) of each run of same-type stages."""
+        out: list[tuple[str, int]] = []
+        for t in self.types:
+            if out and out[-1][0] == t:
+                out[-1] = (t, out[-1][1] + 1)
+            else:
+                out.append((t, 1))
+        return out
+
+
+@dataclass(frozen=True)
+class Slot:
+    node: str
+    index: int  # slot on the node: devices [index * tp, (index + 1) * tp)
+
+
+Placement = tuple[tuple[tuple[Slot, ...], ...], ...]  # class -> pipeline -> stage
+
+
+def _free_slots(table: CostTable, tp: int) -> dict[str, list[list]]:
+    """Per type: [node, next free slot, slots] for each node (slots are used front first)."""
+    return {t.name: [[node, 0, devices // tp]
+                     for node, devices in zip(t.nodes, t.node_devices, strict=True)]
+            for t in table.types}
+
+
+def place(table: CostTable, shapes: tuple[ClassShape, ...], tp: int) -> Placement | None:
+    """Slots for every stage of every pipeline, or None if the structure does not fit."""
+    free = _free_slots(table, tp)
+    out = []
+    for shape in shapes:
+        pipelines = []
+        for _ in range(shape.n):
+            stages: list[Slot] = []
+            for kind, count in shape.blocks():
+                taken = _take(free[kind], count)
+                if taken is None:
+                    return None
+                stages.extend(taken)
+            pipelines.append(tuple(stages))
+        out.append(tuple(pipelines))
+    return tuple(out)
+
+
+def _take(nodes: list[list], count: int) -> list[Slot] | None:
+    for entry in nodes:  # first fit inside one node
+        node, start, total = entry
+        if total - start >= count:
+            entry[1] = start + count
+            return [Slot(node, i) for i in range(start, start + count)]
+    whole = [entry for entry in nodes if entry[1] == 0 and entry[2] > 0]
+    if sum(entry[2] for entry in whole) < count:
+        return None
+    out: list[Slot] = []
+    for entry in whole:  # a longer block takes whole nodes
+        if len(out) >= count:
+            break
+        out.extend(Slot(entry[0], i) for i in range(entry[2]))
+        entry[1] = entry[2]
+    return out[:count]
+
+
+def capacity(table: CostTable, tp: int, kind: str, count: int) -> int:
+    """How many blocks of `count` stages of type `kind` fit on an empty cluster."""
+    key = ("capacity", tp, kind, count)
+    if key not in table.cache:
+        free = _free_slots(table, tp)[kind]
+        n = 0
+        while _take(free, count) is not None:
+            n += 1
+        table.cache[key] = n
+    return table.cache[key]

@@ -1,0 +1,154 @@
+"""The cost table the solver consumes: per-layer times and memory terms for every
+(device type, tensor-parallel degree, micro-batch size), links, and collectives.
+
+The solver never sees the model or the cost model, only this table, so tests
+can hand it random tables and compare the solver with brute force.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cost_models.comm import Collective, CommGroup
+from cost_models.memory import GIB, activation_bytes, optimizer_state_bytes
+from cost_models.model import CostModel
+from planner.dtypes import dtype_bytes
+from planner.types import ClusterSpec, DeviceSpec, Layer, LinkSpec, TrainingSpec
+from planner.types.training import Recompute
+
+POLICIES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+
+
+@dataclass(frozen=True)
+class TypeInfo:
+    """One device type of the cluster: its nodes (canonical order) and capacity."""
+
+    name: str
+    nodes: tuple[str, ...]
+    node_devices: tuple[int, ...]
+    memory: float  # bytes per device
+    peak_flops: float  # dense FLOP/s in the training dtype, for MFU and bounds
+    reserve: float  # bytes per device the framework keeps
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer seconds per micro-batch on one device of a tp group of one type.
+
+    fwd/bwd include tensor-parallel all-reduces (tp_fwd/tp_bwd); recompute[p] is
+    the extra backward time of policy p.
+    """
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    tp_fwd: np.ndarray
+    tp_bwd: np.ndarray
+    recompute: dict[Recompute, np.ndarray]
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Everything the search prices plans with (per-sample bytes, SI units).
+
+    params[l]:             parameters of layer l
+    activations[p][tp][l]: bytes per sample layer l keeps under policy p
+    boundary[l]:           bytes per sample crossing the cut after layer l
+    weight/grad/state_bytes: bytes per parameter of weights, gradients, optimizer
+    """
+
+    num_layers: int
+    types: tuple[TypeInfo, ...]
+    tps: tuple[int, ...]
+    micro_batches: tuple[int, ...]
+    layer_costs: Callable[[str, int, int], LayerCosts]
+    params: np.ndarray
+    activations: Callable[[Recompute, int], np.ndarray]
+    boundary: np.ndarray
+    weight_bytes: float
+    grad_bytes: float
+    state_bytes: float
+    link: Callable[[str, str], LinkSpec]  # between two nodes (the same node: intra)
+    collective: Callable[[Collective, float, CommGroup], float]
+    optimizer_time: Callable[[str, float], float]  # (type, local params) -> seconds
+    layer_flops: np.ndarray  # training FLOPs per sample (fwd + bwd), for MFU and bounds
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def type(self, name: str) -> TypeInfo:
+        return next(t for t in self.types if t.name == name)
+
+    def costs(self, type_name: str, tp: int, mb: int) -> LayerCosts:
+        key = ("costs", type_name, tp, mb)
+        if key not in self.cache:
+            self.cache[key] = self.layer_costs(type_name, tp, mb)
+        return self.cache[key]
+
+
+def _divisor_ok(layers: Sequence[Layer], tp: int) -> bool:
+    return all(layer.tp_divisor == 0 or layer.tp_divisor % tp == 0 for layer in layers)
+
+
+def device_types(cluster: ClusterSpec, exclude: Sequence[str] = ()) -> list[tuple[DeviceSpec,
+                                                                                 list[str]]]:
+    """Device types with their usable nodes, canonical order (by type, then node name)."""
+    by_type: dict[str, tuple[DeviceSpec, list[str]]] = {}
+    for node in sorted(cluster.nodes, key=lambda n: n.name):
+        if node.name in exclude:
+            continue
+        by_type.setdefault(node.device.name, (node.device, []))[1].append(node.name)
+    return [by_type[name] for name in sorted(by_type)]
+
+
+def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSpec,
+                costs: CostModel, *, tps: Sequence[int], micro_batches: Sequence[int],
+                exclude: Sequence[str] = ()) -> CostTable:
+    """Price every layer for every device type, tp degree and micro-batch size."""
+    types = []
+    devices: dict[str, DeviceSpec] = {}
+    for device, nodes in device_types(cluster, exclude):
+        devices[device.name] = device
+        types.append(TypeInfo(
+            name=device.name, nodes=tuple(nodes),
+            node_devices=tuple(cluster.node(n).devices for n in nodes), memory=device.memory,
+            peak_flops=device.flops(training.dtype),
+            reserve=0.25 * GIB if device.is_cpu else GIB))
+    first_node = {t.name: t.nodes[0] for t in types}
+    tp_bytes = np.array([layer.tp_comm_bytes for layer in layers])
+
+    def layer_costs(type_name: str, tp: int, mb: int) -> LayerCosts:
+        device = devices[type_name]
+        times = [costs.layer_time(layer, device, tp=tp, micro_batch=mb, dtype=training.dtype)
+                 for layer in layers]
+        group = CommGroup(((first_node[type_name], tp),))
+        tp_one = np.array([costs.collective_time(Collective.ALL_REDUCE, b * mb, group)
+                           for b in tp_bytes]) if tp > 1 else np.zeros(len(layers))
+        fwd = np.array([t.fwd for t in times]) + tp_one
+        bwd = np.array([t.bwd for t in times]) + tp_one
+        recompute = {p: np.array([costs.recompute_time(layer, device, tp=tp, micro_batch=mb,
+                                                       dtype=training.dtype, policy=p)
+                                  for layer in layers]) for p in POLICIES}
+        return LayerCosts(fwd=fwd, bwd=bwd, tp_fwd=tp_one, tp_bwd=tp_one, recompute=recompute)
+
+    act_cache: dict[tuple[Recompute, int], np.ndarray] = {}
+
+    def activations(policy: Recompute, tp: int) -> np.ndarray:
+        if (policy, tp) not in act_cache:
+            act_cache[policy, tp] = np.array([activation_bytes(layer, recompute=policy, tp=tp)
+                                              for layer in layers])
+        return act_cache[policy, tp]
+
+    weight = float(dtype_bytes(training.dtype))
+    return CostTable(
+        num_layers=len(layers), types=tuple(types),
+        tps=tuple(tp for tp in tps if _divisor_ok(layers, tp)),
+        micro_batches=tuple(micro_batches), layer_costs=layer_costs,
+        params=np.array([float(layer.params) for layer in layers]), activations=activations,
+        boundary=np.array([layer.output_bytes for layer in layers]), weight_bytes=weight,
+        grad_bytes=float(training.optimizer.grad_bytes or weight),
+        state_bytes=optimizer_state_bytes(training),
+        link=cluster.link_between,
+        collective=costs.collective_time,
+        optimizer_time=lambda t, p: costs.optimizer_time(p, devices[t], training),
+        layer_flops=np.array([layer.flops for layer in layers]))

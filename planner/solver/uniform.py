@@ -1,0 +1,120 @@
+"""Uniform TP x PP x DP plans, the way a heterogeneity-blind recipe lays them out.
+
+Devices are taken node by node in cluster-file order and cut into tensor-
+parallel groups of `tp` devices; `dp` pipelines take `pp` consecutive groups
+each; layers are split evenly (with v chunks per stage for an interleaved
+schedule); every pipeline gets an even share of the global batch. `estimate`
+prices a recipe the user fixes; the Megatron baseline is the best such recipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cost_models.model import CostModel
+from planner.errors import PlannerError
+from planner.solver.build import assemble, stage_plan
+from planner.types import (
+    ClusterSpec,
+    Layer,
+    ModelSpec,
+    PipelinePlan,
+    Plan,
+    Schedule,
+    TrainingSpec,
+)
+from planner.types.training import Recompute
+
+
+def groups(cluster: ClusterSpec, tp: int) -> list[tuple[str, int, str]]:
+    """(node, slot, device type) of every tp group, in cluster-file order."""
+    out = []
+    for node in cluster.nodes:
+        out.extend((node.name, i, node.device.name) for i in range(node.devices // tp))
+    return out
+
+
+def even_bounds(num_layers: int, parts: int) -> list[tuple[int, int]]:
+    cuts = [round(i * num_layers / parts) for i in range(parts + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(parts)]
+
+
+def uniform_plan(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec,
+                 training: TrainingSpec, costs: CostModel, tp: int, pp: int,
+                 dp: int | None = None, micro_batch: int = 1,
+                 recompute: Recompute = Recompute.NONE, zero: int = 0,
+                 schedule: Schedule = Schedule.ONE_F_ONE_B, interleave: int = 1) -> Plan:
+    """The uniform recipe as a Plan (its predictions included); errors name the option."""
+    for name, value in (("--tp", tp), ("--pp", pp), ("--micro-batch", micro_batch),
+                        ("--interleave", interleave)):
+        if value < 1:
+            raise PlannerError("bad-option", f"{name} must be at least 1 (got {value}).")
+    biggest = max(n.devices for n in cluster.nodes)
+    if not any(n.devices % tp == 0 for n in cluster.nodes):
+        raise PlannerError(
+            "bad-option", f"--tp {tp} does not fit any node of cluster {cluster.name}: its "
+            f"nodes have {sorted({n.devices for n in cluster.nodes})} devices, and tensor "
+            "parallelism stays inside a node.",
+            [f"use --tp {max(t for t in (1, 2, 4, 8, 16) if t <= biggest)} or less"])
+    slots = groups(cluster, tp)
+    dp = dp or len(slots) // pp
+    if dp < 1 or dp * pp > len(slots):
+        raise PlannerError(
+            "bad-option", f"--tp {tp} x --pp {pp} x --dp {dp} needs {tp * pp * dp} devices in "
+            f"groups of {tp}; cluster {cluster.name} has {len(slots)} such groups "
+            f"({cluster.num_devices} devices).", ["lower --dp or --pp", "lower --tp"])
+    schedule = Schedule.INTERLEAVED if interleave > 1 else schedule
+    chunks = even_bounds(len(layers), pp * interleave)
+    if any(a == b for a, b in chunks):
+        raise PlannerError("bad-option", f"{len(layers)} layers cannot be split into "
+                           f"--pp {pp} x --interleave {interleave} non-empty chunks.",
+                           ["lower --pp or --interleave"])
+    batch = training.global_batch
+    if batch % micro_batch:
+        raise PlannerError("bad-option", f"--micro-batch {micro_batch} does not divide the "
+                           f"global batch {batch}.", ["pick a divisor of the global batch"])
+    total = batch // micro_batch
+    if total < dp:
+        raise PlannerError("bad-option", f"{total} micro-batches cannot feed {dp} pipelines.",
+                           ["use a smaller --micro-batch or --dp"])
+    if interleave > 1 and any(m % pp for m in _even(total, dp)):
+        raise PlannerError("bad-option", "An interleaved schedule needs each pipeline's "
+                           f"micro-batch count to be a multiple of --pp {pp}.",
+                           ["change the global batch, --micro-batch or --dp"])
+    pipelines = []
+    for p, m in enumerate(_even(total, dp)):
+        stages = []
+        for s in range(pp):
+            node, slot, kind = slots[p * pp + s]
+            held = tuple(chunks[j * pp + s] for j in range(interleave))
+            stages.append(stage_plan(
+                index=s, layers=layers, bounds=(held[0][0], held[-1][1]), chunks=held,
+                node=node, slot=slot, device_type=kind, tp=tp, recompute=recompute,
+                zero=zero, replicas=dp, micro_batch=micro_batch, microbatches=m, stages=pp,
+                schedule=schedule, interleave=interleave, training=training, cluster=cluster,
+                costs=costs))
+        pipelines.append(PipelinePlan(index=p, stages=tuple(stages),
+                                      batch_share=m * micro_batch, micro_batch=micro_batch,
+                                      num_microbatches=m, schedule=schedule,
+                                      interleave=interleave))
+    return assemble(model=model, training=training, cluster=cluster, pipelines=pipelines,
+                    layers=layers, costs=costs)
+
+
+def _even(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def overflows(plan: Plan) -> list[str]:
+    """Devices whose predicted memory exceeds their capacity, as readable lines."""
+    lines = []
+    for p in plan.pipelines:
+        for s in p.stages:
+            capacity = plan.cluster.node(s.devices.node).device.memory
+            if s.memory.total > capacity:
+                term = s.memory.largest()
+                lines.append(f"pipeline {p.index} stage {s.index} on {s.devices.node} "
+                             f"({s.device_type}) needs {s.memory.total / 2**30:.1f} GiB of "
+                             f"{capacity / 2**30:.1f} GiB; largest term: {term} "
+                             f"{s.memory.terms()[term] / 2**30:.1f} GiB")
+    return lines

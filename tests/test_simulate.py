@@ -1,0 +1,302 @@
+"""The event-driven simulator (planner.simulate) and its agreement with the closed form."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from itertools import pairwise
+
+import pytest
+
+from planner.simulate import Event, Simulation, simulate
+from planner.solver.timing import StageTiming, pipeline_time
+from planner.types import Schedule
+
+GPIPE, ONE_F_ONE_B, INTERLEAVED = Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED
+
+
+def balanced(num_stages: int, f: float = 1.0, b: float = 2.0, send: float = 0.0
+             ) -> list[StageTiming]:
+    return [StageTiming(fwd=f, bwd=b, send=send if s < num_stages - 1 else 0.0)
+            for s in range(num_stages)]
+
+
+def random_stages(rng: random.Random, num_stages: int, spread: float, send_frac: float,
+                  proportional: bool = False) -> list[StageTiming]:
+    """Stage times within ±spread of (1, 2), sends up to send_frac of the stage's time."""
+    stages = []
+    for s in range(num_stages):
+        f = rng.uniform(1 - spread, 1 + spread)
+        b = 2 * f if proportional else 2 * rng.uniform(1 - spread, 1 + spread)
+        send = rng.uniform(0, send_frac) * (f + b) if s < num_stages - 1 else 0.0
+        stages.append(StageTiming(fwd=f, bwd=b, send=send))
+    return stages
+
+
+def rel_err(closed: float, simulated: float) -> float:
+    return (closed - simulated) / simulated
+
+
+# ---- exact cases -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("mult", [1, 2, 4])
+def test_balanced_without_sends_is_textbook(num_stages, mult):
+    for m in (1, num_stages * mult, num_stages * mult + 1):
+        stages = balanced(num_stages)
+        expected = (m + num_stages - 1) * 3.0
+        for schedule in (ONE_F_ONE_B, GPIPE):
+            sim = simulate([stages], [m], schedule=schedule)
+            assert sim.step_time == pytest.approx(expected, abs=1e-12)
+        assert pipeline_time(stages, m).total == pytest.approx(expected, abs=1e-12)
+
+
+def test_hand_computed_unbalanced_one_f_one_b():
+    # stage 0: F0 [0,1] F1 [1,2]            B0 [3.1,5.1] B1 [5.2,7.2]
+    # stage 1:     F0 [1,1.7] B0 [1.7,3.1] F1 [3.1,3.8] B1 [3.8,5.2]
+    stages = [StageTiming(fwd=1.0, bwd=2.0), StageTiming(fwd=0.7, bwd=1.4)]
+    sim = simulate([stages], [2])
+    assert sim.step_time == pytest.approx(7.2)
+    # the closed form charges the bottleneck's second forward, which the simulator overlaps
+    # with stage 1's first forward and backward
+    assert pipeline_time(stages, 2).total == pytest.approx(8.1)
+
+
+def test_gpipe_matches_closed_form_when_backward_is_proportional_to_forward():
+    # GPipe runs a forward and a backward pipeline, each (m-1) * max + sum (+ 2 sum send):
+    # the closed form is exact when the slowest forward and backward are on the same stage.
+    rng = random.Random(11)
+    for _ in range(100):
+        num_stages = rng.randint(2, 6)
+        m = rng.randint(num_stages, 4 * num_stages)
+        stages = random_stages(rng, num_stages, 0.3, 0.2, proportional=True)
+        sim = simulate([stages], [m], schedule=GPIPE)
+        closed = pipeline_time(stages, m, schedule=GPIPE).total
+        assert sim.step_time == pytest.approx(closed, rel=1e-12)
+
+
+def test_interleaved_balanced_is_megatron_bubble():
+    # Megatron's interleaved 1F1B: bubble (S-1) * (f+b) / v, plus one hop per virtual stage
+    # each way in the fill (the wrap-around link takes the mean send when the last is 0)
+    for num_stages in (2, 3, 4, 8):
+        for v in (2, 3, 4):
+            for m in (num_stages, 2 * num_stages, 4 * num_stages):
+                for send in (0.0, 0.05):
+                    stages = balanced(num_stages, send=send)
+                    sim = simulate([stages], [m], schedule=INTERLEAVED, interleave=v)
+                    hops = 2 * (num_stages * v - 1) * send if num_stages > 1 else 0.0
+                    expected = m * 3.0 + (num_stages - 1) * 3.0 / v + hops
+                    assert sim.step_time == pytest.approx(expected, abs=1e-9)
+
+
+def test_interleave_one_is_one_f_one_b():
+    rng = random.Random(3)
+    stages = random_stages(rng, 4, 0.3, 0.2)
+    a = simulate([stages], [8], schedule=INTERLEAVED, interleave=1)
+    b = simulate([stages], [8], schedule=ONE_F_ONE_B)
+    assert a == b
+    # m need not be a multiple of S then
+    simulate([stages], [7], schedule=INTERLEAVED, interleave=1)
+
+
+# ---- agreement with the closed form ------------------------------------------------------
+
+
+def test_one_f_one_b_near_balanced_agrees_with_closed_form():
+    """Within 2% while stages are within ±3% and sends within 2% of a stage's time (see the
+    xfail below for the wide case)."""
+    rng = random.Random(7)
+    worst = 0.0
+    for _ in range(200):
+        num_stages = rng.randint(2, 6)
+        m = rng.randint(num_stages, 4 * num_stages)
+        stages = random_stages(rng, num_stages, 0.03, 0.02)
+        sim = simulate([stages], [m])
+        worst = max(worst, abs(rel_err(pipeline_time(stages, m).total, sim.step_time)))
+    assert worst < 0.02
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "closed form vs simulated 1F1B, stages ±30%, sends <= 20%: up to 11% off. It charges "
+    "(m-1) full periods after a fill of every stage, but a bottleneck early in the pipeline "
+    "overlaps its warm-up forwards with the fill (closed form too high, worst at m = S); "
+    "and stage s holds only S-s micro-batches, so a period is at least "
+    "(sum_{t>=s} (f+b)_t + 2 sum_{t>=s} c_t) / (S-s), of which the closed form keeps only "
+    "s = 0 (closed form too low when late stages are heavier)"))
+def test_one_f_one_b_unbalanced_with_sends_agrees_with_closed_form():
+    rng = random.Random(5)
+    for _ in range(200):
+        num_stages = rng.randint(2, 6)
+        m = rng.randint(num_stages, 4 * num_stages)
+        stages = random_stages(rng, num_stages, 0.3, 0.2)
+        sim = simulate([stages], [m])
+        assert abs(rel_err(pipeline_time(stages, m).total, sim.step_time)) < 0.02
+
+
+def test_interleaved_balanced_agrees_with_closed_form():
+    for num_stages in (2, 4):
+        stages = balanced(num_stages)
+        m = num_stages
+        sim = simulate([stages], [m], schedule=INTERLEAVED, interleave=2)
+        closed = pipeline_time(stages, m, schedule=INTERLEAVED, interleave=2).total
+        assert abs(rel_err(closed, sim.step_time)) < 0.02
+
+
+# ---- several pipelines, sync and optimizer -----------------------------------------------
+
+
+def test_step_is_slowest_pipeline_plus_sync_and_optimizer():
+    rng = random.Random(2)
+    pipelines = [random_stages(rng, 3, 0.3, 0.1), random_stages(rng, 2, 0.3, 0.1),
+                 random_stages(rng, 4, 0.3, 0.1)]
+    counts = [6, 9, 4]
+    sim = simulate(pipelines, counts, sync=0.25, optimizer=0.5)
+    alone = [simulate([p], [m]).step_time for p, m in zip(pipelines, counts, strict=True)]
+    assert sim.pipeline_times == pytest.approx(alone)
+    assert sim.step_time == pytest.approx(max(alone) + 0.25 + 0.5)
+    end = max(alone)
+    syncs = [e for e in sim.events if e.kind == "sync"]
+    steps = [e for e in sim.events if e.kind == "optimizer"]
+    assert len(syncs) == len(steps) == 3 + 2 + 4  # one each per device
+    assert all(e.start == pytest.approx(end) and e.end == pytest.approx(end + 0.25)
+               for e in syncs)
+    assert all(e.end == pytest.approx(sim.step_time) for e in steps)
+
+
+# ---- event sanity ------------------------------------------------------------------------
+
+
+def check_events(sim: Simulation, pipelines: list[list[StageTiming]], counts: list[int],
+                 v: int) -> None:
+    events = sim.events
+    assert list(events) == sorted(events, key=lambda e: e.start)
+    assert all(e.end >= e.start for e in events)
+    compute = [e for e in events if e.kind in ("fwd", "bwd", "sync", "optimizer")]
+    by_device: dict[tuple[int, int], list[Event]] = defaultdict(list)
+    for e in compute:
+        by_device[(e.pipeline, e.stage)].append(e)
+    for evs in by_device.values():
+        evs.sort(key=lambda e: (e.start, e.end))
+        for a, b in pairwise(evs):
+            assert a.end <= b.start + 1e-12, (a, b)
+    by_link: dict[tuple[int, int, str], list[Event]] = defaultdict(list)
+    for e in events:
+        if e.kind in ("send", "send-grad"):
+            by_link[(e.pipeline, e.stage, e.kind)].append(e)
+    for evs in by_link.values():
+        for a, b in pairwise(evs):
+            assert a.end <= b.start + 1e-12, (a, b)
+
+    for p, (stages, m) in enumerate(zip(pipelines, counts, strict=True)):
+        num = len(stages)
+        ops = Counter((e.kind, e.stage, e.chunk, e.microbatch) for e in events
+                      if e.pipeline == p and e.kind in ("fwd", "bwd"))
+        assert set(ops.values()) == {1}
+        assert len(ops) == 2 * num * v * m
+        op = {(e.kind, e.chunk * num + e.stage, e.microbatch): e for e in events
+              if e.pipeline == p and e.kind in ("fwd", "bwd")}
+        for _, s, chunk, i in ops:
+            assert s < num and 0 <= chunk < v and 0 <= i < m
+        hops = {(e.kind, e.stage, e.chunk, e.microbatch): e for e in events
+                if e.pipeline == p and e.kind in ("send", "send-grad")}
+        last = num * v - 1
+        for k in range(last + 1):
+            s = k % num
+            for i in range(m):
+                fwd, bwd = op[("fwd", k, i)], op[("bwd", k, i)]
+                assert fwd.end <= bwd.start + 1e-12
+                assert fwd.end - fwd.start == pytest.approx(stages[s].fwd / v)
+                assert bwd.end - bwd.start == pytest.approx(stages[s].bwd / v)
+                if k < last:  # activation to k+1
+                    hop = hops[("send", s, k // num, i)]
+                    assert fwd.end <= hop.start + 1e-12
+                    assert hop.end <= op[("fwd", k + 1, i)].start + 1e-12
+                if k > 0:  # gradient to k-1 over boundary (k-1) % num
+                    hop = hops[("send-grad", (k - 1) % num, k // num, i)]
+                    assert bwd.end <= hop.start + 1e-12
+                    assert hop.end <= op[("bwd", k - 1, i)].start + 1e-12
+        for (_, boundary, _, _), hop in hops.items():
+            if boundary < num - 1:
+                assert hop.end - hop.start == pytest.approx(stages[boundary].send)
+        backward_ends = [e.end for e in events if e.pipeline == p and e.kind == "bwd"]
+        assert sim.pipeline_times[p] == pytest.approx(max(backward_ends))
+
+
+@pytest.mark.parametrize("schedule,v", [(GPIPE, 1), (ONE_F_ONE_B, 1), (INTERLEAVED, 2),
+                                        (INTERLEAVED, 3)])
+def test_events_are_consistent(schedule, v):
+    rng = random.Random(13)
+    for _ in range(10):
+        pipelines = [random_stages(rng, rng.randint(1, 5), 0.3, 0.3) for _ in range(2)]
+        counts = [len(p) * rng.randint(1, 3) for p in pipelines]
+        sim = simulate(pipelines, counts, schedule=schedule, interleave=v, sync=0.1,
+                       optimizer=0.2)
+        check_events(sim, pipelines, counts, v)
+
+
+def test_slow_link_carries_one_transfer_at_a_time():
+    stages = [StageTiming(fwd=1.0, bwd=1.0, send=3.0), StageTiming(fwd=1.0, bwd=1.0)]
+    m = 6
+    for schedule in (GPIPE, ONE_F_ONE_B):
+        sim = simulate([stages], [m], schedule=schedule)
+        assert sim.step_time >= m * 3.0  # each direction carries m transfers, one at a time
+        check_events(sim, [stages], [m], 1)
+    # GPipe: activation i arrives at 1 + 3(i+1); stage 1 runs F5 [19, 20], then B5..B0
+    # [20, 26]; the gradients queue on the link from 21 and the last arrives at 21 + 18;
+    # stage 0 runs B0 [39, 40].
+    sim = simulate([stages], [m], schedule=GPIPE)
+    arrivals = [e.end for e in sim.events if e.kind == "send"]
+    assert arrivals == pytest.approx([1.0 + 3.0 * (i + 1) for i in range(m)])
+    assert sim.step_time == pytest.approx(40.0)
+
+
+def device_order(sim: Simulation, stage: int) -> list[tuple[str, int | None, int | None]]:
+    return [(e.kind, e.microbatch, e.chunk) for e in sim.events
+            if e.pipeline == 0 and e.stage == stage and e.kind in ("fwd", "bwd")]
+
+
+def test_schedule_orders():
+    num, m = 4, 8
+    stages = balanced(num, send=0.1)
+    gpipe = simulate([stages], [m], schedule=GPIPE)
+    for s in range(num):
+        assert device_order(gpipe, s) == ([("fwd", i, 0) for i in range(m)]
+                                          + [("bwd", i, 0) for i in reversed(range(m))])
+    one = simulate([stages], [m])
+    for s in range(num):
+        order = device_order(one, s)
+        warmup = num - s - 1
+        assert [k for k, _, _ in order[:warmup + 1]] == ["fwd"] * (warmup + 1)
+        assert order[warmup + 1] == ("bwd", 0, 0)
+        assert [i for k, i, _ in order if k == "bwd"] == list(range(m))
+
+    v = 2
+    inter = simulate([stages], [m], schedule=INTERLEAVED, interleave=v)
+    for s in range(num):
+        order = device_order(inter, s)
+        warmup = 2 * (num - s - 1) + (v - 1) * num
+        first_bwd = next(n for n, (k, _, _) in enumerate(order) if k == "bwd")
+        assert first_bwd == warmup + 1  # warm-up, then one forward before each backward
+        forwards = [(i, j) for k, i, j in order if k == "fwd"]
+        # Megatron's table: groups of S micro-batches, chunk 0 then chunk 1 within a group
+        assert forwards[:2 * num] == [(i, 0) for i in range(num)] + [(i, 1) for i in range(num)]
+        assert order[first_bwd] == ("bwd", 0, v - 1)
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pipelines,counts,kwargs,message", [
+    ([balanced(4)], [6], {"schedule": INTERLEAVED, "interleave": 2}, "multiple of"),
+    ([balanced(2)], [0], {}, "at least 1 micro-batch"),
+    ([[]], [4], {}, "no stages"),
+    ([], [], {}, "at least one pipeline"),
+    ([balanced(2)], [4, 4], {}, "one count per pipeline"),
+    ([balanced(2)], [4], {"schedule": INTERLEAVED, "interleave": 0}, "interleave"),
+    ([balanced(2)], [4], {"sync": -1.0}, ">= 0"),
+    ([[StageTiming(fwd=-1.0, bwd=1.0)]], [4], {}, "negative"),
+])
+def test_bad_input_raises(pipelines, counts, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        simulate(pipelines, counts, **kwargs)
