@@ -73,11 +73,10 @@ def root(
 
 
 def _register() -> None:
-    from cli import devices_cmd, trace_cmd
+    from cli import devices_cmd, profile_cmd, solve_cmd, trace_cmd
 
-    trace_cmd.register(app)
-    devices_cmd.register(app)
-    __import__("cli.profile_cmd", fromlist=["register"]).register(app)
+    for module in (trace_cmd, solve_cmd, devices_cmd, profile_cmd):
+        module.register(app)
 
 
 _register()

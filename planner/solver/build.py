@@ -49,6 +49,8 @@ def stage_plan(*, index: int, layers: Sequence[Layer], bounds: tuple[int, int],
 
 PENDING = SolverReport(status="pending", objective=0.0, best_bound=0.0, gap=0.0, wall_time=0.0,
                        lower_bound=0.0, explored=0, pruned=0, search_space="")
+FIXED = SolverReport(status="fixed", objective=0.0, best_bound=0.0, gap=0.0, wall_time=0.0,
+                     lower_bound=0.0, explored=0, pruned=0, search_space="fixed by the user")
 
 
 def assemble(*, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from cost_models.model import CostModel
 from planner.errors import PlannerError
-from planner.solver.build import assemble, stage_plan
+from planner.solver.build import FIXED, assemble, stage_plan
 from planner.types import (
     ClusterSpec,
     Layer,
@@ -98,7 +98,7 @@ def uniform_plan(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterS
                                       num_microbatches=m, schedule=schedule,
                                       interleave=interleave))
     return assemble(model=model, training=training, cluster=cluster, pipelines=pipelines,
-                    layers=layers, costs=costs)
+                    layers=layers, costs=costs, solver=FIXED)
 
 
 def _even(total: int, parts: int) -> list[int]:

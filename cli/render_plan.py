@@ -1,0 +1,116 @@
+"""Rich rendering of plans: stages, predictions, memory, solver report, baselines."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from planner.types import PipelinePlan, Plan
+from planner.units import fmt_bytes, fmt_seconds
+
+
+def pipeline_classes(plan: Plan) -> list[tuple[PipelinePlan, list[PipelinePlan]]]:
+    """Pipelines grouped by identical structure: (representative, members)."""
+    groups: dict[tuple, list[PipelinePlan]] = {}
+    for p in plan.pipelines:
+        key = tuple((s.layers, s.chunks, s.device_type, s.tp, s.recompute, s.zero)
+                    for s in p.stages) + (p.micro_batch, p.schedule, p.interleave)
+        groups.setdefault(key, []).append(p)
+    return [(members[0], members) for members in groups.values()]
+
+
+def _layer_names(plan_layers: tuple[int, int], names: list[str] | None) -> str:
+    a, b = plan_layers
+    if names is None:
+        return f"{a}-{b - 1}" if b - a > 1 else f"{a}"
+    return names[a] if b - a == 1 else f"{names[a]} .. {names[b - 1]}"
+
+
+def stage_table(plan: Plan, layer_names: list[str] | None = None) -> Table:
+    table = Table(title="Pipelines (identical pipelines grouped)", title_justify="left")
+    for column in ("pipelines", "stage", "layers", "device", "tp", "micro-batches",
+                   "recompute", "ZeRO", "memory / device"):
+        table.add_column(column, justify="right" if column in ("tp", "ZeRO") else "left",
+                         overflow="fold")
+    for rep, members in pipeline_classes(plan):
+        counts = Counter(p.num_microbatches for p in members)
+        shares = ", ".join(f"{m}x{n}" if n > 1 else str(m)
+                           for m, n in sorted(counts.items(), reverse=True))
+        for s in rep.stages:
+            capacity = plan.cluster.node(s.devices.node).device.memory
+            over = s.memory.total > capacity
+            memory = Text(f"{fmt_bytes(s.memory.total)} / {fmt_bytes(capacity)}",
+                          style="bold red" if over else "")
+            layers = " + ".join(_layer_names(c, layer_names) for c in s.chunks)
+            table.add_row(str(len(members)) if s.index == 0 else "", str(s.index), layers,
+                          s.device_type, str(s.tp),
+                          f"{shares} of {rep.micro_batch}" if s.index == 0 else "",
+                          s.recompute.value, str(s.zero), memory)
+        table.add_section()
+    return table
+
+
+def prediction_panel(plan: Plan) -> Panel:
+    p = plan.prediction
+    lines = [f"step time [bold]{fmt_seconds(p.step_time)}[/]   "
+             f"{p.samples_per_s:,.1f} samples/s"
+             + (f"   {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "")
+             + f"   MFU {p.mfu:.1%}"]
+    width = 40
+    for name, value in p.terms().items():
+        share = value / p.step_time if p.step_time else 0.0
+        bar = "█" * round(share * width)
+        lines.append(f"{name:>10} {bar:<{width}} {fmt_seconds(value):>9} {share:6.1%}")
+    devices = sum(s.tp for pipe in plan.pipelines for s in pipe.stages)
+    title = (f"Prediction: {len(plan.pipelines)} pipeline(s) on {devices} of "
+             f"{plan.cluster.num_devices} devices, global batch {plan.training.global_batch}, "
+             f"{plan.training.dtype}")
+    return Panel("\n".join(lines), title=title, title_align="left")
+
+
+def solver_panel(plan: Plan) -> Panel:
+    r = plan.solver
+    if r.status == "fixed":
+        text = "configuration fixed by the user (planner estimate)"
+    else:
+        text = (f"status [bold]{r.status}[/] in {r.wall_time:.2f} s, {r.explored:,} nodes "
+                f"explored, {r.pruned:,} pruned\n"
+                f"objective {fmt_seconds(r.objective)}, best bound {fmt_seconds(r.best_bound)}"
+                f", gap {r.gap:.2%}\n"
+                f"no plan of any shape can beat {fmt_seconds(r.lower_bound)} "
+                "(LP bound without communication or bubbles)\n"
+                f"[dim]search space: {r.search_space}[/]")
+    return Panel(text, title="Solver", title_align="left")
+
+
+def baseline_table(plan: Plan) -> Table | None:
+    if not plan.baselines:
+        return None
+    table = Table(title="Baselines (same cost model)", title_justify="left")
+    for column in ("baseline", "step time", "this plan is", "how"):
+        table.add_column(column, overflow="fold")
+    for b in plan.baselines:
+        if b.prediction is None:
+            table.add_row(b.name, "-", "-", f"{b.description}: {b.reason}")
+            continue
+        speedup = b.prediction.step_time / plan.prediction.step_time
+        table.add_row(b.name, fmt_seconds(b.prediction.step_time),
+                      Text(f"{speedup:.2f}x faster" if speedup >= 1 else
+                           f"{1 / speedup:.2f}x slower",
+                           style="green" if speedup >= 1 else "red"), b.description)
+    return table
+
+
+def render(console: Console, plan: Plan, layer_names: list[str] | None = None) -> None:
+    header = (f"[bold]{plan.model.describe()}[/] on cluster [bold]{plan.cluster.name}[/] "
+              f"({plan.cluster.num_devices} devices)")
+    parts = [Text.from_markup(header), stage_table(plan, layer_names), prediction_panel(plan),
+             solver_panel(plan)]
+    baselines = baseline_table(plan)
+    if baselines is not None:
+        parts.append(baselines)
+    console.print(Group(*parts))

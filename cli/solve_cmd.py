@@ -1,0 +1,229 @@
+"""`planner solve` and `planner estimate`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+
+from cli import options as opt
+
+if TYPE_CHECKING:
+    from planner.types import ClusterSpec, ModelGraph, Plan, TrainingSpec
+
+console = Console()
+err_console = Console(stderr=True)
+
+DEFAULT_CLUSTER = "a100-v100-lab"
+Cluster = Annotated[str, typer.Option(
+    "--cluster", "-c", help="A cluster YAML file, a built-in example "
+    "(a100-v100-lab, dgx-a100-pod, consumer-rtx, four-type-1024) or inline: "
+    "2x8xA100-80G,4x8xV100-32G@100Gbps.")]
+GlobalBatch = Annotated[int, typer.Option("--global-batch", "-B", help="Samples per step.")]
+AutoDtype = Annotated[str, typer.Option(
+    "--dtype", help="bf16, fp16, fp32, tf32, or auto: bf16 if every device has fast bf16, "
+    "else fp16.")]
+Output = Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan file.")]
+Recompute = Annotated[str | None, typer.Option(
+    "--recompute", help="none, selective or full (default: the solver picks per stage).",
+    rich_help_panel="Constraints")]
+Zero = Annotated[int | None, typer.Option("--zero", help="ZeRO stage 0-3 (default: any).",
+                                          rich_help_panel="Constraints")]
+
+
+def _constraint(name: str) -> typer.models.OptionInfo:
+    return typer.Option(f"--{name}", rich_help_panel="Constraints")
+
+
+def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dtype: str,
+           shape: dict) -> tuple[ModelGraph, ClusterSpec, TrainingSpec]:
+    from cost_models.cluster import load_cluster
+    from planner.dtypes import canonical_dtype
+    from planner.models import load_model, model_spec
+    from planner.trace import trace_loaded
+    from planner.types import TrainingSpec
+
+    spec = load_cluster(cluster)
+    if dtype == "auto":
+        kinds = spec.device_types().values()
+        dtype = ("bf16" if all("bf16" in d.peak_flops for d in kinds) else
+                 "fp16" if all("fp16" in d.peak_flops for d in kinds) else "fp32")
+    dtype = canonical_dtype(dtype)
+    graph = trace_loaded(load_model(model_spec(model, shape), seq_len=seq_len), batch=1,
+                         dtype=dtype)
+    return graph, spec, TrainingSpec(global_batch=global_batch, seq_len=graph.seq_len,
+                                     dtype=dtype)
+
+
+def _emit(plan: Plan, graph: ModelGraph, output: Path | None, force: bool,
+          json_out: bool) -> None:
+    from planner.planfile import plan_json, write_plan
+
+    if output is not None:
+        write_plan(plan, output, force=force)
+    if json_out:
+        sys.stdout.write(plan_json(plan))
+        return
+    from cli.render_plan import render
+
+    render(console, plan, [layer.name for layer in graph.layers])
+    if output is not None:
+        console.print(f"Wrote the plan to {output}")
+
+
+def _policies(recompute: str | None) -> tuple:
+    from planner.errors import PlannerError
+    from planner.types import Recompute as Policy
+
+    if recompute is None:
+        return tuple(Policy)
+    try:
+        return (Policy(recompute),)
+    except ValueError:
+        raise PlannerError("bad-option", f"--recompute {recompute!r} is not one of none, "
+                           "selective, full.") from None
+
+
+def solve(
+    model: opt.ModelArg,
+    cluster: Cluster = DEFAULT_CLUSTER,
+    global_batch: GlobalBatch = 512,
+    seq_len: opt.SeqLen = None,
+    dtype: AutoDtype = "auto",
+    output: Output = None,
+    json_out: opt.JsonOut = False,
+    force: opt.Force = False,
+    time_limit: Annotated[float | None, typer.Option(
+        "--time-limit", help="Seconds; return the best plan found by then.")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="Show the k best plans.")] = 1,
+    gap: Annotated[float, typer.Option(
+        "--gap", help="Stop when no plan can be more than this fraction faster.")] = 0.005,
+    tp: Annotated[int | None, _constraint("tp")] = None,
+    max_tp: Annotated[int | None, _constraint("max-tp")] = None,
+    pp: Annotated[int | None, _constraint("pp")] = None,
+    dp: Annotated[int | None, _constraint("dp")] = None,
+    micro_batch: Annotated[int | None, _constraint("micro-batch")] = None,
+    max_stages: Annotated[int, _constraint("max-stages")] = 32,
+    recompute: Recompute = None,
+    zero: Zero = None,
+    exclude: Annotated[list[str] | None, typer.Option(
+        "--exclude", help="A node not to use (repeatable).",
+        rich_help_panel="Constraints")] = None,
+    mixed: Annotated[bool, typer.Option(
+        "--mixed/--no-mixed", help="Allow pipelines that mix two device types.",
+        rich_help_panel="Constraints")] = True,
+    layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
+    kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
+    settings: opt.Set = None,
+) -> None:
+    """Find the fastest plan for MODEL on a heterogeneous cluster.
+
+    Examples:
+      planner solve llama3-8b
+      planner solve gpt3-1.3b --cluster 1x8xA100-40G,1x8xV100-16G@100Gbps -B 512 -o plan.json
+      planner solve llama2-70b --cluster lab.yaml --tp 8 --time-limit 30
+    """
+    from planner.errors import PlannerError
+    from planner.solver import Limits, SolveOptions, Space, solve
+
+    if top_k < 1:
+        raise PlannerError("bad-option", f"--top-k must be at least 1 (got {top_k}).")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise PlannerError("bad-option", f"--zero must be 0, 1, 2 or 3 (got {zero}).")
+    shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                          ffn=ffn, vocab=vocab, settings=settings)
+    graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape)
+    options = SolveOptions(
+        limits=Limits(tp=tp, max_tp=max_tp, pp=pp, dp=dp, micro_batch=micro_batch,
+                      max_stages=max_stages, mixed=mixed),
+        space=Space(policies=_policies(recompute),
+                    zeros=(zero,) if zero is not None else (0, 1, 2, 3)),
+        exclude=tuple(exclude or ()), top_k=top_k, gap=gap, time_limit=time_limit)
+    with err_console.status("Searching plans...", spinner="dots") as status:
+        plans = solve(graph, spec, training, options,
+                      progress=lambda n: status.update(f"Searching plans: {n:,} explored")
+                      if n % 200 == 0 else None)
+    if json_out and top_k > 1:
+        from planner.planfile import to_jsonable
+
+        sys.stdout.write(json.dumps([to_jsonable(p) for p in plans], indent=1) + "\n")
+        if output is not None:
+            from planner.planfile import write_plan
+
+            write_plan(plans[0], output, force=force)
+        return
+    _emit(plans[0], graph, output, force, json_out)
+    for rank, other in enumerate(plans[1:], 2):
+        console.rule(f"plan #{rank}")
+        from cli.render_plan import render
+
+        render(console, other, [layer.name for layer in graph.layers])
+
+
+def estimate(
+    model: opt.ModelArg,
+    cluster: Cluster = DEFAULT_CLUSTER,
+    global_batch: GlobalBatch = 512,
+    seq_len: opt.SeqLen = None,
+    dtype: AutoDtype = "auto",
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline stages.")] = 1,
+    dp: Annotated[int | None, typer.Option(
+        "--dp", help="Pipelines (default: as many as the devices allow).")] = None,
+    micro_batch: Annotated[int, typer.Option("--micro-batch")] = 1,
+    recompute: Annotated[str, typer.Option("--recompute",
+                                           help="none, selective or full.")] = "none",
+    zero: Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")] = 0,
+    interleave: Annotated[int, typer.Option(
+        "--interleave", help="Model chunks per device (interleaved 1F1B).")] = 1,
+    schedule: Annotated[str, typer.Option("--schedule", help="1f1b or gpipe.")] = "1f1b",
+    output: Output = None,
+    json_out: opt.JsonOut = False,
+    force: opt.Force = False,
+    layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
+    kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
+    settings: opt.Set = None,
+) -> None:
+    """Predict a configuration you fix (a Megatron-style TP x PP x DP recipe).
+
+    Devices are taken node by node in cluster-file order, layers split evenly,
+    the batch shared evenly.
+
+    Example: planner estimate llama2-70b --cluster dgx-a100-pod --tp 8 --pp 4 --micro-batch 1
+             --recompute full --interleave 2
+    """
+    from cost_models.model import AnalyticalCostModel
+    from planner.errors import PlannerError
+    from planner.solver.uniform import overflows, uniform_plan
+    from planner.types import Schedule
+
+    if zero not in (0, 1, 2, 3):
+        raise PlannerError("bad-option", f"--zero must be 0, 1, 2 or 3 (got {zero}).")
+    try:
+        chosen = Schedule(schedule)
+    except ValueError:
+        raise PlannerError("bad-option", f"--schedule {schedule!r} is not one of "
+                           f"{', '.join(s.value for s in Schedule)}.") from None
+    shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                          ffn=ffn, vocab=vocab, settings=settings)
+    graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape)
+    plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=spec,
+                        training=training, costs=AnalyticalCostModel(spec), tp=tp, pp=pp,
+                        dp=dp, micro_batch=micro_batch, recompute=_policies(recompute)[0],
+                        zero=zero, schedule=chosen, interleave=interleave)
+    _emit(plan, graph, output, force, json_out)
+    problems = overflows(plan)
+    if problems:
+        raise PlannerError("does-not-fit", "This configuration does not fit in memory: "
+                           + "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "."),
+                           ["use more pipeline stages (--pp)", "--recompute full",
+                            "--zero 1 (or 2, 3)", "a smaller --micro-batch"])
+
+
+def register(app: typer.Typer) -> None:
+    app.command("solve")(solve)
+    app.command("estimate")(estimate)
