@@ -17,8 +17,9 @@ def pipeline_classes(plan: Plan) -> list[tuple[PipelinePlan, list[PipelinePlan]]
     """Pipelines grouped by identical structure: (representative, members)."""
     groups: dict[tuple, list[PipelinePlan]] = {}
     for p in plan.pipelines:
-        key = tuple((s.layers, s.chunks, s.device_type, s.tp, s.recompute, s.zero)
-                    for s in p.stages) + (p.micro_batch, p.schedule, p.interleave)
+        stages = tuple((s.layers, s.chunks, s.device_type, s.tp, s.recompute, s.zero)
+                       for s in p.stages)
+        key = (stages, p.micro_batch, p.schedule, p.interleave)
         groups.setdefault(key, []).append(p)
     return [(members[0], members) for members in groups.values()]
 
