@@ -107,7 +107,7 @@ def solve(
     pp: Annotated[int | None, _constraint("pp")] = None,
     dp: Annotated[int | None, _constraint("dp")] = None,
     micro_batch: Annotated[int | None, _constraint("micro-batch")] = None,
-    max_stages: Annotated[int, _constraint("max-stages")] = 32,
+    max_stages: Annotated[int, _constraint("max-stages")] = 16,
     recompute: Recompute = None,
     zero: Zero = None,
     exclude: Annotated[list[str] | None, typer.Option(

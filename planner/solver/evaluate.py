@@ -212,9 +212,32 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
         shapes, results, strict=True)], microbatches)
     lower = max(r.lower(m) for r, m in zip(
         [r for shape, r in zip(shapes, results, strict=True) for _ in range(shape.n)],
-        counts, strict=True))
+        counts, strict=True)) + _sync_and_optimizer_floor(table, config, space, shapes,
+                                                          placement)
     return Priced(config=config, shapes=shapes, placement=placement, results=tuple(results),
                   upper=upper, lower=lower)
+
+
+def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
+                              shapes: Sequence[ClassShape], placement: Placement) -> float:
+    """What any splits of this structure pay at least for gradient sync and optimizer:
+    whichever stage holds the first (last) layer has at least its parameters; the first
+    stages of all pipelines hold the first layer whatever the split, so they are its
+    sync group."""
+    sync = opt = 0.0
+    for end, position in ((0, 0), (table.num_layers - 1, -1)):
+        params = float(table.params[end])
+        holders = [p[position].node for slots in placement for p in slots]
+        for shape in shapes:
+            zero3 = 3 in space.zeros and shape.n > 1
+            sharded = shape.n > 1 and any(z >= 1 for z in space.zeros)
+            if position == 0 and not zero3:
+                sync = max(sync, table.collective(Collective.ALL_REDUCE,
+                                                  params * table.grad_bytes,
+                                                  CommGroup.of(holders)))
+            local = params / config.tp / (shape.n if sharded else 1)
+            opt = max(opt, table.optimizer_time(shape.types[position], local))
+    return sync + opt
 
 
 def refine(table: CostTable, priced: Priced, microbatches: int) -> Evaluation:

@@ -11,9 +11,16 @@ gathers) and a send time c_s. Its time for m micro-batches is
 For a bottleneck bound M, G(M) = min sum_s w_s over splits with every h_s <= M
 is a dynamic program over (stage, boundary) [Alpa, Metis]; G is a
 non-increasing step function of M, and T(m) is the lower envelope of
-(m - 1) * M + G(M) over its steps. `optimize` finds the first step (the
-smallest feasible bottleneck M0) and G's floor G(inf), which bound T(m) from
-both sides; `frontier` lists every step, which makes T(m) exact.
+(m - 1) * max(M, G(M) / S) + G(M) over its steps. `optimize` finds the first
+step (the smallest feasible bottleneck M0) and G's floor G(inf), which bound
+T(m) from both sides; `frontier` lists every step, which makes T(m) exact.
+
+The search space uses exactly these splits for a class: the steps of G, the
+splits with no other split both faster in bottleneck and in total. Gradient
+sync and the optimizer step also depend on the split (through the largest
+stage), and among the steps the one that makes the whole step fastest is
+chosen; a split off the staircase that trades pipeline time for a smaller
+stage is not considered.
 
 Memory of stage s (position s holds in-flight micro-batches of the schedule)
 must fit: states sharded by ZeRO over the class's n pipelines, activations by
@@ -50,8 +57,9 @@ class Split:
     bounds: tuple[int, ...]  # b_0 = 0 < ... < b_S = L
     options: tuple[Option, ...]
     stages: tuple[StageTiming, ...]
-    bottleneck: float  # max_s h_s
+    bottleneck: float  # the period: max(max_s h_s, total / S)
     total: float  # sum_s w_s
+    largest_h: float  # max_s h_s
 
     def time(self, m: int) -> float:
         return (m - 1) * self.bottleneck + self.total
@@ -106,16 +114,23 @@ class ClassCosts:
         return float(g[-1])
 
     def split(self, choices: list[np.ndarray]) -> Split:
+        """The split the dynamic program's argmin tables describe."""
         bounds = [self.busy[0].shape[0] - 1]
         for s in range(self.stages - 1, -1, -1):
             bounds.append(int(choices[s][bounds[-1]]))
         bounds.reverse()
+        return self.split_at(bounds)
+
+    def split_at(self, bounds: Sequence[int]) -> Split | None:
+        """Any split given by its bounds (None if a stage does not fit in memory)."""
+        if any(not np.isfinite(self.busy[s][bounds[s], bounds[s + 1]])
+               for s in range(self.stages)):
+            return None
         options, stages, hs, ws = [], [], [], []
         for s in range(self.stages):
             a, b = bounds[s], bounds[s + 1]
             option = self.options[int(self.option[s][a, b])]
             p = self.parts[s]
-            option = Option(option.recompute, p["least_zero"](option, a, b))
             send = float(self.send[s][b])
             gather = float(p["gather"][a, b]) if option.zero == 3 else 0.0
             fwd = p["fwd"][b] - p["fwd"][a] + gather  # ZeRO-3: gather weights for forward,
@@ -132,7 +147,8 @@ class ClassCosts:
             ws.append(stages[-1].busy + 2 * send)
         total = sum(ws)  # the round trip over S bounds the period too (see timing.py)
         return Split(bounds=tuple(bounds), options=tuple(options), stages=tuple(stages),
-                     bottleneck=max(max(hs), total / len(stages)), total=total)
+                     bottleneck=max(max(hs), total / len(stages)), total=total,
+                     largest_h=max(hs))
 
 
 def _prefixes(table: CostTable, kind: str, tp: int, mb: int) -> tuple:
@@ -150,8 +166,8 @@ def _prefixes(table: CostTable, kind: str, tp: int, mb: int) -> tuple:
 
 
 def _options(n: int, policies: Sequence[Recompute], zeros: Sequence[int]) -> tuple[Option, ...]:
-    """ZeRO-1 and -2 cost no time, so stages are priced with the most sharded of {0, 1, 2}
-    allowed (and ZeRO-3); `Split` reports the least sharded level that fits."""
+    """ZeRO-1 and -2 cost no compute time and shrink memory and the optimizer step, so a
+    stage uses the most sharded of {0, 1, 2} allowed, or ZeRO-3 if only that fits."""
     cheap = max((z for z in zeros if z <= 2 and (z == 0 or n > 1)), default=None)
     levels = [z for z in (cheap, 3 if 3 in zeros and n > 1 else None) if z is not None]
     return tuple(Option(p, z) for p in policies for z in levels)
@@ -210,16 +226,7 @@ def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: flo
         busy = np.where(better, t, busy)
         choice = np.where(better, i, choice)
 
-    def least_zero(option: Option, a: int, b: int) -> int:
-        if option.zero == 3:
-            return 3
-        used = acts[option.recompute][a, b] * flight + (
-            range_max[a, b] if option.recompute is Recompute.FULL else 0.0)
-        return next(z for z in sorted(state) if z <= option.zero
-                    and state[z][a, b] + used + info.reserve <= info.memory)
-
-    parts = {**prefix, "rec": rec, "gather": gathers, "options": options,
-             "least_zero": least_zero}
+    parts = {**prefix, "rec": rec, "gather": gathers}
     table.cache[key] = (busy, choice, parts)
     return table.cache[key]
 

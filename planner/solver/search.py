@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.errors import PlannerError
-from planner.solver.evaluate import Config, Evaluation, Space, class_result, price, refine
-from planner.solver.structure import ClassShape, capacity, place
+from planner.solver.evaluate import Config, Evaluation, Space, price, refine
+from planner.solver.partition import class_costs, optimize
+from planner.solver.structure import ClassShape, capacity
 from planner.solver.table import CostTable
+from planner.types import LinkSpec
 
 SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
                 "type; every tp and micro-batch size allowed; exact layer splits, recompute "
@@ -49,7 +51,7 @@ class Limits:
     pp: int | None = None  # stages per pipeline
     dp: int | None = None  # number of pipelines
     micro_batch: int | None = None
-    max_stages: int = 32
+    max_stages: int = 16
     max_micro_batch: int = 16
     mixed: bool = True
 
@@ -171,11 +173,29 @@ def _families(table: CostTable, config: Config, limits: Limits, space: Space
     return levels
 
 
+def _best_link(table: CostTable, a: str, b: str) -> LinkSpec:
+    """The fastest link any stage of type a could have to a next stage of type b."""
+    nodes_a, nodes_b = table.type(a).nodes, table.type(b).nodes
+    links = [table.link(x, y) for x in nodes_a for y in nodes_b]
+    fastest = max(links, key=lambda link: link.bandwidth)
+    return LinkSpec(name=fastest.name, bandwidth=fastest.bandwidth,
+                    latency=min(link.latency for link in links))
+
+
 def _tighten(table: CostTable, config: Config, space: Space, family: _Family) -> None:
-    shape = ClassShape(types=family.types, n=family.n_max)
-    placement = place(table, (shape,), config.tp)
-    result = None if placement is None else class_result(table, shape, config, space,
-                                                         placement[0])
+    """Replace the family's bounds by its exact split on optimistic terms, which no
+    placement and no smaller count of its pipelines beats: ZeRO sharded over n_max
+    pipelines (the most memory relief), the fastest links any placement could give,
+    and ZeRO-3 gathers for free."""
+    key = ("tight", family.types, family.n_max, config, space)
+    if key not in table.cache:
+        pairs = zip(family.types, family.types[1:], strict=False)
+        links = [_best_link(table, a, b) for a, b in pairs]
+        table.cache[key] = optimize(class_costs(
+            table, family.types, tp=config.tp, mb=config.mb, n=family.n_max, links=links,
+            gathers=[(0.0, 0.0)] * len(family.types), schedule=config.schedule,
+            policies=space.policies, zeros=space.zeros))
+    result = table.cache[key]
     family.tight = True
     if result is None:
         family.min_busy = family.total = float("inf")
@@ -318,8 +338,11 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
         for f in levels[node.level]:
             if f.min_busy == float("inf"):
                 continue
-            n = min([f.n_max] + [(bound.slots[k] - used.get(k, 0)) // f.types.count(k)
-                                 for k in set(f.types)])
+            # at most as many pipelines as fit and as there are micro-batches left: the
+            # bound only grows as a family loses pipelines, which the lazy siblings rely on
+            n = min([f.n_max, bound.m - sum(node.counts)]
+                    + [(bound.slots[k] - used.get(k, 0)) // f.types.count(k)
+                       for k in set(f.types)])
             if n >= 1:
                 children.append((f, n))
         for f, n in children:

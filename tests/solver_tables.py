@@ -1,0 +1,166 @@
+"""Random cost tables for the solver tests, and brute force over the same search space."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import replace
+
+import numpy as np
+
+from cost_models.comm import Collective, CommGroup
+from planner.solver.evaluate import Config, Space, class_links, sync_and_optimizer, zero_gathers
+from planner.solver.partition import class_costs
+from planner.solver.search import Limits, configs
+from planner.solver.structure import ClassShape, capacity, place
+from planner.solver.table import POLICIES, CostTable, LayerCosts, TypeInfo
+from planner.types import LinkSpec
+from planner.types.training import Recompute
+
+GIB = 2.0**30
+
+
+def random_table(seed: int, *, layers: int, types: list[tuple[str, list[int]]],
+                 tps: tuple[int, ...] = (1,), micro_batches: tuple[int, ...] = (1,),
+                 memory: float = 8 * GIB, link_speed: float = 1.0) -> CostTable:
+    """types: (name, devices per node) for each type; costs random but reproducible."""
+    rng = np.random.default_rng(seed)
+    infos = []
+    for i, (name, devices) in enumerate(types):
+        nodes = tuple(f"{name}-{k}" for k in range(len(devices)))
+        infos.append(TypeInfo(name=name, nodes=nodes, node_devices=tuple(devices),
+                              memory=memory * (1 + i) / len(types), peak_flops=1e12 * (1 + i),
+                              reserve=0.1 * GIB))
+    speed = {t.name: 0.5 + rng.random() for t in infos}
+    base_f = rng.uniform(0.5, 1.5, layers)
+    base_b = base_f * rng.uniform(1.5, 2.5, layers)
+    rec = {Recompute.NONE: np.zeros(layers), Recompute.SELECTIVE: 0.2 * base_f,
+           Recompute.FULL: base_f}
+
+    def layer_costs(kind: str, tp: int, mb: int) -> LayerCosts:
+        scale = speed[kind] * mb ** 0.9 / tp ** 0.8
+        tp_comm = np.full(layers, 0.05 * (tp - 1) * mb)
+        return LayerCosts(fwd=base_f * scale + tp_comm, bwd=base_b * scale + tp_comm,
+                          tp_fwd=tp_comm, tp_bwd=tp_comm,
+                          recompute={p: rec[p] * scale for p in POLICIES})
+
+    params = rng.uniform(0.2, 1.0, layers) * 1e8
+    acts = {p: rng.uniform(0.1, 0.5, layers) * GIB * f
+            for p, f in ((Recompute.NONE, 1.0), (Recompute.SELECTIVE, 0.6),
+                         (Recompute.FULL, 0.1))}
+    def link(a: str, b: str) -> LinkSpec:
+        if a == b:
+            return LinkSpec(name="intra", bandwidth=50e9, latency=1e-6)
+        pair = random.Random(f"{seed}:{min(a, b)}:{max(a, b)}")  # any pair, reproducibly
+        return LinkSpec(name="net", bandwidth=link_speed * (0.5 + pair.random()) * 1e9,
+                        latency=1e-4)
+
+    def collective(kind: Collective, nbytes: float, group: CommGroup) -> float:
+        n = group.size
+        if n <= 1:
+            return 0.0
+        names = [name for name, _ in group.members]
+        slow = min((link(a, b) for a in names for b in names), key=lambda x: x.bandwidth)
+        factor = 2.0 if kind is Collective.ALL_REDUCE else 1.0
+        return factor * (n - 1) / n * nbytes / slow.bandwidth + (n - 1) * slow.latency
+
+    return CostTable(
+        num_layers=layers, types=tuple(infos), tps=tps, micro_batches=micro_batches,
+        layer_costs=layer_costs, params=params,
+        activations=lambda p, tp: acts[p] / tp,
+        boundary=rng.uniform(0.01, 0.1, layers) * GIB, weight_bytes=2.0, grad_bytes=2.0,
+        state_bytes=12.0, link=link, collective=collective,
+        optimizer_time=lambda kind, p: p * 1e-9 * speed[kind],
+        layer_flops=base_f * 1e12)
+
+
+def with_extra_node(table: CostTable, kind: str, devices: int) -> CostTable:
+    """The table with one more node of type `kind` (named to sort last)."""
+    types = tuple(replace(t, nodes=(*t.nodes, f"{t.name}-zz"),
+                          node_devices=(*t.node_devices, devices)) if t.name == kind else t
+                  for t in table.types)
+    return replace(table, types=types, cache={})
+
+
+def _compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield [bounds[i + 1] - bounds[i] for i in range(parts)]
+
+
+def brute_force(table: CostTable, batch: int, limits: Limits, space: Space) -> float:
+    """The best step time over every structure, split and micro-batch share."""
+    best = float("inf")
+    names = [t.name for t in table.types]
+    for config in configs(table, batch, limits):
+        microbatches = batch // config.mb
+        lengths = (range(limits.pp, limits.pp + 1) if limits.pp else
+                   range(1, min(limits.max_stages, table.num_layers) + 1))
+        mixed: list[tuple[str, ...] | None] = [None]
+        if limits.mixed and len(names) > 1:
+            for a, b in itertools.permutations(names, 2):
+                for total in lengths:
+                    mixed += [(a,) * ca + (b,) * (total - ca) for ca in range(1, total)]
+        homogeneous = [[None] + [(k,) * s for s in lengths] for k in names]
+        for pattern in itertools.product(mixed, *homogeneous):
+            patterns = [p for p in pattern if p is not None]
+            if not patterns:
+                continue
+            maxima = [min(capacity(table, config.tp, k, p.count(k)) for k in set(p))
+                      for p in patterns]
+            for counts in itertools.product(*(range(1, m + 1) for m in maxima)):
+                if limits.dp is not None and sum(counts) != limits.dp:
+                    continue
+                shapes = tuple(ClassShape(types=p, n=n) for p, n in zip(patterns, counts,
+                                                                        strict=True))
+                best = min(best, _structure(table, config, space, shapes, microbatches))
+    return best
+
+
+def _structure(table: CostTable, config: Config, space: Space,
+               shapes: tuple[ClassShape, ...], microbatches: int) -> float:
+    placement = place(table, shapes, config.tp)
+    pipelines = sum(s.n for s in shapes)
+    if placement is None or pipelines > microbatches:
+        return float("inf")
+    options = []
+    for shape, slots in zip(shapes, placement, strict=True):
+        costs = class_costs(table, shape.types, tp=config.tp, mb=config.mb, n=shape.n,
+                            links=class_links(table, slots),
+                            gathers=zero_gathers(table, slots), schedule=config.schedule,
+                            policies=space.policies, zeros=space.zeros)
+        splits = []
+        for cuts in itertools.combinations(range(1, table.num_layers), shape.stages - 1):
+            split = costs.split_at((0, *cuts, table.num_layers))
+            if split is not None:
+                splits.append(split)
+        if not splits:
+            return float("inf")
+        # the search space's splits: those no other split beats in both the largest stage
+        # time and the total (the staircase the dynamic program walks)
+        options.append([x for x in splits if not any(
+            (y.largest_h <= x.largest_h and y.total < x.total)
+            or (y.largest_h < x.largest_h and y.total <= x.total) for y in splits)])
+    best = float("inf")
+    for combo in itertools.product(*options):
+        sync, opt = sync_and_optimizer(table, config, shapes, placement, combo)
+        pipes = [split for shape, split in zip(shapes, combo, strict=True)
+                 for _ in range(shape.n)]
+        for counts in _compositions(microbatches, len(pipes)):
+            slowest = max(split.time(m) for split, m in zip(pipes, counts, strict=True))
+            best = min(best, slowest + sync + opt)
+    return best
+
+
+def random_instance(rng: random.Random) -> tuple[CostTable, int, Limits]:
+    kinds = rng.randint(1, 3)
+    types = [(f"t{i}", [rng.randint(1, 3) for _ in range(rng.randint(1, 2))])
+             for i in range(kinds)]
+    layers = rng.randint(2, 5)
+    table = random_table(rng.randrange(10**6), layers=layers, types=types,
+                         tps=(1, 2) if rng.random() < 0.3 else (1,),
+                         micro_batches=(1, 2) if rng.random() < 0.5 else (1,),
+                         memory=rng.choice([2, 4, 8]) * GIB,
+                         link_speed=rng.choice([0.1, 1.0, 10.0]))
+    batch = rng.choice([2, 4, 6])
+    return table, batch, Limits(max_stages=3)

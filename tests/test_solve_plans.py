@@ -1,0 +1,172 @@
+"""End-to-end solves of small models: plan invariants, baselines, simulator agreement,
+plan files and bad input."""
+
+import dataclasses
+import json
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from cost_models.cluster import load_cluster
+from cost_models.model import AnalyticalCostModel
+from planner.errors import PlannerError
+from planner.models import model_spec
+from planner.planfile import plan_json, read_plan, write_plan
+from planner.simulate import simulate
+from planner.solver import Limits, SolveOptions, solve
+from planner.solver.predict import stage_timings, sync_and_optimizer
+from planner.solver.uniform import uniform_plan
+from planner.trace import trace_model
+from planner.types import TrainingSpec
+
+CLUSTER = "1x4xA100-40G,1x4xV100-16G@100Gbps"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    graph = trace_model(model_spec("opt-125m", {"layers": 4}), seq_len=512, dtype="fp16")
+    cluster = load_cluster(CLUSTER)
+    training = TrainingSpec(global_batch=64, seq_len=512, dtype="fp16")
+    plan = solve(graph, cluster, training, SolveOptions(gap=0.0))[0]
+    return graph, cluster, training, plan
+
+
+def test_every_layer_once_shares_sum_memory_fits(setup):
+    graph, cluster, training, plan = setup
+    assert sum(p.batch_share for p in plan.pipelines) == training.global_batch
+    for p in plan.pipelines:
+        assert p.stages[0].layers[0] == 0 and p.stages[-1].layers[1] == len(graph.layers)
+        for a, b in zip(p.stages, p.stages[1:], strict=False):
+            assert a.layers[1] == b.layers[0]
+        for s in p.stages:
+            assert s.memory.total <= cluster.node(s.devices.node).device.memory
+    used = [(s.devices.node, d) for p in plan.pipelines for s in p.stages
+            for d in s.devices.devices]
+    assert len(used) == len(set(used))  # no device runs two stages
+
+
+def test_solver_report_and_baselines(setup):
+    _, _, _, plan = setup
+    report = plan.solver
+    assert report.status == "optimal" and report.gap == pytest.approx(0, abs=1e-12)
+    assert report.lower_bound <= plan.prediction.step_time
+    assert report.objective == pytest.approx(plan.prediction.step_time, rel=1e-9)
+    names = {b.name for b in plan.baselines}
+    assert names == {"data-parallel", "uniform", "fastest-type"}
+    for b in plan.baselines:
+        if b.prediction is not None:
+            assert b.prediction.step_time >= plan.prediction.step_time * (1 - 1e-9)
+
+
+def test_simulator_agrees_with_the_closed_form(setup):
+    graph, cluster, _, plan = setup
+    costs = AnalyticalCostModel(cluster)
+    timings = stage_timings(plan, graph.layers, costs)
+    sync, opt = sync_and_optimizer(plan, graph.layers, costs)
+    sim = simulate(timings, [p.num_microbatches for p in plan.pipelines],
+                   schedule=plan.pipelines[0].schedule, sync=sync, optimizer=opt)
+    assert sim.step_time == pytest.approx(plan.prediction.step_time, rel=0.02)
+
+
+def test_node_order_does_not_change_the_plan_cost(setup):
+    graph, cluster, training, plan = setup
+    nodes = list(cluster.nodes)
+    random.Random(1).shuffle(nodes)
+    shuffled = dataclasses.replace(cluster, nodes=tuple(reversed(nodes)))
+    again = solve(graph, shuffled, training, SolveOptions(gap=0.0, with_baselines=False))[0]
+    assert again.prediction.step_time == pytest.approx(plan.prediction.step_time, rel=1e-12)
+
+
+def test_plan_file_round_trip(setup, tmp_path):
+    _, _, _, plan = setup
+    path = tmp_path / "plan.json"
+    write_plan(plan, path)
+    assert read_plan(path) == plan
+    with pytest.raises(PlannerError, match="already exists"):
+        write_plan(plan, path)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("{not json", "not JSON"),
+    ('{"kind": "device-profile", "schema_version": 1}', "is not a plan file"),
+    ('{"kind": "plan", "schema_version": 9}', "schema_version 9"),
+    ('{"kind": "plan", "schema_version": 1, "model": 3}', "is not a valid plan"),
+])
+def test_corrupted_or_foreign_plan_files(tmp_path, text, needle):
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.raises(PlannerError, match=needle):
+        read_plan(path)
+
+
+def test_estimate_prices_a_fixed_recipe(setup):
+    graph, cluster, training, plan = setup
+    fixed = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                         training=training, costs=AnalyticalCostModel(cluster), tp=2, pp=2,
+                         micro_batch=2, interleave=2)
+    assert fixed.solver.status == "fixed"
+    assert len(fixed.pipelines) == 2 and all(len(p.stages) == 2 for p in fixed.pipelines)
+    assert fixed.pipelines[0].stages[0].chunks == ((0, 2), (3, 4))  # 6 layers, 4 chunks
+    assert fixed.prediction.step_time >= plan.prediction.step_time * (1 - 1e-9)
+
+
+def test_infeasible_model_names_the_device_and_term():
+    graph = trace_model(model_spec("llama2-13b", {"layers": 8}), seq_len=2048, dtype="fp16")
+    cluster = load_cluster("1x2xT4")
+    with pytest.raises(PlannerError) as err:
+        solve(graph, cluster, TrainingSpec(global_batch=8, seq_len=2048, dtype="fp16"))
+    assert "larger than the whole cluster's memory" in err.value.message
+    assert err.value.remedies
+
+
+def test_contradicting_constraints():
+    graph = trace_model(model_spec("gpt-tiny"), seq_len=64, dtype="fp16")
+    cluster = load_cluster("1x8xA100-40G")
+    training = TrainingSpec(global_batch=8, seq_len=64, dtype="fp16")
+    with pytest.raises(PlannerError, match="--tp 16 cannot be used"):
+        solve(graph, cluster, training, SolveOptions(limits=Limits(tp=16)))
+    with pytest.raises(PlannerError, match="does not divide the global batch"):
+        solve(graph, cluster, training, SolveOptions(limits=Limits(micro_batch=3)))
+    with pytest.raises(PlannerError, match="no usable device"):
+        solve(graph, cluster, training, SolveOptions(exclude=("a100-40g-sxm-0",)))
+
+
+def test_cli_solve_and_estimate(tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", "16",
+                                 "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "Baselines" in result.stdout and out.exists()
+    assert read_plan(out).training.global_batch == 16
+    again = runner.invoke(app, ["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", "16",
+                                "-o", str(out)])
+    assert again.exit_code == 1 and "already exists" in again.stderr
+    data = json.loads(runner.invoke(app, ["solve", "gpt-tiny", "--cluster", CLUSTER,
+                                          "-B", "16", "--json"]).stdout)
+    assert data["kind"] == "plan" and data["solver"]["status"] in ("optimal", "feasible")
+    est = runner.invoke(app, ["estimate", "gpt-tiny", "--cluster", CLUSTER, "-B", "16",
+                              "--tp", "2", "--pp", "2", "--json"])
+    assert est.exit_code == 0, est.output
+    assert json.loads(est.stdout)["solver"]["status"] == "fixed"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "16"], "--tp 16 cannot be used"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", "0"], "--global-batch must be"),
+    (["solve", "gpt-tiny", "--cluster", "nope-cluster"], "not a file, a built-in example"),
+    (["estimate", "gpt-tiny", "--cluster", CLUSTER, "--tp", "2", "--pp", "8", "--dp", "4"],
+     "needs 64 devices"),
+    (["estimate", "llama2-13b", "--cluster", "1x2xT4", "-B", "2"], "does not fit in memory"),
+])
+def test_cli_bad_input(args, needle):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert needle in result.stderr and "Traceback" not in result.output
+
+
+def test_plan_json_is_valid_json(setup):
+    data = json.loads(plan_json(setup[3]))
+    assert data["schema_version"] == 1 and data["kind"] == "plan"

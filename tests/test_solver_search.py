@@ -1,0 +1,92 @@
+"""The search against brute force over the same space, and properties of its plans."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.errors import PlannerError
+from planner.solver.evaluate import Space
+from planner.solver.search import Limits, search
+from tests.solver_tables import brute_force, random_instance, random_table, with_extra_node
+
+
+def best_or_inf(table, batch, limits, space=None):
+    try:
+        return search(table, batch, limits=limits, space=space).best[0].step_time
+    except PlannerError:
+        return float("inf")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_equals_brute_force(seed):
+    table, batch, limits = random_instance(random.Random(seed))
+    expected = brute_force(table, batch, limits, Space())
+    got = best_or_inf(table, batch, limits)
+    assert got == pytest.approx(expected, rel=1e-9) or got == expected == float("inf")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_equals_brute_force_with_fixed_choices(seed):
+    rng = random.Random(seed)
+    table, batch, _ = random_instance(rng)
+    space = Space(policies=(rng.choice(list(Space().policies)),), zeros=(rng.choice([0, 3]),))
+    limits = Limits(max_stages=3, pp=rng.choice([None, 2]), mixed=rng.random() < 0.5)
+    expected = brute_force(table, batch, limits, space)
+    got = best_or_inf(table, batch, limits, space)
+    assert got == pytest.approx(expected, rel=1e-9) or got == expected == float("inf")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9), st.integers(1, 3))
+def test_adding_devices_never_makes_the_best_plan_slower(seed, devices):
+    table, batch, limits = random_instance(random.Random(seed))
+    before = best_or_inf(table, batch, limits)
+    kind = random.Random(seed + 1).choice(table.types).name
+    after = best_or_inf(with_extra_node(table, kind, devices), batch, limits)
+    assert after <= before * (1 + 1e-12)
+
+
+def test_top_k_plans_are_distinct_and_ordered():
+    table = random_table(3, layers=4, types=[("a", [2]), ("b", [2])])
+    result = search(table, 4, limits=Limits(max_stages=2), top_k=3)
+    times = [e.step_time for e in result.best]
+    assert times == sorted(times) and len(times) == 3
+    keys = {(e.config, e.shapes) for e in result.best}
+    assert len(keys) == 3
+
+
+def test_two_speed_data_parallel_split_matches_closed_form():
+    """Two replicas of speeds t1, t2 per micro-batch: the best integer split of M
+    micro-batches minimises max(m1 t1, m2 t2) with m1 + m2 = M."""
+    table = random_table(7, layers=1, types=[("fast", [1]), ("slow", [1])])
+    m = 12
+    result = search(table, m, limits=Limits(pp=1, mixed=False))
+    best = result.best[0]
+    assert sum(c for counts in best.microbatches for c in counts) == m
+    times = {shape.types[0]: split.time(1) for shape, split in zip(best.shapes, best.splits,
+                                                                    strict=True)}
+    if len(best.shapes) == 2:
+        t1, t2 = times["fast"], times["slow"]
+        closed = min(max(k * t1, (m - k) * t2) for k in range(1, m))
+        assert max(max(t) for t in best.pipeline_times) == pytest.approx(closed)
+        fast = dict(zip([s.types[0] for s in best.shapes], best.microbatches, strict=True))
+        assert fast["fast"][0] >= fast["slow"][0]
+
+
+def test_gap_tolerance_reports_an_honest_bound():
+    table = random_table(11, layers=5, types=[("a", [2, 2]), ("b", [3])])
+    exact = search(table, 6, limits=Limits(max_stages=3))
+    loose = search(table, 6, limits=Limits(max_stages=3), gap=0.05)
+    assert loose.bound <= exact.best[0].step_time * (1 + 1e-12)
+    assert loose.best[0].step_time <= exact.best[0].step_time / (1 - 0.05) * (1 + 1e-12)
+
+
+def test_time_limit_returns_a_feasible_plan_and_a_bound():
+    table = random_table(5, layers=5, types=[("a", [3, 3]), ("b", [3, 3]), ("c", [2])])
+    result = search(table, 6, limits=Limits(max_stages=4), time_limit=0.0)
+    assert result.best and result.bound <= result.best[0].step_time
+    assert result.status in ("feasible", "optimal")
