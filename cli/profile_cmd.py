@@ -169,5 +169,38 @@ def _render_comm(comm: dict) -> None:
     console.print(table)
 
 
+@profile_app.command("merge")
+def merge(
+    profiles: Annotated[list[Path], typer.Argument(help="Profile files, one per node.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The cluster YAML to write.")],
+    network: Annotated[str, typer.Option(
+        "--network", help="Link between nodes, e.g. 100Gbps/5us, or `measured` when the "
+        "profiles come from workers of one machine.")] = "100Gbps/5us",
+    names: Annotated[str | None, typer.Option(
+        "--names", help="Comma-separated node names (default: the profiles' hosts).")] = None,
+    name: Annotated[str, typer.Option("--name", help="The cluster's name.")] = "profiled",
+    force: opt.Force = False,
+) -> None:
+    """Build a cluster spec from per-node profiles, measured values carried along.
+
+    Example: planner profile merge node-a.json node-b.json --network 100Gbps -o lab.yaml
+    """
+    import yaml
+
+    from cost_models.cluster import cluster_to_dict
+    from cost_models.profile.merge import merge_profiles
+
+    if output.exists() and not force:
+        raise PlannerError("file-exists", f"{str(output)!r} already exists; it was left as "
+                           "it is.", ["pass --force to overwrite it"])
+    cluster = merge_profiles(profiles, network=network, name=name,
+                             names=[n.strip() for n in names.split(",")] if names else None)
+    output.write_text("# Made by `planner profile merge` from "
+                      + ", ".join(str(p) for p in profiles) + "\n"
+                      + yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False))
+    console.print(f"Wrote cluster {cluster.name} ({len(cluster.nodes)} nodes, "
+                  f"{cluster.num_devices} devices) to {output}")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(profile_app, name="profile")

@@ -22,6 +22,7 @@ the search early and reports the queue's best bound.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import time
@@ -32,7 +33,7 @@ import numpy as np
 
 from planner.errors import PlannerError
 from planner.solver.evaluate import Config, Evaluation, Space, price, refine
-from planner.solver.partition import class_costs, optimize
+from planner.solver.partition import ZERO_GATHER_REF, class_costs, optimize
 from planner.solver.structure import ClassShape, capacity
 from planner.solver.table import CostTable
 from planner.types import LinkSpec
@@ -175,26 +176,39 @@ def _families(table: CostTable, config: Config, limits: Limits, space: Space
 
 def _best_link(table: CostTable, a: str, b: str) -> LinkSpec:
     """The fastest link any stage of type a could have to a next stage of type b."""
-    nodes_a, nodes_b = table.type(a).nodes, table.type(b).nodes
-    links = [table.link(x, y) for x in nodes_a for y in nodes_b]
-    fastest = max(links, key=lambda link: link.bandwidth)
-    return LinkSpec(name=fastest.name, bandwidth=fastest.bandwidth,
-                    latency=min(link.latency for link in links))
+    key = ("best link", a, b)
+    if key not in table.cache:
+        nodes_a, nodes_b = table.type(a).nodes, table.type(b).nodes
+        links = [table.link(x, y) for x in nodes_a for y in nodes_b]
+        fastest = max(links, key=lambda link: link.bandwidth)
+        table.cache[key] = LinkSpec(name=fastest.name, bandwidth=fastest.bandwidth,
+                                    latency=min(link.latency for link in links))
+    return table.cache[key]
+
+
+def _cheapest_gather(table: CostTable, kind: str) -> tuple[float, float]:
+    """A ZeRO-3 all-gather no group of type-`kind` replicas beats: two ranks (the
+    smallest group, moving half the bytes) over the fastest link of that type."""
+    link = _best_link(table, kind, kind)
+    intra = table.link(table.type(kind).nodes[0], table.type(kind).nodes[0])
+    bandwidth = max(link.bandwidth, intra.bandwidth)
+    latency = min(link.latency, intra.latency)
+    return latency, latency + ZERO_GATHER_REF / (2 * bandwidth)
 
 
 def _tighten(table: CostTable, config: Config, space: Space, family: _Family) -> None:
     """Replace the family's bounds by its exact split on optimistic terms, which no
     placement and no smaller count of its pipelines beats: ZeRO sharded over n_max
     pipelines (the most memory relief), the fastest links any placement could give,
-    and ZeRO-3 gathers for free."""
+    and the cheapest ZeRO-3 gathers any group could have."""
     key = ("tight", family.types, family.n_max, config, space)
     if key not in table.cache:
         pairs = zip(family.types, family.types[1:], strict=False)
         links = [_best_link(table, a, b) for a, b in pairs]
         table.cache[key] = optimize(class_costs(
             table, family.types, tp=config.tp, mb=config.mb, n=family.n_max, links=links,
-            gathers=[(0.0, 0.0)] * len(family.types), schedule=config.schedule,
-            policies=space.policies, zeros=space.zeros))
+            gathers=[_cheapest_gather(table, kind) for kind in family.types],
+            schedule=config.schedule, policies=space.policies, zeros=space.zeros))
     result = table.cache[key]
     family.tight = True
     if result is None:
@@ -219,6 +233,38 @@ class _Bound:
     def __init__(self, levels: list[list[_Family]], microbatches: int,
                  slots: dict[str, int], optimizer: Callable[[_Family, int], float]) -> None:
         self.m, self.levels, self.slots, self.optimizer = microbatches, levels, slots, optimizer
+        self.kinds = sorted(slots)
+        self._arrays: dict[int, tuple] = {}
+
+    def _level(self, level: int) -> tuple:
+        """Per family of a level: n_max, stages per type, min_busy, total (as arrays);
+        `invalidate` drops them when families were tightened."""
+        families = self.levels[level]
+        cached = self._arrays.get(level)
+        if cached is None:
+            counts = np.array([[f.types.count(k) for k in self.kinds] for f in families],
+                              dtype=float).reshape(len(families), len(self.kinds))
+            cached = (None, np.array([f.n_max for f in families], dtype=float), counts,
+                      np.array([f.min_busy for f in families]),
+                      np.array([f.total for f in families]))
+            self._arrays[level] = cached
+        return cached[1:]
+
+    def invalidate(self) -> None:
+        self._arrays.clear()
+
+    def _open_line(self, level: int, free: np.ndarray) -> tuple[float, float]:
+        n_max, counts, busy, total = self._level(level)
+        if not len(n_max):
+            return 0.0, 0.0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            fits = np.where(counts > 0, np.floor(free[None, :] / counts), np.inf).min(axis=1)
+        n = np.minimum(n_max, fits)
+        live = (n >= 1) & np.isfinite(busy)
+        if not live.any():
+            return 0.0, 0.0
+        n, busy, total = n[live], busy[live], total[live]
+        return float((n / busy).max()), float((n * (1 - total / busy)).max())
 
     @staticmethod
     def _line(f: _Family, n: int) -> tuple[float, float]:
@@ -228,22 +274,14 @@ class _Bound:
                  ) -> float:
         if sum(n for _, n in fixed) > self.m:
             return float("inf")
-        used: dict[str, int] = {}
+        if any(f.min_busy == float("inf") for f, _ in fixed):
+            return float("inf")
+        free = np.array([float(self.slots[k]) for k in self.kinds])
         for f, n in fixed:
-            for kind in f.types:
-                used[kind] = used.get(kind, 0) + n
+            for i, kind in enumerate(self.kinds):
+                free[i] -= n * f.types.count(kind)
         lines = [self._line(f, n) for f, n in fixed]
-        for level in open_levels:
-            best = (0.0, 0.0)
-            for f in self.levels[level]:
-                if f.min_busy == float("inf"):
-                    continue
-                n = min([f.n_max] + [(self.slots[k] - used.get(k, 0)) // f.types.count(k)
-                                     for k in set(f.types)])
-                if n > 0:
-                    rate, offset = self._line(f, n)
-                    best = (max(best[0], rate), max(best[1], offset))
-            lines.append(best)
+        lines += [self._open_line(level, free) for level in open_levels]
         rate = sum(r for r, _ in lines)
         if rate <= 0:
             return float("inf")
@@ -252,89 +290,83 @@ class _Bound:
         return pipelines + max((self.optimizer(f, n) for f, n in fixed), default=0.0)
 
 
-def search(table: CostTable, batch: int, *, limits: Limits | None = None,
-           space: Space | None = None, top_k: int = 1, gap: float = 0.0,
-           time_limit: float | None = None,
-           progress: Callable[[int], None] | None = None) -> SearchResult:
-    """The best `top_k` structures for a global batch of `batch` samples.
+def _optimizer_bound(table: CostTable, params: float, space: Space, tp: int
+                     ) -> Callable[[_Family, int], float]:
+    """The optimizer step n pipelines of family f pay at least: some stage holds 1/S of
+    the parameters, sharded by ZeRO over the n pipelines if ZeRO is allowed."""
+    memo: dict[tuple, float] = {}
 
-    gap: prune structures whose bound is within this fraction of the k-th best
-    (0: exact); the returned bound accounts for what was pruned that way."""
-    start = time.perf_counter()
-    limits, space = limits or Limits(), space or Space()
-    heap: list[_Node] = []
-    counter = itertools.count()
-    state: dict[Config, tuple[list[list[_Family]], _Bound, dict]] = {}
-    params = float(table.params.sum())
-    for config in configs(table, batch, limits):
-        levels = _families(table, config, limits, space)
-        slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
-
-        def optimizer(f: _Family, n: int, tp: int = config.tp) -> float:
+    def bound(f: _Family, n: int) -> float:
+        key = (f.types, n)
+        if key not in memo:
             shard = tp * len(f.types) * (n if max(space.zeros) >= 1 else 1)
-            return min(table.optimizer_time(k, params / shard) for k in set(f.types))
+            memo[key] = min(table.optimizer_time(k, params / shard) for k in set(f.types))
+        return memo[key]
 
-        bound = _Bound(levels, batch // config.mb, slots, optimizer)
-        index = {f.types: f for level in levels for f in level}
-        state[config] = (levels, bound, index)
-        root = bound([], range(len(levels)))
-        heapq.heappush(heap, _Node(root, next(counter), config, 0, (), ()))
-    best: list[Evaluation] = []
-    explored = pruned = 0
-    status = "optimal"
-    given_up = float("inf")  # smallest bound pruned only because of `gap`
+    return bound
 
-    def threshold() -> float:
-        return best[top_k - 1].step_time if len(best) >= top_k else float("inf")
 
-    def keep(b: float) -> bool:
-        nonlocal given_up, pruned
-        if b < threshold() * (1 - gap):
+class _Search:
+    """The state of one search: the queue, the best structures so far, the counters."""
+
+    def __init__(self, table: CostTable, batch: int, limits: Limits, space: Space,
+                 top_k: int, gap: float) -> None:
+        self.table, self.batch, self.limits, self.space = table, batch, limits, space
+        self.top_k, self.gap = top_k, gap
+        self.heap: list[_Node] = []
+        self.counter = itertools.count()
+        self.state: dict[Config, tuple[list[list[_Family]], _Bound, dict]] = {}
+        self.best: list[Evaluation] = []
+        self.explored = self.pruned = 0
+        self.given_up = float("inf")  # smallest bound pruned only because of `gap`
+        params = float(table.params.sum())
+        for config in configs(table, batch, limits):
+            levels = _families(table, config, limits, space)
+            slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
+
+            bound = _Bound(levels, batch // config.mb, slots,
+                           _optimizer_bound(table, params, space, config.tp))
+            self.state[config] = (levels, bound, {f.types: f for lv in levels for f in lv})
+            root = _Node(bound([], range(len(levels))), next(self.counter), config, 0, (), ())
+            heapq.heappush(self.heap, root)
+
+    def threshold(self) -> float:
+        return self.best[self.top_k - 1].step_time if len(self.best) >= self.top_k else \
+            float("inf")
+
+    def keep(self, b: float) -> bool:
+        if b < self.threshold() * (1 - self.gap):
             return True
-        if b < threshold():
-            given_up = min(given_up, b)
-        pruned += 1
+        if b < self.threshold():
+            self.given_up = min(self.given_up, b)
+        self.pruned += 1
         return False
 
-    while heap:
-        if time_limit is not None and time.perf_counter() - start > time_limit and best:
-            status = "feasible"
-            break
-        node = heapq.heappop(heap)
-        if not keep(node.bound):
-            for rest in heap:
-                keep(rest.bound)
-            heap.clear()
-            break
-        levels, bound, index = state[node.config]
-        fixed = [(index[t], n) for t, n in zip(node.chosen, node.counts, strict=True)]
+    def fixed(self, node: _Node) -> list[tuple[_Family, int]]:
+        index = self.state[node.config][2]
+        return [(index[t], n) for t, n in zip(node.chosen, node.counts, strict=True)]
+
+    def settle(self, node: _Node) -> bool:
+        """Price the node's families exactly; False if that raised its bound."""
+        levels, bound, _ = self.state[node.config]
+        fixed = self.fixed(node)
         loose = [f for f, _ in fixed if not f.tight]
-        if loose:  # price the families exactly, then look at the node again
-            for f in loose:
-                _tighten(table, node.config, space, f)
-            node.bound = max(node.bound, bound(fixed, range(node.level, len(levels))))
-            if keep(node.bound):
-                heapq.heappush(heap, node)
-            continue
-        if node.counts and node.counts[-1] > 1 and node.chosen[-1] in node.fewer:
-            # the same family with one pipeline fewer: no faster bound, so it waits
-            counts = (*node.counts[:-1], node.counts[-1] - 1)
-            b = bound([*fixed[:-1], (fixed[-1][0], counts[-1])],
-                      range(node.level, len(levels)))
-            if keep(b):
-                heapq.heappush(heap, _Node(b, next(counter), node.config, node.level,
-                                           node.chosen, counts, node.fewer))
-        explored += 1
-        if progress:
-            progress(explored)
-        if node.level == len(levels):
-            _leaf(table, node, batch, limits, space, best, top_k)
-            continue
+        if not loose:
+            return True
+        for f in loose:
+            _tighten(self.table, node.config, self.space, f)
+        bound.invalidate()
+        node.bound = max(node.bound, bound(fixed, range(node.level, len(levels))))
+        return False
+
+    def children(self, node: _Node) -> list[_Node]:
+        levels, bound, _ = self.state[node.config]
+        fixed = self.fixed(node)
         used: dict[str, int] = {}
         for f, n in fixed:
             for kind in f.types:
                 used[kind] = used.get(kind, 0) + n
-        children: list[tuple[_Family | None, int]] = [(None, 0)]
+        options: list[tuple[_Family | None, int]] = [(None, 0)]
         for f in levels[node.level]:
             if f.min_busy == float("inf"):
                 continue
@@ -344,29 +376,113 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
                     + [(bound.slots[k] - used.get(k, 0)) // f.types.count(k)
                        for k in set(f.types)])
             if n >= 1:
-                children.append((f, n))
-        for f, n in children:
+                options.append((f, n))
+        out = []
+        for f, n in options:
             chosen = node.chosen + ((f.types,) if f else ())
-            counts = node.counts + ((n,) if f else ())
             if node.level == len(levels) - 1 and not chosen:
                 continue
             b = bound(fixed + ([(f, n)] if f else []), range(node.level + 1, len(levels)))
-            if keep(b):
-                heapq.heappush(heap, _Node(b, next(counter), node.config, node.level + 1,
-                                           chosen, counts,
-                                           frozenset([f.types]) if f else frozenset()))
-    if not best:
+            out.append(_Node(b, next(self.counter), node.config, node.level + 1, chosen,
+                             node.counts + ((n,) if f else ()),
+                             frozenset([f.types]) if f else frozenset()))
+        return out
+
+    def sibling(self, node: _Node) -> _Node | None:
+        """The same last family with one pipeline fewer (made only when needed)."""
+        if not (node.counts and node.counts[-1] > 1 and node.chosen[-1] in node.fewer):
+            return None
+        levels, bound, _ = self.state[node.config]
+        fixed = self.fixed(node)
+        counts = (*node.counts[:-1], node.counts[-1] - 1)
+        b = bound([*fixed[:-1], (fixed[-1][0], counts[-1])], range(node.level, len(levels)))
+        return _Node(b, next(self.counter), node.config, node.level, node.chosen, counts,
+                     node.fewer)
+
+    def is_leaf(self, node: _Node) -> bool:
+        return node.level == len(self.state[node.config][0])
+
+    def dive(self, node: _Node) -> None:
+        """Follow the best child down to a leaf: a good plan early prunes the rest."""
+        while True:
+            while not self.settle(node):
+                pass
+            if node.bound == float("inf"):
+                return
+            if self.is_leaf(node):
+                _leaf(self.table, node, self.batch, self.limits, self.space, self.best,
+                      self.top_k)
+                return
+            children = self.children(node)
+            while children:
+                children.sort()
+                if self.settle(children[0]):
+                    break
+            if not children or children[0].bound == float("inf"):
+                return
+            node = children[0]
+
+    def step(self) -> bool:
+        """Expand the most promising node; False when the search is over."""
+        if not self.heap:
+            return False
+        node = heapq.heappop(self.heap)
+        if not self.keep(node.bound):
+            for rest in self.heap:
+                self.keep(rest.bound)
+            self.heap.clear()
+            return False
+        if not self.settle(node):
+            if self.keep(node.bound):
+                heapq.heappush(self.heap, node)
+            return True
+        sibling = self.sibling(node)
+        if sibling is not None and self.keep(sibling.bound):
+            heapq.heappush(self.heap, sibling)
+        self.explored += 1
+        if self.is_leaf(node):
+            _leaf(self.table, node, self.batch, self.limits, self.space, self.best,
+                  self.top_k)
+            return True
+        for child in self.children(node):
+            if self.keep(child.bound):
+                heapq.heappush(self.heap, child)
+        return True
+
+
+def search(table: CostTable, batch: int, *, limits: Limits | None = None,
+           space: Space | None = None, top_k: int = 1, gap: float = 0.0,
+           time_limit: float | None = None, dives: int = 3,
+           progress: Callable[[int], None] | None = None) -> SearchResult:
+    """The best `top_k` structures for a global batch of `batch` samples.
+
+    gap: prune structures whose bound is within this fraction of the k-th best
+    (0: exact); the returned bound accounts for what was pruned that way.
+    dives: how many of the most promising configurations are first followed
+    greedily to a plan, to start pruning with a good one."""
+    start = time.perf_counter()
+    run = _Search(table, batch, limits or Limits(), space or Space(), top_k, gap)
+    for root in sorted(run.heap)[:dives]:
+        run.dive(dataclasses.replace(root, order=next(run.counter)))
+    status = "optimal"
+    while run.step():
+        if progress:
+            progress(run.explored)
+        if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
+            status = "feasible"
+            break
+    if not run.best:
         raise PlannerError(
             "infeasible", "No plan fits: every structure the search tried runs out of device "
             "memory or has more pipelines than micro-batches.",
             ["allow more pipeline stages (--max-stages) or recompute",
              "allow ZeRO (do not pass --zero 0)", "use a smaller --micro-batch",
              "add devices or use devices with more memory"])
-    bound_value = min(best[0].step_time, given_up)
+    bound_value = min(run.best[0].step_time, run.given_up)
     if status != "optimal":
-        bound_value = min([bound_value, *(n.bound for n in heap)])
-    return SearchResult(best=best, status=status, bound=bound_value,
-                        explored=explored, pruned=pruned,
+        bound_value = min([bound_value, *(n.bound for n in run.heap)])
+    return SearchResult(best=run.best, status=status, bound=bound_value,
+                        explored=run.explored, pruned=run.pruned,
                         wall_time=time.perf_counter() - start)
 
 
@@ -384,6 +500,8 @@ def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Spac
     if priced.lower >= threshold:
         return
     evaluation = refine(table, priced, microbatches)
+    if any((e.config, e.shapes) == (evaluation.config, evaluation.shapes) for e in best):
+        return  # already found (by a dive)
     if evaluation.step_time < threshold:
         best.append(evaluation)
         best.sort(key=lambda e: e.step_time)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from planner.errors import PlannerError
 
@@ -120,10 +121,14 @@ class ClusterSpec:
     def num_devices(self) -> int:
         return sum(n.devices for n in self.nodes)
 
+    @cached_property
+    def _by_name(self) -> dict[str, NodeSpec]:
+        return {n.name: n for n in self.nodes}
+
     def node(self, name: str) -> NodeSpec:
-        for n in self.nodes:
-            if n.name == name:
-                return n
+        found = self._by_name.get(name)
+        if found is not None:
+            return found
         raise PlannerError("unknown-node", f"Cluster {self.name} has no node {name!r}.",
                            [f"use one of {', '.join(n.name for n in self.nodes)}"])
 
