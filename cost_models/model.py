@@ -65,18 +65,22 @@ class AnalyticalCostModel:
 
     def layer_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                    dtype: str) -> LayerTime:
-        key = ("layer", id(layer), layer.signature, device, tp, micro_batch, dtype)
+        # identities, not values: hashing a layer's kernels or a measured device each call
+        # costs more than the pricing (the memo keeps them alive, so ids stay unique)
+        key = ("layer", id(layer), id(device), tp, micro_batch, dtype)
         if key not in self.memo:
             self.memo[key] = layer_time(layer, device, tp=tp, micro_batch=micro_batch,
                                         dtype=dtype, eff=self.efficiency)
+            self.memo["alive", key] = (layer, device)
         return self.memo[key]
 
     def recompute_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                        dtype: str, policy: Recompute) -> float:
-        key = ("recompute", id(layer), layer.signature, device, tp, micro_batch, dtype, policy)
+        key = ("recompute", id(layer), id(device), tp, micro_batch, dtype, policy)
         if key not in self.memo:
             self.memo[key] = recompute_time(layer, device, tp=tp, micro_batch=micro_batch,
                                             dtype=dtype, policy=policy, eff=self.efficiency)
+            self.memo["alive", key] = (layer, device)
         return self.memo[key]
 
     def collective_time(self, kind: Collective, nbytes: float, group: CommGroup) -> float:

@@ -23,8 +23,8 @@ from planner.solver.bounds import lower_bound
 from planner.solver.build import from_evaluation
 from planner.solver.diagnose import diagnose
 from planner.solver.evaluate import Space
-from planner.solver.search import SEARCH_SPACE, Limits, search
-from planner.solver.table import build_table
+from planner.solver.search import SEARCH_SPACE, Limits, SearchResult, search
+from planner.solver.table import CostTable, build_table
 from planner.types import ClusterSpec, ModelGraph, Plan, SolverReport, TrainingSpec
 
 __all__ = ["Limits", "SolveOptions", "Space", "solve"]
@@ -83,49 +83,73 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     return used
 
 
-def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
-          options: SolveOptions | None = None, *, costs: CostModel | None = None,
-          progress: Callable[[int], None] | None = None) -> list[Plan]:
-    """The best `top_k` plans, best first; each carries its solver report, the first
-    also the baselines."""
-    options = options or SolveOptions()
-    used = _check(model, cluster, training, options)
-    costs = costs or AnalyticalCostModel(cluster)
+def _fastest_only(cluster: ClusterSpec, dtype: str) -> ClusterSpec:
+    fastest = max(cluster.device_types().values(), key=lambda d: d.flops(dtype))
+    return dataclasses.replace(cluster, nodes=tuple(n for n in cluster.nodes
+                                                    if n.device.name == fastest.name))
+
+
+def _search(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
+            options: SolveOptions, costs: CostModel, seeds: tuple = (),
+            progress: Callable[[int], None] | None = None) -> tuple[CostTable, SearchResult]:
     tps = [t for t in options.tps if options.limits.max_tp is None
            or t <= options.limits.max_tp]
-    table = build_table(model.layers, used, training, costs, tps=tps,
+    table = build_table(model.layers, cluster, training, costs, tps=tps,
                         micro_batches=options.micro_batches)
     try:
         result = search(table, training.global_batch, limits=options.limits,
                         space=options.space, top_k=options.top_k, gap=options.gap,
-                        time_limit=options.time_limit, progress=progress)
+                        time_limit=options.time_limit, seeds=seeds, progress=progress)
     except PlannerError as exc:
         if exc.kind != "infeasible":
             raise
-        raise diagnose(model.layers, used, training, costs) from None
-    floor = lower_bound(table, training.global_batch)
+        raise diagnose(model.layers, cluster, training, costs) from None
+    return table, result
+
+
+def _plans(result: SearchResult, floor: float, model: ModelGraph, cluster: ClusterSpec,
+           training: TrainingSpec, costs: CostModel) -> list[Plan]:
     plans = []
     for evaluation in result.best:
         objective = evaluation.step_time
+        bound = min(result.bound, objective)
         report = SolverReport(
-            status=result.status, objective=objective, best_bound=min(result.bound, objective),
-            gap=(objective - min(result.bound, objective)) / objective,
-            wall_time=result.wall_time, lower_bound=floor, explored=result.explored,
-            pruned=result.pruned, search_space=SEARCH_SPACE)
+            status=result.status, objective=objective, best_bound=bound,
+            gap=(objective - bound) / objective, wall_time=result.wall_time,
+            lower_bound=floor, explored=result.explored, pruned=result.pruned,
+            search_space=SEARCH_SPACE)
         plans.append(from_evaluation(evaluation, model=model.spec, training=training,
                                      cluster=cluster, layers=model.layers, costs=costs,
                                      solver=report))
-    if options.with_baselines:
-        plans[0] = dataclasses.replace(plans[0], baselines=baselines(
-            layers=model.layers, model=model.spec, cluster=used, training=training,
-            costs=costs, fastest_alone=lambda alone: _alone(model, alone, training, options)))
     return plans
 
 
-def _alone(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
-           options: SolveOptions) -> Plan | None:
-    try:
-        return solve(model, cluster, training,
-                     dataclasses.replace(options, top_k=1, with_baselines=False, exclude=()))[0]
-    except PlannerError:
-        return None
+def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
+          options: SolveOptions | None = None, *, costs: CostModel | None = None,
+          progress: Callable[[int], None] | None = None) -> list[Plan]:
+    """The best `top_k` plans, best first; each carries its solver report, the first
+    also the baselines. The best plan on the fastest device type alone is searched
+    first: it is a baseline and a good first plan for the full search to beat."""
+    options = options or SolveOptions()
+    used = _check(model, cluster, training, options)
+    costs = costs or AnalyticalCostModel(cluster)
+    alone_cluster = _fastest_only(used, training.dtype)
+    alone: list[Plan] = []
+    seeds: tuple = ()
+    if len(alone_cluster.nodes) < len(used.nodes):
+        try:
+            _, result = _search(model, alone_cluster, training,
+                                dataclasses.replace(options, top_k=1), costs)
+            alone = _plans(result, 0.0, model, alone_cluster, training, costs)
+            seeds = tuple((e.config, e.shapes) for e in result.best)
+        except PlannerError:
+            pass
+    table, result = _search(model, used, training, options, costs, seeds, progress)
+    plans = _plans(result, lower_bound(table, training.global_batch), model, cluster,
+                   training, costs)
+    if options.with_baselines:
+        plans[0] = dataclasses.replace(plans[0], baselines=baselines(
+            layers=model.layers, model=model.spec, cluster=used, training=training,
+            costs=costs, fastest_alone=lambda _: alone[0] if alone else (
+                plans[0] if len(alone_cluster.nodes) == len(used.nodes) else None)))
+    return plans

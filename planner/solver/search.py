@@ -453,15 +453,23 @@ class _Search:
 def search(table: CostTable, batch: int, *, limits: Limits | None = None,
            space: Space | None = None, top_k: int = 1, gap: float = 0.0,
            time_limit: float | None = None, dives: int = 3,
+           seeds: Sequence[tuple[Config, tuple[ClassShape, ...]]] = (),
            progress: Callable[[int], None] | None = None) -> SearchResult:
     """The best `top_k` structures for a global batch of `batch` samples.
 
     gap: prune structures whose bound is within this fraction of the k-th best
     (0: exact); the returned bound accounts for what was pruned that way.
     dives: how many of the most promising configurations are first followed
-    greedily to a plan, to start pruning with a good one."""
+    greedily to a plan, to start pruning with a good one.
+    seeds: structures known to be good (e.g. the best on one device type), priced
+    first for the same purpose."""
     start = time.perf_counter()
     run = _Search(table, batch, limits or Limits(), space or Space(), top_k, gap)
+    for config, shapes in seeds:
+        if config in run.state:
+            node = _Node(0.0, next(run.counter), config, len(run.state[config][0]),
+                         tuple(s.types for s in shapes), tuple(s.n for s in shapes))
+            _leaf(table, node, batch, run.limits, run.space, run.best, top_k)
     for root in sorted(run.heap)[:dives]:
         run.dive(dataclasses.replace(root, order=next(run.counter)))
     status = "optimal"
