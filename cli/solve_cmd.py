@@ -98,7 +98,8 @@ def solve(
     json_out: opt.JsonOut = False,
     force: opt.Force = False,
     time_limit: Annotated[float | None, typer.Option(
-        "--time-limit", help="Seconds; return the best plan found by then.")] = None,
+        "--time-limit", help="Seconds per search; return the best plan found by then "
+        "(the report says how far from optimal it may be).")] = 60.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Show the k best plans.")] = 1,
     gap: Annotated[float, typer.Option(
         "--gap", help="Stop when no plan can be more than this fraction faster.")] = 0.005,

@@ -65,9 +65,10 @@ class AnalyticalCostModel:
 
     def layer_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                    dtype: str) -> LayerTime:
-        # identities, not values: hashing a layer's kernels or a measured device each call
-        # costs more than the pricing (the memo keeps them alive, so ids stay unique)
-        key = ("layer", id(layer), id(device), tp, micro_batch, dtype)
+        # identical repeated layers share a signature, so 80 transformer blocks are priced
+        # once; the device by identity (hashing a measured device costs more than pricing;
+        # the memo keeps it alive, so its id stays unique)
+        key = ("layer", layer.signature, id(device), tp, micro_batch, dtype)
         if key not in self.memo:
             self.memo[key] = layer_time(layer, device, tp=tp, micro_batch=micro_batch,
                                         dtype=dtype, eff=self.efficiency)
@@ -76,7 +77,7 @@ class AnalyticalCostModel:
 
     def recompute_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                        dtype: str, policy: Recompute) -> float:
-        key = ("recompute", id(layer), id(device), tp, micro_batch, dtype, policy)
+        key = ("recompute", layer.signature, id(device), tp, micro_batch, dtype, policy)
         if key not in self.memo:
             self.memo[key] = recompute_time(layer, device, tp=tp, micro_batch=micro_batch,
                                             dtype=dtype, policy=policy, eff=self.efficiency)

@@ -8,12 +8,13 @@
     training = edit_training(training, global_batch=1024)
 
 Every function validates its input and raises a `PlannerError` naming what is
-wrong; none mutates its argument. `parse_edit` reads the `--link TARGET=BW` and
+wrong; none mutates its argument. `parse_assignment` reads the `--link TARGET=BW` and
 `--resize NODE=N` forms the CLI takes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Sequence
@@ -87,10 +88,8 @@ def remove_nodes(cluster: ClusterSpec, targets: Sequence[str]) -> ClusterSpec:
         if not of_type:
             from cost_models import catalog
 
-            try:
+            with contextlib.suppress(PlannerError):
                 kind = catalog.device(m[2]).name.lower()
-            except PlannerError:
-                pass
             of_type = [n for n in nodes if n.device.name.split("@")[0].lower() == kind]
         if len(of_type) < count:
             types = sorted({n.device.name for n in nodes})
@@ -120,7 +119,9 @@ def resize_node(cluster: ClusterSpec, name: str, devices: int) -> ClusterSpec:
 
 
 def _link(text: str, what: str, per: str, old: LinkSpec | None = None) -> LinkSpec:
-    bandwidth, _, latency = str(text).partition("/")
+    bandwidth, sep, latency = str(text).rpartition("/")
+    if not sep or not re.match(r"^\s*[0-9.]", latency):  # "100GB/s": the unit's slash
+        bandwidth, latency = str(text), ""
     bw = parse_bandwidth(bandwidth.strip(), what)
     lat = (parse_duration(latency.strip(), what) if latency.strip()
            else old.latency if old is not None else 5e-6)

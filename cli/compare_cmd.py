@@ -1,0 +1,235 @@
+"""`planner compare A B ...` and `planner what-if PLAN [edits]`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from cli import options as opt
+from cli.solve_cmd import Output, Recompute, Zero
+
+console = Console()
+err_console = Console(stderr=True)
+
+Price = Annotated[list[str] | None, typer.Option(
+    "--price", metavar="TYPE=DOLLARS", help="Dollars per device-hour of a device type, to "
+    "show cost in dollars (repeatable), e.g. --price A100-80G-SXM=2.5.")]
+
+
+def _names(paths: list[Path]) -> list[str]:
+    stems = [p.stem for p in paths]
+    return [str(p) if stems.count(p.stem) > 1 else p.stem for p in paths]
+
+
+def compare(
+    plans: Annotated[list[Path], typer.Argument(
+        metavar="PLAN...", help="Two or more plan files; the first is the reference.",
+        dir_okay=False)],
+    json_out: opt.JsonOut = False,
+    price: Price = None,
+    only_differences: Annotated[bool, typer.Option(
+        "--only-differences", "-d", help="Show only the rows where the plans differ.")] = False,
+) -> None:
+    """Compare plans side by side, the differences from the first highlighted.
+
+    Rows: structure (devices, pipelines, stages, tp, micro-batches, recompute, ZeRO),
+    predicted step time and throughput, the step time by cause (communication
+    included), memory headroom and cost (device-hours; dollars with --price).
+    Green is better than the first plan, red worse, yellow a changed structure.
+
+    Examples:
+      planner compare plan.json what-if.json
+      planner compare a.json b.json c.json --price A100-80G-SXM=2.5 --price V100-32G=0.9
+      planner compare a.json b.json --json | jq '.rows[] | select(.key=="step_time")'
+    """
+    from planner.compare import compare as compare_plans
+    from planner.compare import parse_prices, rows_json
+    from planner.errors import PlannerError
+    from planner.planfile import read_plan
+
+    if len(plans) < 2:
+        raise PlannerError("bad-option", f"Give at least two plan files to compare (got "
+                           f"{len(plans)}).", ["planner explain PLAN shows a single plan"])
+    prices = parse_prices(price)
+    loaded = [read_plan(p) for p in plans]
+    rows = compare_plans(loaded, prices)
+    if only_differences:
+        rows = [r for r in rows if r.differs or r.key in ("step_time", "samples_per_s")]
+    if json_out:
+        sys.stdout.write(json.dumps({"kind": "comparison", "plans": [str(p) for p in plans],
+                                     "rows": rows_json(rows)}, indent=1) + "\n")
+        return
+    from cli.render_explain import compare_table
+
+    models = {p.model.describe() for p in loaded}
+    console.print(compare_table(rows, _names(plans), title=f"{len(plans)} plans against "
+                                f"{plans[0]} (green better, red worse, yellow changed)"))
+    if len(models) > 1:
+        console.print(f"[yellow]Note:[/] the plans are for different models "
+                      f"({', '.join(sorted(models))}); step times are not comparable work.")
+
+
+def what_if(
+    plan_file: Annotated[Path, typer.Argument(metavar="PLAN", help="The plan to start from.",
+                                              dir_okay=False)],
+    add: Annotated[list[str] | None, typer.Option(
+        "--add", metavar="NODESxDEVICESxTYPE", help="Add nodes, e.g. --add 4x8xV100-32G "
+        "(repeatable).", rich_help_panel="Cluster edits")] = None,
+    remove: Annotated[list[str] | None, typer.Option(
+        "--remove", metavar="NODE|NxTYPE", help="Remove a node, or the last N nodes of a type "
+        "(repeatable).", rich_help_panel="Cluster edits")] = None,
+    resize: Annotated[list[str] | None, typer.Option(
+        "--resize", metavar="NODE=N", help="Devices per node of a node or device type "
+        "(repeatable).", rich_help_panel="Cluster edits")] = None,
+    link: Annotated[list[str] | None, typer.Option(
+        "--link", metavar="TARGET=BANDWIDTH", help="Change a link: network, nic:NODE, "
+        "intra:NODE or intra:TYPE, group:NAME; e.g. --link network=25Gbps (repeatable).",
+        rich_help_panel="Cluster edits")] = None,
+    nic: Annotated[str | None, typer.Option(
+        "--nic", help="A network card for the --add nodes, e.g. 25Gbps.",
+        rich_help_panel="Cluster edits")] = None,
+    group: Annotated[str | None, typer.Option(
+        "--group", help="The group (rack, zone) of the --add nodes.",
+        rich_help_panel="Cluster edits")] = None,
+    global_batch: Annotated[int | None, typer.Option(
+        "--global-batch", "-B", help="Samples per step (default: the plan's).")] = None,
+    seq_len: opt.SeqLen = None,
+    dtype: Annotated[str | None, typer.Option(
+        "--dtype", help="bf16, fp16, fp32, tf32, or auto (default: the plan's dtype).")] = None,
+    tp: Annotated[int | None, typer.Option("--tp", rich_help_panel="Constraints")] = None,
+    max_tp: Annotated[int | None, typer.Option("--max-tp", rich_help_panel="Constraints")
+                      ] = None,
+    pp: Annotated[int | None, typer.Option("--pp", rich_help_panel="Constraints")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", rich_help_panel="Constraints")] = None,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch",
+                                                    rich_help_panel="Constraints")] = None,
+    max_stages: Annotated[int | None, typer.Option("--max-stages",
+                                                   rich_help_panel="Constraints")] = None,
+    recompute: Recompute = None,
+    zero: Zero = None,
+    exclude: Annotated[list[str] | None, typer.Option(
+        "--exclude", help="A node not to use (repeatable).",
+        rich_help_panel="Constraints")] = None,
+    mixed: Annotated[bool, typer.Option(
+        "--mixed/--no-mixed", help="Allow pipelines that mix two device types.",
+        rich_help_panel="Constraints")] = True,
+    time_limit: Annotated[float | None, typer.Option(
+        "--time-limit", help="Seconds; return the best plan found by then.")] = 60.0,
+    output: Output = None,
+    cluster_out: Annotated[Path | None, typer.Option(
+        "--cluster-out", help="Also write the edited cluster as YAML.", dir_okay=False)] = None,
+    price: Price = None,
+    json_out: opt.JsonOut = False,
+    force: opt.Force = False,
+) -> None:
+    """Change the cluster or training setup of a plan, solve again, show what changed.
+
+    Edits apply in this order: --add, --remove, --resize, --link, then the training
+    options. The model is the plan's; constraints apply to the new solve only.
+    This is what the interactive session's what-if commands do.
+
+    Examples:
+      planner what-if plan.json --add 4x8xV100-32G
+      planner what-if plan.json --link network=25Gbps --remove ws -o slow-net.json
+      planner what-if plan.json -B 1024 --seq-len 4096 --tp 4 --json
+    """
+    import dataclasses
+
+    import yaml
+
+    from cost_models.cluster import cluster_to_dict
+    from planner import whatif
+    from planner.compare import diff, headline, parse_prices, rows_json
+    from planner.errors import PlannerError
+    from planner.planfile import plan_json, read_plan, to_jsonable
+    from planner.session import (
+        Constraints,
+        Tracer,
+        parse_constraint,
+        resolve_dtype,
+        solve_plans,
+        write_atomic,
+    )
+
+    for path in (output, cluster_out):
+        if path is not None and path.exists() and not force:
+            raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as "
+                               "it is.", ["pass --force to overwrite it", "choose another name"])
+    prices = parse_prices(price)
+    plan = read_plan(plan_file)
+    cluster = plan.cluster
+    edits: list[str] = []
+    for spec in add or []:
+        cluster = whatif.add_nodes(cluster, spec, nic=nic, group=group)
+        edits.append(f"add {spec}")
+    if remove:
+        cluster = whatif.remove_nodes(cluster, remove)
+        edits.append(f"remove {' '.join(remove)}")
+    for item in resize or []:
+        name, value = whatif.parse_assignment(item, "--resize")
+        cluster = whatif.resize_node(cluster, name, whatif.parse_int(value, "--resize"))
+        edits.append(f"resize {name} {value}")
+    for item in link or []:
+        target, value = whatif.parse_assignment(item, "--link")
+        cluster = whatif.set_link(cluster, target, value)
+        edits.append(f"link {target} {value}")
+    if (nic or group) and not add:
+        raise PlannerError("bad-option", "--nic and --group describe --add nodes; give --add "
+                           "too.")
+    constraints = Constraints(exclude=tuple(exclude or ()), mixed=mixed)
+    for key, value in (("tp", tp), ("max-tp", max_tp), ("pp", pp), ("dp", dp),
+                       ("micro-batch", micro_batch), ("max-stages", max_stages),
+                       ("recompute", recompute), ("zero", zero)):
+        if value is not None:
+            constraints = parse_constraint(constraints, key, str(value))
+    names = {n.name for n in cluster.nodes}
+    for name in constraints.exclude:
+        if name not in names:
+            raise whatif._unknown_node(cluster, name)
+    new_dtype = resolve_dtype(dtype, cluster) if dtype else plan.training.dtype
+    training = whatif.edit_training(plan.training, global_batch=global_batch, dtype=new_dtype)
+    if global_batch is not None:
+        edits.append(f"global batch {global_batch}")
+    if seq_len is not None:
+        edits.append(f"sequence length {seq_len}")
+    if new_dtype != plan.training.dtype:
+        edits.append(f"dtype {new_dtype}")
+    with err_console.status(f"Tracing {plan.model.describe()}...", spinner="dots") as status:
+        graph = Tracer()(plan.model, seq_len or plan.training.seq_len, training.dtype)
+        training = dataclasses.replace(training, seq_len=graph.seq_len)
+        status.update("Searching plans...")
+        plans = solve_plans(graph, cluster, training, constraints, time_limit=time_limit,
+                            top_k=1, progress=status.update)
+    new = plans[0]
+    rows = diff(plan, new, prices)
+    if output is not None:
+        write_atomic(output, plan_json(new), force=True)
+    if cluster_out is not None:
+        write_atomic(cluster_out, yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False),
+                     force=True)
+    if json_out:
+        sys.stdout.write(json.dumps({"kind": "what-if", "from": str(plan_file),
+                                     "edits": edits, "diff": rows_json(rows),
+                                     "plan": {"kind": "plan", **to_jsonable(new)}},
+                                    indent=1) + "\n")
+        return
+    from cli.render_explain import diff_table
+    from cli.render_plan import render
+
+    console.print(f"[bold]What if:[/] {'; '.join(edits) or 'nothing changed, solved again'}")
+    console.print(headline(plan, new))
+    console.print(diff_table(rows, title=f"{plan_file} -> the new plan"))
+    render(console, new, [layer.name for layer in graph.layers])
+    for path, what in ((output, "plan"), (cluster_out, "cluster")):
+        if path is not None:
+            console.print(f"Wrote the {what} to {path}", soft_wrap=True, highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("compare")(compare)
+    app.command("what-if")(what_if)

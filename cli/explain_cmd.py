@@ -1,0 +1,117 @@
+"""`planner explain PLAN`: why a plan looks the way it does, and its timeline."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from cli import options as opt
+
+console = Console()
+err_console = Console(stderr=True)
+
+PlanArg = Annotated[Path, typer.Argument(
+    metavar="PLAN", help="A plan file written by `planner solve -o` (or estimate, what-if).",
+    dir_okay=False)]
+
+
+def _free(path: Path | None, force: bool) -> None:
+    from planner.errors import PlannerError
+
+    if path is not None and path.exists() and not force:
+        raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as it is.",
+                           ["pass --force to overwrite it", "choose another file name"])
+
+
+def explain(
+    plan_file: PlanArg,
+    html: Annotated[Path | None, typer.Option(
+        "--html", help="Write a self-contained HTML report (timeline, tables, explanation); "
+        "it opens offline.", dir_okay=False)] = None,
+    svg: Annotated[Path | None, typer.Option(
+        "--svg", help="Write the timeline of one step as a self-contained SVG.",
+        dir_okay=False)] = None,
+    json_out: opt.JsonOut = False,
+    force: opt.Force = False,
+    width: Annotated[int | None, typer.Option(
+        "--width", help="Columns for the terminal timeline (default: the terminal's).")] = None,
+    all_pipelines: Annotated[bool, typer.Option(
+        "--all-pipelines", help="One timeline lane per pipeline (default: identical "
+        "pipelines share lanes).")] = False,
+    runners_up: Annotated[int, typer.Option(
+        "--runners-up", help="Solve again for the N next-best plans and say why they lose "
+        "(the plan file keeps only the best).")] = 0,
+    time_limit: Annotated[float, typer.Option(
+        "--time-limit", help="Seconds for the --runners-up solve.")] = 30.0,
+) -> None:
+    """Explain a plan: stages, device map, memory, communication, timeline, and why.
+
+    Shows the stage table with per-micro-batch timings, which node and device runs
+    what, memory per device as bars against capacity (by term), communication per
+    link, the pipeline timeline of one step (a simulated replay) as a Gantt chart,
+    the binding constraint and bottleneck stage, why the baselines (and with
+    --runners-up the next-best plans) lose, and the solver report.
+
+    Examples:
+      planner explain plan.json
+      planner explain plan.json --html plan.html --svg step.svg
+      planner explain plan.json --runners-up 3 --json | jq .explanation.alternatives
+    """
+    from cost_models.model import AnalyticalCostModel
+    from planner.errors import PlannerError
+    from planner.explain import analysis_dict, analyze, retrace
+    from planner.planfile import read_plan
+
+    if runners_up < 0:
+        raise PlannerError("bad-option", f"--runners-up must be 0 or more (got {runners_up}).")
+    if width is not None and width < 40:
+        raise PlannerError("bad-option", f"--width must be at least 40 (got {width}).")
+    _free(html, force)
+    _free(svg, force)
+    plan = read_plan(plan_file)
+    with err_console.status(f"Tracing {plan.model.describe()}...", spinner="dots") as status:
+        graph = retrace(plan)
+        others = []
+        if runners_up:
+            from planner.compare import same_structure
+            from planner.solver import SolveOptions, solve
+
+            status.update("Solving for the runner-up plans...")
+            found = solve(graph, plan.cluster, plan.training,
+                          SolveOptions(top_k=runners_up + 1, time_limit=time_limit,
+                                       with_baselines=False),
+                          progress=lambda n: status.update(
+                              f"Solving for the runner-up plans: {n:,} explored")
+                          if n % 200 == 0 else None)
+            others = [p for p in found if not same_structure(p, plan)][:runners_up]
+        status.update("Simulating the step...")
+        analysis = analyze(plan, graph.layers, AnalyticalCostModel(plan.cluster),
+                           runners_up=others, group=not all_pipelines)
+    if html is not None:
+        from planner.report import report_html
+        from planner.session import write_atomic
+
+        write_atomic(html, report_html(analysis), force=True)
+    if svg is not None:
+        from planner.session import write_atomic
+        from planner.timeline import to_svg
+
+        write_atomic(svg, to_svg(analysis.timeline), force=True)
+    if json_out:
+        sys.stdout.write(json.dumps(analysis_dict(analysis), indent=1) + "\n")
+        return
+    from cli.render_explain import render_analysis
+
+    render_analysis(console, analysis, width=width)
+    for path, what in ((html, "HTML report"), (svg, "SVG timeline")):
+        if path is not None:
+            console.print(f"Wrote the {what} to {path}", soft_wrap=True, highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("explain")(explain)

@@ -1,0 +1,180 @@
+"""`planner explain`, `planner compare`, `planner what-if`, `planner interactive --replay`
+and `planner` alone, through typer's CliRunner: tables, --json, files, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from planner.planfile import read_plan
+
+PLANS = Path(__file__).parent / "data" / "plans"
+runner = CliRunner()
+
+
+def run(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+@pytest.fixture()
+def plans(tmp_path):
+    for name in ("base.json", "tp2-slow-net.json"):
+        shutil.copy(PLANS / name, tmp_path / name)
+    return tmp_path
+
+
+def test_explain_tables_and_files(plans):
+    html, svg = plans / "plan.html", plans / "step.svg"
+    result = run("explain", plans / "base.json", "--html", html, "--svg", svg, "--width", "100")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    for text in ("Stages", "Device map", "Memory per device", "Communication per step",
+                 "Timeline of one step", "Why this plan", "Binding constraint", "Solver",
+                 "Baselines", f"Wrote the HTML report to {html}"):
+        assert text in out, text
+    assert html.read_text().startswith("<!DOCTYPE html>")
+    assert svg.read_text().startswith("<?xml")
+    again = run("explain", plans / "base.json", "--svg", svg)
+    assert again.exit_code == 1 and "already exists" in again.stderr
+    assert run("explain", plans / "base.json", "--svg", svg, "--force").exit_code == 0
+
+
+def test_explain_json_is_machine_output_only(plans):
+    result = run("explain", plans / "base.json", "--json", "--runners-up", "2",
+                 "--time-limit", "20", "--all-pipelines")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["kind"] == "explanation" and data["model"] == "gpt-tiny"
+    plan = read_plan(plans / "base.json")
+    lanes = [lane for lane in data["timeline"]["lanes"] if lane["kind"] == "device"]
+    assert len(lanes) == sum(len(p.stages) for p in plan.pipelines)  # one per pipeline
+    names = [a["name"] for a in data["explanation"]["alternatives"]]
+    assert "runner-up #2" in names and "uniform" in names
+    assert len(data["devices"]) == plan.cluster.num_devices
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "does not exist"),
+    ("{not json", "not JSON"),
+    ('{"kind": "cluster"}', "not a plan file"),
+    ('{"kind": "plan", "schema_version": 99}', "schema_version 99"),
+    ('{"kind": "plan", "schema_version": 1, "model": 3}', "not a valid plan"),
+])
+def test_explain_rejects_bad_plan_files(tmp_path, content, message):
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    result = run("explain", path)
+    assert result.exit_code == 1
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_compare_side_by_side(plans):
+    result = run("compare", plans / "base.json", plans / "tp2-slow-net.json")
+    assert result.exit_code == 0, result.output
+    for text in ("step time", "samples/s", "min memory headroom", "tp comm", "tensor parallel",
+                 "base", "tp2-slow-net", "(+"):
+        assert text in result.stdout, text
+    data = json.loads(run("compare", plans / "base.json", plans / "tp2-slow-net.json",
+                          "--json", "--price", "A100-80G=2").stdout)
+    rows = {r["key"]: r for r in data["rows"]}
+    assert rows["step_time"]["verdicts"] == ["", "worse"]
+    assert rows["dollars_per_m"]["values"][0] > 0
+    only = run("compare", plans / "base.json", plans / "tp2-slow-net.json", "-d")
+    assert "sequence length" not in only.stdout and "step time" in only.stdout
+    one = run("compare", plans / "base.json")
+    assert one.exit_code == 1 and "at least two" in one.stderr
+    bad = run("compare", plans / "base.json", plans / "base.json", "--price", "A100")
+    assert bad.exit_code == 1 and "TYPE=DOLLARS" in bad.stderr
+
+
+def test_what_if_adds_nodes_and_writes_files(plans):
+    out, cluster = plans / "more.json", plans / "more.yaml"
+    result = run("what-if", plans / "base.json", "--add", "1x4xV100-32G", "--link",
+                 "network=50Gbps", "-B", "64", "--time-limit", "20", "-o", out,
+                 "--cluster-out", cluster)
+    assert result.exit_code == 0, result.output
+    assert "What if:" in result.stdout and "step time" in result.stdout
+    new = read_plan(out)
+    assert new.cluster.num_devices == 12 and new.training.global_batch == 64
+    assert "v100-32g-1" in cluster.read_text()
+    data = json.loads(run("what-if", plans / "base.json", "--remove", "v100-32g-0", "--tp", "2",
+                          "--json").stdout)
+    assert data["kind"] == "what-if" and data["edits"] == ["remove v100-32g-0"]
+    assert data["plan"]["cluster"]["nodes"][0]["name"] == "a100-80g-sxm-0"
+    assert {s["tp"] for p in data["plan"]["pipelines"] for s in p["stages"]} == {2}
+    for args, message in ((["--remove", "nope"], "has no node 'nope'"),
+                          (["--link", "network"], "KEY=VALUE"),
+                          (["--link", "wifi=1Gbps"], "Unknown link"),
+                          (["--resize", "a100-80g-sxm-0=none"], "whole number"),
+                          (["--exclude", "nope"], "has no node"),
+                          (["--add", "1x4xA100-80G", "-o", out], "already exists")):
+        bad = run("what-if", plans / "base.json", *args)
+        assert bad.exit_code == 1, args
+        assert message in bad.stderr, (args, bad.stderr)
+
+
+def test_interactive_replay(plans):
+    script = plans / "session.txt"
+    script.write_text("# a transcript\nmodel gpt-tiny\ncluster 1x4xA100-80G,1x4xV100-32G\n"
+                      "set global-batch 32\nsolve\nadd 1x4xV100-32G\nexplain\n"
+                      f"save plan {plans / 'out.json'}\n")
+    result = run("interactive", "--replay", script, "--record", plans / "rec.txt")
+    assert result.exit_code == 0, result.output
+    assert "planner> add 1x4xV100-32G" in result.stdout and "What changed" in result.stdout
+    assert read_plan(plans / "out.json").cluster.num_devices == 12
+    assert (plans / "rec.txt").read_text().splitlines()[1:] == script.read_text().splitlines()[1:]
+    # replaying again: the save fails without --force and stops the script
+    again = run("interactive", "--replay", script)
+    assert again.exit_code == 1 and "already exists" in " ".join(again.stdout.split())
+    data = json.loads(run("interactive", "--replay", script, "--force", "--json").stdout)
+    assert [d["ok"] for d in data] == [True] * 7
+    assert data[4]["diff"] and data[5]["explanation"]["headline"]
+    piped = run("interactive", "--json", input="model gpt-tiny\nbogus\nmodels\n")
+    assert piped.exit_code == 1
+    assert [d["ok"] for d in json.loads(piped.stdout)] == [True, False]
+    going = run("interactive", "--json", "--keep-going", input="bogus\nmodels tiny\n")
+    assert [d["ok"] for d in json.loads(going.stdout)] == [False, True]
+    missing = run("interactive", "--replay", plans / "nope.txt")
+    assert missing.exit_code == 1 and "does not exist" in missing.stderr
+
+
+def test_planner_alone_without_a_terminal_prints_help():
+    result = run()
+    assert result.exit_code == 0
+    for command in ("interactive", "explain", "compare", "what-if"):
+        assert command in result.stdout
+    assert run("--version").stdout.startswith("planner ")
+    for command in ("interactive", "explain", "compare", "what-if"):
+        helped = run(command, "--help")
+        assert helped.exit_code == 0 and "Example" in helped.stdout, command
+
+
+def test_terminal_survives_a_bug_and_ctrl_c(monkeypatch):
+    from rich.console import Console
+
+    from cli.interactive import Terminal
+    from planner.session import Session
+
+    session = Session()
+    console = Console(record=True, width=100, color_system=None)
+    terminal = Terminal(session, console)
+
+    def broken(line):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(session, "run", broken)
+    assert terminal._interruptible("solve") is False
+    assert "internal error: RuntimeError: boom" in console.export_text()
+
+    def interrupted(line):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session, "run", interrupted)
+    assert terminal._interruptible("solve") is False
+    assert "Interrupted; nothing changed" in console.export_text()

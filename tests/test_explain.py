@@ -1,0 +1,203 @@
+"""Plan analyses (planner.explain), timelines (planner.timeline) and the HTML report
+(planner.report): contents, agreement with the predictions, files that open offline,
+and golden renderings of the terminal charts and tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from cost_models.model import AnalyticalCostModel
+from planner.errors import PlannerError
+from planner.explain import analysis_dict, analyze, check_layers, retrace, why_slower
+from planner.models import load_model, model_spec
+from planner.planfile import read_plan
+from planner.report import report_html
+from planner.session import Session
+from planner.solver.timing import StageTiming
+from planner.solver.uniform import uniform_plan
+from planner.timeline import Run, lay_out, text_rows, to_svg
+from planner.trace import trace_loaded
+from planner.types import Schedule
+
+DATA = Path(__file__).parent / "data"
+GOLDEN = DATA / "golden"
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def golden(name: str, text: str) -> None:
+    """Compare with tests/data/golden/NAME; PLANNER_UPDATE_GOLDEN=1 rewrites it."""
+    path = GOLDEN / name
+    if os.environ.get("PLANNER_UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"no golden file {path}; run with PLANNER_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{name} changed; PLANNER_UPDATE_GOLDEN=1 updates it"
+
+
+@pytest.fixture(scope="module")
+def solved():
+    """A two-stage heterogeneous plan with its runner-ups, solved once."""
+    session = Session(time_limit=20)
+    for line in ("model gpt-tiny", "cluster 1x4xA100-80G,1x4xV100-32G@25Gbps",
+                 "set global-batch 32", "constrain pp=2", "solve"):
+        assert session.run(line).ok, line
+    plan = session.state.plan
+    graph = session.trace(plan.model, plan.training.seq_len, plan.training.dtype)
+    return session, plan, graph
+
+
+def test_analysis_covers_the_plan(solved):
+    session, plan, graph = solved
+    a = analyze(plan, graph.layers, runners_up=session.state.runners_up,
+                constraints=["pp=2"])
+    # every device of the cluster appears once in the device map, used ones by role
+    assert len(a.devices) == plan.cluster.num_devices
+    used = {(s.devices.node, d) for p in plan.pipelines for s in p.stages
+            for d in s.devices.devices}
+    assert {(d.node, d.device) for d in a.devices if d.role != "idle"} == used
+    # memory rows carry the plan's figures
+    totals = {round(s.memory.total) for p in plan.pipelines for s in p.stages}
+    assert {round(m.total) for m in a.memory} == totals
+    assert all(0 < m.fraction < 1 for m in a.memory)
+    # two stages per pipeline: activations cross a link
+    assert any(t.kind == "pp activations" and t.bytes_per_step > 0 for t in a.traffic)
+    # the timeline has a lane for every stage, and stands for every used device
+    lanes = [lane for lane in a.timeline.lanes if lane.kind == "device"]
+    assert {lane.stage for lane in lanes} == {0, 1}
+    assert {d for lane in lanes for d in lane.devices} == {f"{n}:{d}" for n, d in used}
+    assert a.timeline.step_time == pytest.approx(plan.prediction.step_time, rel=0.15)
+    e = a.explanation
+    assert e.binding and "per step" in e.headline
+    assert e.bottleneck.stage in (0, 1) and 0 < e.bottleneck.share <= 1.0 + 1e-9
+    assert any(r.kind == "constraint" and "pp=2" in r.text for r in e.reasons)
+    names = [alt.name for alt in e.alternatives]
+    assert "runner-up #2" in names and {"data-parallel", "uniform"} <= set(names)
+    assert all(alt.slower_by is None or alt.slower_by >= -1e-9 for alt in e.alternatives)
+    data = json.loads(json.dumps(analysis_dict(a)))
+    assert data["kind"] == "explanation" and data["timeline"]["lanes"]
+
+
+def test_why_slower_names_the_terms(solved):
+    _, plan, _ = solved
+    p = plan.prediction
+    slower = dataclasses.replace(p, step_time=p.step_time * 2, bubble=p.bubble + p.step_time)
+    assert "pipeline bubble" in why_slower(p, slower)
+    assert "tie" in why_slower(p, p)
+
+
+def test_a_plan_for_another_model_is_refused(solved):
+    _, plan, _ = solved
+    other = dataclasses.replace(plan, model=model_spec("gpt-tiny", {"layers": 2}))
+    with pytest.raises(PlannerError, match="do not match"):
+        retrace(other)
+    small = trace_loaded(load_model(model_spec("gpt-tiny", {"layers": 2})), batch=1)
+    with pytest.raises(PlannerError, match="changed since the plan was made"):
+        check_layers(plan, small.layers)
+
+
+@pytest.mark.parametrize("schedule,interleave", [(Schedule.GPIPE, 1),
+                                                 (Schedule.ONE_F_ONE_B, 1),
+                                                 (Schedule.INTERLEAVED, 2)])
+def test_timeline_matches_the_closed_form(solved, schedule, interleave):
+    _, plan, graph = solved
+    costs = AnalyticalCostModel(plan.cluster)
+    fixed = uniform_plan(layers=graph.layers, model=plan.model, cluster=plan.cluster,
+                         training=plan.training, costs=costs, tp=1, pp=2, dp=2, micro_batch=2,
+                         schedule=schedule, interleave=interleave)
+    a = analyze(fixed, graph.layers, costs)
+    assert a.timeline.step_time == pytest.approx(fixed.prediction.step_time, rel=0.15)
+    kinds = {b.kind for b in a.timeline.bars}
+    assert {"fwd", "bwd", "sync", "optimizer"} <= kinds
+    if interleave > 1:
+        assert {b.chunk for b in a.timeline.bars if b.kind == "fwd"} == {0, 1}
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.attrs: list[tuple[str, str | None]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        self.attrs += attrs
+
+
+def test_svg_and_html_are_self_contained(solved, tmp_path):
+    _, plan, graph = solved
+    a = analyze(plan, graph.layers)
+    svg = to_svg(a.timeline)
+    root = ET.fromstring(svg.split("\n", 1)[1])
+    assert root.tag == f"{SVG}svg"
+    lanes = root.findall(f"{SVG}g[@class='lane']")
+    assert len(lanes) == len(a.timeline.lanes)
+    devices = " ".join(g.get("data-devices") or "" for g in lanes)
+    for p in plan.pipelines:
+        for s in p.stages:
+            for d in s.devices.devices:
+                assert f"{s.devices.node}:{d}" in devices
+    labels = [t.text for t in root.iter(f"{SVG}text")]
+    assert any(" s0 " in (t or "") for t in labels) and any(" s1 " in (t or "") for t in labels)
+    bars = [r for r in root.iter(f"{SVG}rect") if r.get("data-kind")]
+    assert len(bars) == len(a.timeline.bars)
+    for text in (svg, report_html(a)):
+        assert not re.search(r"(?:src|href)\s*=", text), "no external references"
+        assert "@import" not in text and "url(" not in text
+        assert "http" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    html = report_html(a)
+    parser = _Tags()
+    parser.feed(html)
+    assert parser.tags[0] == "html" and "svg" in parser.tags
+    assert not {"script", "link", "img", "iframe", "object"} & set(parser.tags)
+    inline = html[html.index("<svg"):html.index("</svg>") + 6]
+    ET.fromstring(inline)  # well-formed
+    for row in a.devices:
+        assert f"[{row.device}] {row.role}" in html
+    if shutil.which("rsvg-convert"):  # a real renderer, offline
+        (tmp_path / "t.svg").write_text(svg)
+        done = subprocess.run(["rsvg-convert", str(tmp_path / "t.svg"), "-o",
+                               str(tmp_path / "t.png")], capture_output=True, timeout=60)
+        assert done.returncode == 0 and (tmp_path / "t.png").stat().st_size > 1000
+
+
+def _synthetic():
+    slow = (StageTiming(fwd=1.0, bwd=2.0, send=0.25), StageTiming(fwd=1.5, bwd=3.0))
+    fast = (StageTiming(fwd=0.5, bwd=1.0, send=0.25), StageTiming(fwd=0.5, bwd=1.0))
+    runs = [Run(pipelines=(0,), stages=slow, microbatches=4, device_types=("V100 x2", "V100"),
+                devices=(("v-0:0", "v-0:1"), ("v-1:0",))),
+            Run(pipelines=(1, 2), stages=fast, microbatches=8, device_types=("A100", "A100"),
+                devices=(("a-0:0", "a-0:2"), ("a-0:1", "a-0:3")))]
+    return lay_out(runs, sync=1.0, optimizer=0.5, title="synthetic", predicted=20.0)
+
+
+def test_gantt_text_golden():
+    timeline = _synthetic()
+    # the slow pipeline by the closed form: (m - 1) * 4.5 + (3 + 4.5) + 2 * 0.25, then
+    # sync and optimizer
+    assert timeline.step_time == pytest.approx(3 * 4.5 + 7.5 + 0.5 + 1.5)
+    text = "\n".join(f"{label:<22}|" + "".join(t for t, _ in segments)
+                     for label, segments in text_rows(timeline, 72)) + "\n"
+    golden("gantt.txt", text)
+
+
+def test_rich_gantt_and_compare_golden():
+    from cli.render_explain import compare_table, gantt
+    from planner.compare import compare
+
+    console = Console(width=100, color_system=None, record=True, force_terminal=False)
+    console.print(gantt(_synthetic(), 100), soft_wrap=True)
+    plans = [read_plan(DATA / "plans" / "base.json"),
+             read_plan(DATA / "plans" / "tp2-slow-net.json")]
+    console.print(compare_table(compare(plans), ["base", "tp2-slow-net"], title="compare"))
+    golden("gantt_and_compare.txt", console.export_text())

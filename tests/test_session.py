@@ -1,0 +1,211 @@
+"""The interactive session's core (planner.session): commands in, state and replies out,
+driven without a terminal: load -> solve -> what-if -> constrain -> explain -> save,
+errors, undo, transcripts and their replay, interruption."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import types
+
+import pytest
+import yaml
+
+from cost_models.cluster import load_cluster
+from planner.planfile import read_plan
+from planner.session import Session, Tracer, read_transcript
+
+CLUSTER = "1x4xA100-80G,1x4xV100-32G@100Gbps"
+
+
+@pytest.fixture(scope="module")
+def tracer():
+    return Tracer()  # shared: each test traces gpt-tiny once at most
+
+
+def start(tracer, *lines, **kw) -> Session:
+    session = Session(time_limit=20, tracer=tracer, **kw)
+    for line in ("model gpt-tiny", f"cluster {CLUSTER}", "set global-batch 32", *lines):
+        reply = session.run(line)
+        assert reply.ok, (line, reply.error and reply.error.message)
+    return session
+
+
+def kinds(reply) -> list[str]:
+    return [kind for kind, _ in reply.items]
+
+
+def test_load_solve_whatif_save(tracer, tmp_path):
+    session = start(tracer)
+    assert session.state.plan is None  # setting up does not solve by itself
+    first = session.run("solve")
+    assert first.ok and "plan" in kinds(first) and first.data["solved"]
+    base = session.state.plan
+    assert base.cluster.num_devices == 8
+    # a what-if re-solves and compares with the previous plan
+    grown = session.run("add 1x4xV100-32G")
+    assert grown.ok and {"diff", "plan"} <= set(kinds(grown))
+    assert session.state.cluster.num_devices == 12 and session.state.previous is base
+    keys = {row["key"] for row in grown.data["diff"]}
+    assert {"step_time", "samples_per_s", "device_hours_per_m"} <= keys
+    slow = session.run("link network 1Gbps")
+    assert slow.ok and session.state.cluster.network.bandwidth == 1e9 / 8
+    batch = session.run("set global-batch 64")
+    assert batch.ok and session.state.plan.training.global_batch == 64
+    assert any(r["key"] == "global_batch" for r in batch.data["diff"])
+    constrained = session.run("constrain tp=2 recompute=full")
+    assert constrained.ok
+    stages = [s for p in session.state.plan.pipelines for s in p.stages]
+    assert {s.tp for s in stages} == {2} and {s.recompute.value for s in stages} == {"full"}
+    pinned = session.run("pin a100-80g-sxm-0")
+    assert pinned.ok
+    assert {s.devices.node for p in session.state.plan.pipelines for s in p.stages} == {
+        "a100-80g-sxm-0"}
+    assert session.run("unconstrain all").ok and session.state.constraints.describe() == []
+    explained = session.run("explain")
+    assert explained.ok and kinds(explained) == ["explanation"]
+    assert explained.data["explanation"]["binding"]
+    for line in ("timeline 90", "memory", "traffic", "diff", "show cluster",
+                 "show constraints", "show runners-up", "show plan", "models llama",
+                 "devices v100", "examples", "help", "help add"):
+        assert session.run(line).ok, line
+    # saving: plan, cluster, report, transcript; nothing half-written
+    plan_path, cluster_path = tmp_path / "plan.json", tmp_path / "cluster.yaml"
+    assert session.run(f"save plan {plan_path}").ok
+    assert read_plan(plan_path).prediction.step_time == session.state.plan.prediction.step_time
+    assert session.run(f"save cluster {cluster_path}").ok
+    reloaded = load_cluster(str(cluster_path))
+    assert reloaded.num_devices == 12 and reloaded.network.bandwidth == 1e9 / 8
+    assert yaml.safe_load(cluster_path.read_text())["schema_version"] == 1
+    assert session.run(f"save report {tmp_path / 'plan.html'}").ok
+    assert session.run(f"save report {tmp_path / 'step.svg'}").ok
+    again = session.run(f"save plan {plan_path}")
+    assert not again.ok and again.error.kind == "file-exists"
+    assert session.run(f"save plan {plan_path} --force").ok
+    assert session.run(f"save transcript {tmp_path / 'session.txt'}").ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cluster.yaml", "plan.html", "plan.json", "session.txt", "step.svg"]
+    # the equivalent shell commands name the edits
+    cli = session.run("cli").items[0][1]
+    assert cli[0].startswith("planner solve gpt-tiny --cluster") and "what-if" in cli[1]
+    assert "--add 1x4xV100-32G" in cli[1] and "--link network=1Gbps" in cli[1]
+
+
+def test_transcript_replays_to_the_same_plan(tracer, tmp_path):
+    session = start(tracer, "solve", "add 1x4xV100-32G", "constrain max-tp=1")
+    path = tmp_path / "t.txt"
+    assert session.run(f"save transcript {path}").ok
+    lines = read_transcript(path)
+    assert lines[0] == "model gpt-tiny" and not any(x.startswith("save transcript")
+                                                    for x in lines)
+    replayed = Session(time_limit=20, tracer=tracer)
+    replies = replayed.run_script(lines)
+    assert all(r.ok for r in replies)
+    assert replayed.state.plan.prediction.step_time == pytest.approx(
+        session.state.plan.prediction.step_time)
+    assert replayed.transcript == session.transcript
+
+
+def test_bad_input_is_one_clear_error_and_changes_nothing(tracer):
+    session = start(tracer)
+    before = session.state
+    cases = {
+        "solev": "did you mean 'solve'",
+        "set global-batch many": "whole number",
+        "set global-batch 0": "positive",
+        "set colour blue": "Cannot set",
+        "constrain tp=two": "whole number",
+        "constrain tq=2": "did you mean 'tp'",
+        "constrain zero=7": "0, 1, 2 or 3",
+        "exclude nosuch-node": "has no node",
+        "remove 3xV100-32G": "Cannot remove 3",
+        "link network fast": "bandwidth",
+        "add 2xfoo": "Unknown device",
+        "model no-such-model": "Unknown",
+        "cluster no-such-cluster": "not a file",
+        "explain": "No plan yet",
+        "diff": "No plan yet",
+        "save plan": "save plan|cluster",
+        "save report x.txt": "a report is .html",
+        "model gpt-tiny --layer 2": "did you mean --layers",
+        'model "gpt-tiny': "Cannot read the command",
+    }
+    for line, message in cases.items():
+        reply = session.run(line)
+        assert not reply.ok, line
+        assert message in reply.error.message, (line, reply.error.message)
+        assert reply.data["ok"] is False and reply.data["error"]
+    assert session.state is before
+    assert session.transcript == ["model gpt-tiny", f"cluster {CLUSTER}", "set global-batch 32"]
+    assert not session.run("# just a comment").items
+
+
+def test_failed_resolve_keeps_the_edit_and_undo_goes_back(tracer):
+    session = start(tracer, "solve")
+    good = session.state.plan
+    reply = session.run("constrain tp=8")  # nodes have 4 devices: no plan
+    assert reply.ok and not reply.data["solved"] and "warning" in kinds(reply)
+    assert session.state.plan is None and session.state.constraints.tp == 8
+    assert not session.run("explain").ok
+    assert session.run("undo").ok
+    assert session.state.plan is good and session.state.constraints.tp is None
+
+
+def test_auto_solve_off_and_time_limit(tracer):
+    session = start(tracer, "solve", "set auto-solve off")
+    reply = session.run("remove v100-32g-0")
+    assert reply.ok and session.state.plan is None and "plan" not in kinds(reply)
+    assert session.run("set time-limit 5").ok and session.state.time_limit == 5
+    assert session.run("solve").ok and session.state.plan.cluster.num_devices == 4
+
+
+def test_interrupting_a_solve_changes_nothing(tracer, monkeypatch):
+    session = start(tracer, "solve")
+    before, transcript = session.state, list(session.transcript)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("planner.session.solve_plans", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.run("add 1x4xV100-32G")
+    assert session.state is before and session.transcript == transcript
+
+
+def test_launch_scripts_use_planner_launch_when_it_is_there(tracer, tmp_path, monkeypatch):
+    session = start(tracer, "solve")
+    if importlib.util.find_spec("planner.launch") is None:
+        reply = session.run(f"save launch {tmp_path / 'missing'}")
+        assert not reply.ok and "planner launch" in reply.error.message
+    else:  # the real renderer
+        reply = session.run(f"save launch {tmp_path / 'real'}")
+        assert reply.ok, reply.error and reply.error.message
+        assert read_plan(tmp_path / "real" / "plan.json").num_devices == \
+            session.state.plan.num_devices
+    fake = types.ModuleType("planner.launch")
+    calls = []
+
+    def render_launch(plan, *, target, hosts=None):
+        calls.append((target, hosts))
+        return {"launch.sh": "#!/bin/sh\n", "nodes/a.sh": "echo a\n"}
+
+    fake.render_launch = render_launch
+    fake.read_hosts = lambda path: {"read": str(path)}
+    monkeypatch.setitem(sys.modules, "planner.launch", fake)
+    monkeypatch.setattr("planner.launch", fake, raising=False)
+    out = tmp_path / "launch"
+    reply = session.run(f"save launch {out} --target slurm --hosts h.yaml")
+    assert reply.ok, reply.error and reply.error.message
+    assert calls == [("slurm", {"read": "h.yaml"})]
+    assert (out / "nodes" / "a.sh").read_text() == "echo a\n"
+    assert os.access(out / "launch.sh", os.X_OK)
+    assert not session.run(f"save launch {out}").ok  # files exist
+    assert session.run(f"save launch {out} --force").ok and calls[-1] == ("torchrun", None)
+
+
+def test_reply_data_is_json(tracer):
+    session = start(tracer, "solve")
+    for line in ("add 1x4xV100-32G", "explain", "show runners-up", "bogus"):
+        json.dumps(session.run(line).data)
