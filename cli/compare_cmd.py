@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from cli import options as opt
-from cli.solve_cmd import Output, Recompute, Zero
+from cli.solve_cmd import Output
 
 console = Console()
 err_console = Console(stderr=True)
@@ -101,25 +101,18 @@ def what_if(
     seq_len: opt.SeqLen = None,
     dtype: Annotated[str | None, typer.Option(
         "--dtype", help="bf16, fp16, fp32, tf32, or auto (default: the plan's dtype).")] = None,
-    tp: Annotated[int | None, typer.Option("--tp", rich_help_panel="Constraints")] = None,
-    max_tp: Annotated[int | None, typer.Option("--max-tp", rich_help_panel="Constraints")
-                      ] = None,
-    pp: Annotated[int | None, typer.Option("--pp", rich_help_panel="Constraints")] = None,
-    dp: Annotated[int | None, typer.Option("--dp", rich_help_panel="Constraints")] = None,
-    micro_batch: Annotated[int | None, typer.Option("--micro-batch",
-                                                    rich_help_panel="Constraints")] = None,
-    max_stages: Annotated[int | None, typer.Option("--max-stages",
-                                                   rich_help_panel="Constraints")] = None,
-    recompute: Recompute = None,
-    zero: Zero = None,
-    exclude: Annotated[list[str] | None, typer.Option(
-        "--exclude", help="A node not to use (repeatable).",
-        rich_help_panel="Constraints")] = None,
-    mixed: Annotated[bool, typer.Option(
-        "--mixed/--no-mixed", help="Allow pipelines that mix two device types.",
-        rich_help_panel="Constraints")] = True,
-    time_limit: Annotated[float | None, typer.Option(
-        "--time-limit", help="Seconds; return the best plan found by then.")] = 60.0,
+    tp: opt.Tp = None,
+    max_tp: opt.MaxTp = None,
+    pp: opt.Pp = None,
+    dp: opt.Dp = None,
+    micro_batch: opt.MicroBatch = None,
+    max_stages: Annotated[int | None, typer.Option(
+        "--max-stages", help="Most stages per pipeline.", rich_help_panel="Constraints")] = None,
+    recompute: opt.Recompute = None,
+    zero: opt.Zero = None,
+    exclude: opt.Exclude = None,
+    mixed: opt.Mixed = True,
+    time_limit: opt.TimeLimit = 60.0,
     output: Output = None,
     cluster_out: Annotated[Path | None, typer.Option(
         "--cluster-out", help="Also write the edited cluster as YAML.", dir_okay=False)] = None,

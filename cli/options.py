@@ -37,6 +37,28 @@ Set = Annotated[list[str] | None, typer.Option(
          "(repeatable).")]
 
 
+# Constraints shared by `solve`, `what-if` and the session's `constrain`.
+def _constraint(flag: str, help_text: str) -> typer.models.OptionInfo:
+    return typer.Option(flag, help=help_text, rich_help_panel="Constraints")
+
+
+Tp = Annotated[int | None, _constraint("--tp", "Tensor-parallel degree.")]
+MaxTp = Annotated[int | None, _constraint("--max-tp", "Largest tensor-parallel degree.")]
+Pp = Annotated[int | None, _constraint("--pp", "Pipeline stages per pipeline.")]
+Dp = Annotated[int | None, _constraint("--dp", "Number of pipelines side by side.")]
+MicroBatch = Annotated[int | None, _constraint("--micro-batch", "Micro-batch size.")]
+Recompute = Annotated[str | None, _constraint(
+    "--recompute", "none, selective or full (default: the solver picks per stage).")]
+Zero = Annotated[int | None, _constraint("--zero", "ZeRO stage 0-3 (default: any).")]
+Exclude = Annotated[list[str] | None, _constraint("--exclude",
+                                                  "A node not to use (repeatable).")]
+Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Constraints",
+                                     help="Allow pipelines that mix two device types.")]
+TimeLimit = Annotated[float | None, typer.Option(
+    "--time-limit", help="Seconds per search; return the best plan found by then (the "
+    "report says how far from optimal it may be).")]
+
+
 def overrides(*, layers: int | None = None, hidden: int | None = None,
               heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None,
               vocab: int | None = None, settings: list[str] | None = None) -> dict[str, Any]:

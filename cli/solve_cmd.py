@@ -28,15 +28,6 @@ AutoDtype = Annotated[str, typer.Option(
     "--dtype", help="bf16, fp16, fp32, tf32, or auto: bf16 if every device has fast bf16, "
     "else fp16.")]
 Output = Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan file.")]
-Recompute = Annotated[str | None, typer.Option(
-    "--recompute", help="none, selective or full (default: the solver picks per stage).",
-    rich_help_panel="Constraints")]
-Zero = Annotated[int | None, typer.Option("--zero", help="ZeRO stage 0-3 (default: any).",
-                                          rich_help_panel="Constraints")]
-
-
-def _constraint(name: str) -> typer.models.OptionInfo:
-    return typer.Option(f"--{name}", rich_help_panel="Constraints")
 
 
 def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dtype: str,
@@ -97,26 +88,21 @@ def solve(
     output: Output = None,
     json_out: opt.JsonOut = False,
     force: opt.Force = False,
-    time_limit: Annotated[float | None, typer.Option(
-        "--time-limit", help="Seconds per search; return the best plan found by then "
-        "(the report says how far from optimal it may be).")] = 60.0,
+    time_limit: opt.TimeLimit = 60.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Show the k best plans.")] = 1,
     gap: Annotated[float, typer.Option(
         "--gap", help="Stop when no plan can be more than this fraction faster.")] = 0.005,
-    tp: Annotated[int | None, _constraint("tp")] = None,
-    max_tp: Annotated[int | None, _constraint("max-tp")] = None,
-    pp: Annotated[int | None, _constraint("pp")] = None,
-    dp: Annotated[int | None, _constraint("dp")] = None,
-    micro_batch: Annotated[int | None, _constraint("micro-batch")] = None,
-    max_stages: Annotated[int, _constraint("max-stages")] = 16,
-    recompute: Recompute = None,
-    zero: Zero = None,
-    exclude: Annotated[list[str] | None, typer.Option(
-        "--exclude", help="A node not to use (repeatable).",
-        rich_help_panel="Constraints")] = None,
-    mixed: Annotated[bool, typer.Option(
-        "--mixed/--no-mixed", help="Allow pipelines that mix two device types.",
-        rich_help_panel="Constraints")] = True,
+    tp: opt.Tp = None,
+    max_tp: opt.MaxTp = None,
+    pp: opt.Pp = None,
+    dp: opt.Dp = None,
+    micro_batch: opt.MicroBatch = None,
+    max_stages: Annotated[int, typer.Option(
+        "--max-stages", help="Most stages per pipeline.", rich_help_panel="Constraints")] = 16,
+    recompute: opt.Recompute = None,
+    zero: opt.Zero = None,
+    exclude: opt.Exclude = None,
+    mixed: opt.Mixed = True,
     layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
     kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
     settings: opt.Set = None,

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planner.models.stack import Stack
+
 
 @dataclass(frozen=True, kw_only=True)
 class MLPConfig:
@@ -31,7 +33,7 @@ class MLPBlock(nn.Module):
         return F.gelu(self.linear(x))
 
 
-class MLPModel(nn.Module):
+class MLPModel(Stack):
     """Features [batch, inputs] -> class logits."""
 
     def __init__(self, cfg: MLPConfig) -> None:
@@ -40,12 +42,6 @@ class MLPModel(nn.Module):
         self.embed = nn.Linear(cfg.inputs, cfg.hidden)
         self.layers = nn.ModuleList(MLPBlock(cfg.hidden) for _ in range(cfg.layers))
         self.head = nn.Linear(cfg.hidden, cfg.classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for block in self.layers:
-            x = block(x)
-        return self.head(x)
 
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

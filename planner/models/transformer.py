@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planner.models.stack import Stack
+
 
 @dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
@@ -255,7 +257,7 @@ class Head(nn.Module):
         return F.linear(h, weight, self.bias)
 
 
-class Transformer(nn.Module):
+class Transformer(Stack):
     """Token ids [batch, seq] -> logits [batch, seq, vocab]; `loss` gives the LM loss."""
 
     def __init__(self, cfg: TransformerConfig) -> None:
@@ -264,12 +266,6 @@ class Transformer(nn.Module):
         self.embed = Embedding(cfg)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.head = Head(cfg, self.embed.tokens if cfg.tie_embeddings else None)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for block in self.layers:
-            h = block(h)
-        return self.head(h)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

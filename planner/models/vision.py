@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planner.models.stack import Stack
 from planner.models.transformer import Block, TransformerConfig
 
 
@@ -82,7 +83,7 @@ def random_images(batch: int, channels: int, size: int, classes: int,
     return (images,), labels
 
 
-class ViT(nn.Module):
+class ViT(Stack):
     """Images [batch, 3, H, W] -> class logits."""
 
     def __init__(self, cfg: ViTConfig) -> None:
@@ -92,12 +93,6 @@ class ViT(nn.Module):
         block_cfg = cfg.block_config()
         self.layers = nn.ModuleList(Block(block_cfg) for _ in range(cfg.layers))
         self.head = ClassifierHead(cfg)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.embed(images)
-        for block in self.layers:
-            x = block(x)
-        return self.head(x)
 
     loss = staticmethod(classification_loss)
 
@@ -164,7 +159,7 @@ class PoolHead(nn.Module):
         return self.output(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-class ResNet(nn.Module):
+class ResNet(Stack):
     """Images [batch, 3, H, W] -> class logits (torchvision's Bottleneck ResNet)."""
 
     def __init__(self, cfg: ResNetConfig) -> None:
@@ -179,12 +174,6 @@ class ResNet(nn.Module):
                 inplanes = planes * Bottleneck.expansion
         self.layers = nn.ModuleList(layers)
         self.head = PoolHead(inplanes, cfg.classes)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.embed(images)
-        for block in self.layers:
-            x = block(x)
-        return self.head(x)
 
     loss = staticmethod(classification_loss)
 
