@@ -67,15 +67,33 @@ def root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    """Plan and launch distributed PyTorch training on heterogeneous GPU clusters."""
+    """Plan and launch distributed PyTorch training on heterogeneous GPU clusters.
+
+    Run `planner` alone at a terminal for a guided interactive session.
+    """
     if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
+        if sys.stdin.isatty():
+            from cli.interactive import start
+
+            start()
+        else:
+            typer.echo(ctx.get_help())
 
 
 def _register() -> None:
-    from cli import devices_cmd, profile_cmd, solve_cmd, trace_cmd
+    from cli import (
+        compare_cmd,
+        devices_cmd,
+        explain_cmd,
+        interactive,
+        launch_cmd,
+        profile_cmd,
+        solve_cmd,
+        trace_cmd,
+    )
 
-    for module in (trace_cmd, solve_cmd, devices_cmd, profile_cmd):
+    for module in (trace_cmd, solve_cmd, devices_cmd, profile_cmd, explain_cmd, compare_cmd,
+                   interactive, launch_cmd):
         module.register(app)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,7 @@ def test_guided_session_load_solve_whatif_save(tmp_path):
     answer(child, "planner>", "save transcript session.txt")
     child.expect("Saved the transcript")
     child.expect("planner>")
+    time.sleep(0.5)  # let the prompt start reading: a ^C before that can be lost on a busy box
     child.sendintr()  # Ctrl-C at the prompt leaves
     child.expect(pexpect.EOF)
     child.close()

@@ -1,0 +1,138 @@
+"""`planner launch`: scripts that run a plan with torchrun, SLURM or locally."""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from cli import options as opt
+
+console = Console()
+
+
+class Target(str, Enum):
+    torchrun = "torchrun"
+    slurm = "slurm"
+    local = "local"
+
+
+def _cpus(values: list[str] | None) -> dict[str, str]:
+    from planner.errors import PlannerError
+
+    out = {}
+    for value in values or []:
+        node, sep, cpus = value.partition("=")
+        if not sep or not node or not cpus:
+            raise PlannerError("bad-option", f"--cpus {value!r} must look like NODE=CPUS, e.g. "
+                               "worker-0=0 or worker-1=1-3.")
+        out[node] = cpus
+    return out
+
+
+def launch(
+    plan: Annotated[Path, typer.Argument(help="The plan file (planner solve -o plan.json).")],
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", help="Folder for the scripts, the plan and a README.")] = None,
+    target: Annotated[Target, typer.Option(
+        "--target", "-t", help="torchrun (a script per node), slurm (an sbatch script) or "
+        "local (every rank on this machine, CPU and gloo).")] = Target.torchrun,
+    hosts: Annotated[Path | None, typer.Option(
+        "--hosts", help="YAML/JSON mapping of plan node names to hosts: `node: host` or "
+        "`node: {host, addr, cpus, ifname, env}`.")] = None,
+    cpus: Annotated[list[str] | None, typer.Option(
+        "--cpus", help="NODE=CPUS: pin a node's ranks to CPUs with taskset (local target; "
+        "repeatable), e.g. --cpus worker-0=0.")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the files instead of writing them.")] = False,
+    force: opt.Force = False,
+    master_port: Annotated[int, typer.Option(
+        "--master-port", help="Port of the static rendezvous on node rank 0.")] = 29500,
+    max_restarts: Annotated[int, typer.Option(
+        "--max-restarts", help="Restarts torchrun allows; restarted runs resume from the "
+        "latest checkpoint.")] = 0,
+    steps: Annotated[int, typer.Option("--steps", help="Training steps.")] = 10,
+    checkpoint_every: Annotated[int, typer.Option(
+        "--checkpoint-every", help="Checkpoint every K steps (0: only at the end).")] = 0,
+    run_dir: Annotated[str | None, typer.Option(
+        "--run-dir", help="Checkpoints, logs, summary (default: run/ in the --out folder).")
+    ] = None,
+    data: Annotated[str | None, typer.Option(
+        "--data", help="A data hook package.module:function (default: synthetic data).")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the weights and data.")] = 0,
+    lr: Annotated[float, typer.Option("--lr", help="Learning rate.")] = 1e-3,
+    python: Annotated[str | None, typer.Option(
+        "--python", help="Python on the nodes (default: python3; local: this one).")] = None,
+    sbatch: Annotated[list[str] | None, typer.Option(
+        "--sbatch", help="An extra #SBATCH option, e.g. --sbatch=--partition=gpu "
+        "(repeatable).")] = None,
+    runtime_arg: Annotated[list[str] | None, typer.Option(
+        "--runtime-arg", help="Another argument for python -m planner.runtime (repeatable).")
+    ] = None,
+) -> None:
+    """Write launch scripts that train with PLAN on real torch.distributed.
+
+    Examples:
+      planner launch plan.json --out launch/ --hosts hosts.yaml
+      planner launch plan.json --out job/ --target slurm --sbatch=--partition=gpu
+      planner launch plan.json --out try/ --target local --steps 20 && bash try/run-local.sh
+    """
+    from planner.errors import PlannerError
+    from planner.launch import HostEntry, read_hosts, render_launch, write_launch
+    from planner.planfile import read_plan
+
+    if out is None and not dry_run:
+        raise PlannerError("bad-option", "Pass --out DIR (the folder for the scripts) or "
+                           "--dry-run.")
+    loaded = read_plan(plan)
+    entries = read_hosts(hosts) if hosts is not None else {}
+    for node, cpu_list in _cpus(cpus).items():
+        base = entries.get(node) or HostEntry(host=node)
+        entries[node] = HostEntry(host=base.host, addr=base.addr, cpus=cpu_list,
+                                  ifname=base.ifname, env=base.env)
+    if entries:
+        from planner.launch import parse_hosts
+
+        entries = parse_hosts({name: {"host": e.host, "addr": e.addr, "cpus": e.cpus,
+                                      "ifname": e.ifname, "env": dict(e.env)}
+                               for name, e in entries.items()}, "--hosts/--cpus")
+    args = ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr)]
+    if checkpoint_every:
+        args += ["--checkpoint-every", str(checkpoint_every)]
+    if data:
+        args += ["--data", data]
+    args += list(runtime_arg or [])
+    files = render_launch(
+        loaded, target=target.value, hosts=entries, master_port=master_port,
+        max_restarts=max_restarts, runtime_args=args,
+        python=python or (sys.executable if target is Target.local else "python3"),
+        run_dir=run_dir, sbatch=list(sbatch or []))
+    if dry_run:
+        for name, text in files.items():
+            if name == "plan.json":
+                continue
+            sys.stdout.write(f"==> {name} <==\n{text}\n")
+        return
+    assert out is not None
+    write_launch(files, out, force=force)
+    main_file = {"local": "run-local.sh", "slurm": "launch.sbatch"}.get(target.value)
+    console.print(f"Wrote {len(files)} files to {out}: " + ", ".join(files), soft_wrap=True)
+    if main_file:
+        console.print(f"Run: {'bash' if target is Target.local else 'sbatch'} "
+                      f"{out / main_file}  (see {out / 'README.md'})", soft_wrap=True)
+    else:
+        console.print(f"Run each node's script on its host (see {out / 'README.md'}).",
+                      soft_wrap=True)
+    if max_restarts and not checkpoint_every:
+        console.print("[yellow]note:[/] --max-restarts without --checkpoint-every: a restart "
+                      "resumes from the last checkpoint, and only the final step saves one.",
+                      soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("launch")(launch)

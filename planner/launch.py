@@ -1,0 +1,470 @@
+"""Launch scripts for a plan: a pure function from the plan to {file name: text}.
+
+    files = render_launch(plan, target="torchrun", hosts=read_hosts("hosts.yaml"))
+
+Targets:
+  torchrun  one script per node (node-<rank>-<name>.sh): torchrun with a static
+            rendezvous (node rank and master address from the plan, a different
+            --nproc-per-node per node where the plan needs it), per-node
+            environment (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, NCCL/gloo), running
+            `python -m planner.runtime` on every rank;
+  slurm     the node scripts plus launch.sbatch: a heterogeneous job (one
+            component per group of nodes with the same device type and device
+            count) that starts each node's script with srun on its host;
+  local     run-local.sh: every node's torchrun on this machine (127.0.0.1), all on
+            the CPU with gloo, each optionally pinned to CPUs with taskset, for
+            trying a plan without its cluster.
+
+Every script starts with `set -euo pipefail`, quotes every interpolated value
+with shlex.quote (host names, paths, model and runtime arguments), keeps
+comments free of line breaks, and passes ShellCheck. The output also holds the
+plan (plan.json, which the scripts read from their own folder) and a README
+saying what to run where.
+
+Hosts (`read_hosts`): a YAML or JSON mapping from plan node names to a host name,
+or to {host, addr, cpus, ifname, env}: `addr` is the address other nodes reach
+it at (default: host), `cpus` a CPU list for taskset (local target), `ifname`
+the network interface NCCL/gloo should use, `env` extra environment variables.
+Nodes not listed use the cluster file's host, else their node name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planner.errors import PlannerError, closest
+from planner.planfile import plan_json
+from planner.runtime.layout import Layout, NodeRanks, rank_layout
+from planner.types import Plan
+
+TARGETS = ("torchrun", "slurm", "local")
+DEFAULT_PORT = 29500
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CPUS = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+_SLURM_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    host: str
+    addr: str | None = None
+    cpus: str | None = None
+    ifname: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return self.addr or self.host
+
+
+def parse_hosts(data: Any, source: str) -> dict[str, HostEntry]:
+    """Host entries from a parsed hosts file (see the module docstring)."""
+    if not isinstance(data, dict):
+        raise PlannerError("bad-hosts", f"{source}: a hosts file maps plan node names to "
+                           "hosts, e.g. `a100-0: gpu-a1`.")
+    out: dict[str, HostEntry] = {}
+    for node, value in data.items():
+        where = f"{source}: node {node!r}"
+        if isinstance(value, str):
+            value = {"host": value}
+        if not isinstance(value, dict):
+            raise PlannerError("bad-hosts", f"{where}: expected a host name or a mapping with "
+                               f"host, addr, cpus, ifname, env (got {value!r}).")
+        unknown = set(value) - {"host", "addr", "cpus", "ifname", "env"}
+        if unknown:
+            raise PlannerError("bad-hosts", f"{where}: unknown field(s) "
+                               f"{', '.join(sorted(map(str, unknown)))}; the fields are host, "
+                               "addr, cpus, ifname, env.")
+        env = value.get("env") or {}
+        if not isinstance(env, dict):
+            raise PlannerError("bad-hosts", f"{where}: env must map variable names to values.")
+        for key in env:
+            if not _ENV_NAME.match(str(key)):
+                raise PlannerError("bad-hosts", f"{where}: {key!r} is not an environment "
+                                   "variable name.")
+        cpus = value.get("cpus")
+        if cpus is not None and not _CPUS.match(str(cpus)):
+            raise PlannerError("bad-hosts", f"{where}: cpus {cpus!r} is not a CPU list like "
+                               "0-3,8 (what taskset -c takes).")
+        host = str(value.get("host") or node)
+        out[str(node)] = HostEntry(
+            host=host, addr=str(value["addr"]) if value.get("addr") else None,
+            cpus=str(cpus) if cpus is not None else None,
+            ifname=str(value["ifname"]) if value.get("ifname") else None,
+            env={str(k): str(v) for k, v in env.items()})
+    return out
+
+
+def read_hosts(path: Path) -> dict[str, HostEntry]:
+    import yaml
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlannerError("bad-hosts", f"Cannot read the hosts file {path}: "
+                           f"{exc.strerror or exc}.") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise PlannerError("bad-hosts", f"{path} is not valid "
+                           f"{'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+    return parse_hosts(data, str(path))
+
+
+def _comment(text: str) -> str:
+    """Text safe inside a shell comment: no line breaks or other control characters."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+_QUOTED_EXPANSION = re.compile(r"'[^'\n]*[$`][^'\n]*'")
+
+
+def _literal_note(script: str) -> str:
+    """Tell ShellCheck that single-quoted values holding $ or ` are literal on purpose
+    (a host name or argument with such characters is passed as it is, never run)."""
+    if not _QUOTED_EXPANSION.search(script):
+        return script
+    shebang, _, rest = script.partition("\n")
+    return (f"{shebang}\n# Values in single quotes are literal on purpose:\n"
+            f"# shellcheck disable=SC2016\n{rest}")
+
+
+def _file_part(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def node_script(node: NodeRanks) -> str:
+    return f"node-{node.node_rank}-{_file_part(node.name)}.sh"
+
+
+def _cpu_count(cpus: str) -> int:
+    count = 0
+    for part in cpus.split(","):
+        a, _, b = part.partition("-")
+        count += int(b or a) - int(a) + 1
+    return count
+
+
+@dataclass(frozen=True)
+class _Setup:
+    plan: Plan
+    layout: Layout
+    hosts: dict[str, HostEntry]
+    port: int
+    max_restarts: int
+    runtime_args: tuple[str, ...]
+    python: str
+    run_dir: str | None
+
+    def host(self, node: NodeRanks) -> HostEntry:
+        return self.hosts.get(node.name) or HostEntry(host=node.host or node.name)
+
+    @property
+    def master(self) -> HostEntry:
+        return self.host(self.layout.nodes[0])
+
+
+def _check_hosts(plan: Plan, layout: Layout, hosts: Mapping[str, HostEntry]) -> None:
+    names = [n.name for n in layout.nodes]
+    for node in hosts:
+        if node not in names:
+            near = closest(node, names)
+            hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+            unused = node in {n.name for n in plan.cluster.nodes}
+            raise PlannerError(
+                "bad-hosts", f"The hosts file names node {node!r}, which "
+                + ("the plan does not use." if unused else "the plan's cluster does not have.")
+                + hint, [f"the plan's nodes are {', '.join(names)}"])
+
+
+def _preamble(title: Sequence[str]) -> list[str]:
+    lines = ["#!/usr/bin/env bash"]
+    lines += [f"# {_comment(t)}" for t in title]
+    lines += ["set -euo pipefail", "",
+              'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
+    return lines
+
+
+def _common_vars(setup: _Setup) -> list[str]:
+    q = shlex.quote
+    run_dir = '"$HERE/run"' if setup.run_dir is None else q(setup.run_dir)
+    return [
+        'PLAN="$HERE/plan.json"', f"RUN_DIR={run_dir}", f"PYTHON={q(setup.python)}",
+        f"PORT={setup.port}",
+        f"RUNTIME_ARGS=({' '.join(q(a) for a in setup.runtime_args)})",
+        "# overrides from the environment",
+        'PLAN="${PLANNER_PLAN:-$PLAN}"', 'RUN_DIR="${PLANNER_RUN_DIR:-$RUN_DIR}"',
+        'PYTHON="${PLANNER_PYTHON:-$PYTHON}"', 'PORT="${PLANNER_MASTER_PORT:-$PORT}"',
+    ]
+
+
+def _torchrun(setup: _Setup, node: NodeRanks, *, master: str, extra: Sequence[str],
+              indent: str = "", prefix: str = "") -> list[str]:
+    q = shlex.quote
+    args = [f"--nnodes={len(setup.layout.nodes)}", f"--node-rank={node.node_rank}",
+            f"--nproc-per-node={node.nproc}", "--rdzv-backend=static",
+            f"--max-restarts={setup.max_restarts}", "--monitor-interval=1"]
+    lines = [f'{indent}{prefix}"$PYTHON" -m torch.distributed.run \\',
+             f"{indent}  {' '.join(args)} \\",
+             f"{indent}  --master-addr={q(master)} --master-port=\"$PORT\" \\",
+             f'{indent}  -m planner.runtime --plan "$PLAN" --run-dir "$RUN_DIR" '
+             + '${RUNTIME_ARGS[@]+"${RUNTIME_ARGS[@]}"}'
+             + "".join(f" {q(e)}" for e in extra) + ' "$@"']
+    return lines
+
+
+def _node_env(setup: _Setup, node: NodeRanks, entry: HostEntry) -> list[str]:
+    q = shlex.quote
+    lines = [f"export PLANNER_NODE={q(node.name)}"]
+    if node.is_cpu:
+        lines.append('export CUDA_VISIBLE_DEVICES=""')
+    else:
+        devices = ",".join(str(d) for d in node.devices)
+        lines += ["# SLURM (PLANNER_SET_DEVICES=0) assigns the GPUs itself",
+                  'if [ "${PLANNER_SET_DEVICES:-1}" = 1 ]; then',
+                  f"  export CUDA_VISIBLE_DEVICES={q(devices)}", "fi",
+                  'export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"',
+                  "# fail collectives with a dead peer instead of hanging, so torchrun can "
+                  "restart", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1"]
+    if entry.ifname:
+        lines += [f"export NCCL_SOCKET_IFNAME={q(entry.ifname)}",
+                  f"export GLOO_SOCKET_IFNAME={q(entry.ifname)}"]
+    threads = (f"{max(1, _cpu_count(entry.cpus) // node.nproc)}" if entry.cpus
+               else f"$(( $(nproc) / {node.nproc} ))")
+    lines += ['if [ -z "${OMP_NUM_THREADS:-}" ]; then',
+              f"  OMP_NUM_THREADS={threads}",
+              '  if [ "$OMP_NUM_THREADS" -lt 1 ]; then OMP_NUM_THREADS=1; fi', "fi",
+              "export OMP_NUM_THREADS"]
+    lines += [f"export {k}={q(v)}" for k, v in sorted(entry.env.items())]
+    return lines
+
+
+def _render_node(setup: _Setup, node: NodeRanks) -> str:
+    entry = setup.host(node)
+    nodes = len(setup.layout.nodes)
+    lines = _preamble([
+        f"planner launch: node {node.name} (node rank {node.node_rank} of {nodes}), "
+        f"{node.nproc} rank(s): global ranks {node.first_rank}-{node.first_rank + node.nproc - 1}"
+        f", devices {','.join(map(str, node.devices))} ({node.device_type}).",
+        f"Run it on host {entry.host}; start every node's script (any order, within the "
+        "rendezvous timeout).",
+        "Arguments after the script name go to python -m planner.runtime."])
+    lines += _common_vars(setup)
+    lines.append("")
+    lines += _node_env(setup, node, entry)
+    lines.append("")
+    lines += _torchrun(setup, node, master=setup.master.address, extra=(), prefix="exec ")
+    return "\n".join(lines) + "\n"
+
+
+def _render_local(setup: _Setup) -> str:
+    q = shlex.quote
+    world, nodes = setup.layout.world_size, setup.layout.nodes
+    lines = _preamble([
+        f"planner launch (local): the plan's {world} rank(s) on {len(nodes)} node(s), all on "
+        "this machine, on the CPU with gloo.",
+        "Each node gets its own torchrun (static rendezvous on 127.0.0.1), optionally pinned "
+        "to CPUs with taskset.",
+        "Arguments go to python -m planner.runtime; logs go to $PLANNER_LOGS "
+        "(default: logs/ here)."])
+    lines += _common_vars(setup)
+    lines += ['LOGS="${PLANNER_LOGS:-$HERE/logs}"', 'mkdir -p "$LOGS"', ""]
+    if any(setup.host(n).cpus for n in nodes):
+        lines += ["if ! command -v taskset >/dev/null 2>&1; then",
+                  '  echo "run-local.sh: taskset is needed to pin nodes to CPUs" >&2',
+                  "  exit 1", "fi"]
+    lines += ["pids=()", "stop() {",
+              '  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done', "}",
+              "trap stop INT TERM", ""]
+    for node in nodes:
+        entry = setup.host(node)
+        log = f"{node_script(node)[:-3]}.log"
+        pin = f"taskset -c {q(entry.cpus)} " if entry.cpus else ""
+        threads = max(1, _cpu_count(entry.cpus) // node.nproc) if entry.cpus else 1
+        lines.append(f"# node {node.name}: node rank {node.node_rank}, {node.nproc} rank(s)"
+                     + (f", CPUs {entry.cpus}" if entry.cpus else ""))
+        env = [f"PLANNER_NODE={q(node.name)}", 'CUDA_VISIBLE_DEVICES=""',
+               f'OMP_NUM_THREADS="${{PLANNER_THREADS:-{threads}}}"',
+               *(f"{k}={q(v)}" for k, v in sorted(entry.env.items()))]
+        run = _torchrun(setup, node, master="127.0.0.1", extra=("--cpu",), indent="  ",
+                        prefix=pin)
+        run[0] = "env " + " ".join(env) + " \\\n" + run[0]
+        run[-1] += f' \\\n  >"$LOGS"/{q(log)} 2>&1 &'
+        lines += run
+        lines += ['pids+=("$!")', ""]
+    lines += [
+        "status=0",
+        'for _ in "${pids[@]}"; do',
+        "  if ! wait -n; then",
+        "    status=1",
+        '    echo "run-local.sh: a node failed; stopping the others (logs: $LOGS)" >&2',
+        "    stop",
+        "    break",
+        "  fi",
+        "done",
+        "wait || true",
+        'if [ "$status" = 0 ]; then',
+        '  echo "run-local.sh: done; summary: $RUN_DIR/summary.json, logs: $LOGS"',
+        "fi",
+        'exit "$status"']
+    return "\n".join(lines) + "\n"
+
+
+def _slurm_groups(setup: _Setup) -> list[list[NodeRanks]]:
+    groups: dict[tuple[str, int], list[NodeRanks]] = {}
+    for node in setup.layout.nodes:
+        groups.setdefault((node.device_type, node.nproc), []).append(node)
+    return list(groups.values())
+
+
+def _render_sbatch(setup: _Setup, sbatch: Sequence[str]) -> str:
+    q = shlex.quote
+    for node in setup.layout.nodes:
+        host = setup.host(node).host
+        if not _SLURM_HOST.match(host):
+            raise PlannerError("bad-hosts", f"Host {host!r} (node {node.name}) is not a name "
+                               "SLURM can place a job on (letters, digits, '.', '_', '-').",
+                               ["map the node to its SLURM node name with --hosts"])
+    for line in sbatch:
+        if not line.startswith("--") or not _comment(line) == line:
+            raise PlannerError("bad-option", f"--sbatch {line!r} must be one sbatch option "
+                               "starting with --, e.g. --partition=gpu.")
+    groups = _slurm_groups(setup)
+    lines = ["#!/usr/bin/env bash"]
+    for g, nodes in enumerate(groups):
+        if g:
+            lines.append("#SBATCH hetjob")
+        first = nodes[0]
+        lines += ["#SBATCH --job-name=planner", f"#SBATCH --nodes={len(nodes)}",
+                  f"#SBATCH --nodelist={','.join(setup.host(n).host for n in nodes)}",
+                  "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive"]
+        if not first.is_cpu:
+            lines.append(f"#SBATCH --gpus-per-node={first.nproc}")
+        lines += [f"#SBATCH {line}" for line in sbatch]
+    lines += [f"# {_comment(t)}" for t in (
+        f"planner launch (slurm): {len(setup.layout.nodes)} node(s) in {len(groups)} "
+        "heterogeneous component(s), one per device type and device count.",
+        "Submit from this folder: cd into it, then sbatch launch.sbatch.")]
+    lines += ["set -euo pipefail", "",
+              'HERE="${PLANNER_LAUNCH_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"',
+              "# SLURM gives each job step the GPUs it asked for", "export PLANNER_SET_DEVICES=0",
+              "pids=()", ""]
+    for g, nodes in enumerate(groups):
+        for node in nodes:
+            host = setup.host(node).host
+            het = f"--het-group={g} " if len(groups) > 1 else ""
+            lines += [f"# node {node.name} (node rank {node.node_rank})",
+                      f"srun {het}--nodes=1 --ntasks=1 --nodelist={q(host)} \\",
+                      f'  bash "$HERE"/{q(node_script(node))} "$@" &', 'pids+=("$!")']
+    lines += ["", "status=0", 'for pid in "${pids[@]}"; do',
+              '  if ! wait "$pid"; then status=1; fi', "done", 'exit "$status"']
+    return "\n".join(lines) + "\n"
+
+
+def _readme(setup: _Setup, target: str, files: Sequence[str]) -> str:
+    plan, layout = setup.plan, setup.layout
+    rows = []
+    for node in layout.nodes:
+        entry = setup.host(node)
+        rows.append(f"| {node.node_rank} | {node.name} | {entry.host} | {entry.address} | "
+                    f"{node.device_type} | {','.join(map(str, node.devices))} | "
+                    f"{node.first_rank}-{node.first_rank + node.nproc - 1} | "
+                    f"`{node_script(node)}` |")
+    what = {
+        "torchrun": ("Copy this folder to every host (or put it on a shared file system), "
+                     "then on each host run its node's script; they find each other through "
+                     f"a static rendezvous at {setup.master.address}:{setup.port} (node rank 0)."
+                     "\n\n" + "\n".join(f"    ssh {setup.host(n).host} bash "
+                                        f"{shlex.quote(node_script(n))}  # from this folder"
+                                        for n in layout.nodes)),
+        "slurm": ("From this folder on the login node: `sbatch launch.sbatch`. It asks for "
+                  "the hosts below in a heterogeneous job and starts each node's script with "
+                  "srun on its host; SLURM assigns the GPUs."),
+        "local": ("On this machine: `bash run-local.sh`. Every node of the plan gets its own "
+                  "torchrun on 127.0.0.1, on the CPU with gloo; logs go to `logs/`."),
+    }[target]
+    restarts = (f"torchrun restarts failed ranks up to {setup.max_restarts} time(s); the "
+                "runtime then resumes from the latest checkpoint in the run directory "
+                "(`--resume`), so a crash loses at most the steps since the last checkpoint "
+                "(`--checkpoint-every K`)." if setup.max_restarts else
+                "No restarts (`planner launch --max-restarts N` adds them).")
+    return "\n".join([
+        f"# Launch: {plan.model.describe()} on {plan.cluster.name}", "",
+        f"Target `{target}`: {layout.world_size} rank(s) on {len(layout.nodes)} node(s), "
+        f"{len(plan.pipelines)} pipeline(s), global batch {plan.training.global_batch}, "
+        f"{plan.training.dtype}; predicted step time {plan.prediction.step_time:.4g} s.", "",
+        what, "",
+        "| node rank | node | host | address | device | devices | ranks | script |",
+        "|---|---|---|---|---|---|---|---|", *rows, "",
+        "Each rank checks its environment against `plan.json` before doing anything "
+        "(world size, node rank, local rank, device type) and says what it expected and "
+        "found. Environment overrides: PLANNER_PLAN, PLANNER_RUN_DIR, PLANNER_PYTHON, "
+        "PLANNER_MASTER_PORT; arguments after a script's name go to "
+        "`python -m planner.runtime` (see `python -m planner.runtime --help`).", "",
+        "Checkpoints, `losses.jsonl` and `summary.json` go to the run directory "
+        f"(`{setup.run_dir or 'run/ in this folder'}` unless PLANNER_RUN_DIR is set), which "
+        "every node must see at the same path (a shared file system). " + restarts, "",
+        "Files: " + ", ".join(f"`{f}`" for f in files) + ".", ""])
+
+
+def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | None = None,
+                  master_port: int = DEFAULT_PORT, max_restarts: int = 0,
+                  runtime_args: Sequence[str] = (), python: str = "python3",
+                  run_dir: str | None = None, sbatch: Sequence[str] = ()) -> dict[str, str]:
+    """{file name: text} of the launch files for `plan` (see the module docstring).
+    Pure: reads and writes nothing."""
+    if target not in TARGETS:
+        raise PlannerError("bad-option", f"--target {target!r} is not one of "
+                           f"{', '.join(TARGETS)}.")
+    if not 0 < master_port < 65536:
+        raise PlannerError("bad-option", f"--master-port {master_port} is not a TCP port.")
+    if max_restarts < 0:
+        raise PlannerError("bad-option", f"--max-restarts must be 0 or more (got "
+                           f"{max_restarts}).")
+    layout = rank_layout(plan)
+    hosts = dict(hosts or {})
+    _check_hosts(plan, layout, hosts)
+    args = tuple(runtime_args)
+    if max_restarts and "--resume" not in args:
+        args = (*args, "--resume")
+    setup = _Setup(plan=plan, layout=layout, hosts=hosts, port=master_port,
+                   max_restarts=max_restarts, runtime_args=args, python=python,
+                   run_dir=run_dir)
+    files: dict[str, str] = {"plan.json": plan_json(plan)}
+    scripts: dict[str, str] = {}
+    if target == "local":
+        scripts["run-local.sh"] = _render_local(setup)
+    else:
+        for node in layout.nodes:
+            scripts[node_script(node)] = _render_node(setup, node)
+        if target == "slurm":
+            scripts["launch.sbatch"] = _render_sbatch(setup, sbatch)
+    files.update({name: _literal_note(text) for name, text in scripts.items()})
+    files["README.md"] = _readme(setup, target, [*files, "README.md"])
+    return files
+
+
+def write_launch(files: Mapping[str, str], out: Path, *, force: bool = False) -> list[Path]:
+    """Write the files into `out` (created); an existing `out` needs `force`."""
+    if out.exists() and not force:
+        raise PlannerError("file-exists", f"{str(out)!r} already exists; it was left as it is.",
+                           ["pass --force to overwrite the files in it",
+                            "choose another --out folder"])
+    if out.exists() and not out.is_dir():
+        raise PlannerError("bad-path", f"{str(out)!r} is a file, not a folder.",
+                           ["choose another --out folder"])
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in files.items():
+        path = out / name
+        path.write_text(text)
+        if name.endswith((".sh", ".sbatch")):
+            path.chmod(0o755)
+        written.append(path)
+    return written

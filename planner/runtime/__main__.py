@@ -1,0 +1,74 @@
+"""`python -m planner.runtime --plan plan.json [options]`: what every rank runs.
+
+Started by torchrun (the scripts `planner launch` writes), which sets RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and
+MASTER_PORT. A PlannerError (a plan/environment mismatch, a bad option) prints
+one paragraph and exits with 1; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from planner.errors import PlannerError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m planner.runtime",
+        description="Train with a plan on torch.distributed (run by torchrun on every rank).")
+    p.add_argument("--plan", type=Path, required=True, help="The plan file (planner solve -o).")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="Checkpoints, logs and the summary (default: runs/<plan name>); "
+                   "shared by all nodes.")
+    p.add_argument("--steps", type=int, default=10, help="Optimizer steps in all.")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="Save a checkpoint every K steps (0: only at the end).")
+    p.add_argument("--no-final-checkpoint", action="store_true",
+                   help="Do not save a checkpoint after the last step.")
+    p.add_argument("--resume", action="store_true",
+                   help="Continue from the latest complete checkpoint in --run-dir, if any.")
+    p.add_argument("--data", default=None, metavar="MODULE:FUNCTION",
+                   help="A data hook (default: synthetic data); see planner/runtime/data.py.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the weights and the data.")
+    p.add_argument("--lr", type=float, default=1e-3, help="Learning rate.")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
+                   help="Default: the plan's (adam runs as AdamW without weight decay).")
+    p.add_argument("--cpu", action="store_true",
+                   help="Run every rank on the CPU with gloo, whatever devices the plan names.")
+    p.add_argument("--ignore-device-type", action="store_true",
+                   help="Run even if a GPU's name does not match the plan's device type.")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="Steps left out of the step-time statistics.")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="Seconds a collective may wait before the run fails.")
+    p.add_argument("--debug", action="store_true", help="Show tracebacks of errors.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from planner.runtime.train import RunOptions, run
+
+    options = RunOptions(
+        plan=args.plan, run_dir=args.run_dir, steps=args.steps,
+        checkpoint_every=args.checkpoint_every, final_checkpoint=not args.no_final_checkpoint,
+        resume=args.resume, data=args.data, seed=args.seed, lr=args.lr,
+        optimizer=args.optimizer, cpu=args.cpu, check_device_type=not args.ignore_device_type,
+        warmup=args.warmup, timeout=args.timeout)
+    try:
+        run(options)
+    except PlannerError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc.message}", file=sys.stderr)
+        for i, remedy in enumerate(exc.remedies, 1):
+            print(f"  {i}) {remedy}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Training data: every step's global batch, of which each pipeline takes its slice.
+
+Pipelines take consecutive slices of the global batch in plan order (pipeline 0
+samples [0, share_0), pipeline 1 the next share_1, ...), so the union is exactly
+the batch a single process would train on.
+
+Synthetic (default): the model's own example inputs (random token ids and
+next-token targets for language models, random images and labels for vision),
+drawn on the CPU from a generator seeded by (seed, step); every rank that needs
+data makes the same batch without communicating.
+
+A user hook `package.module:function` supplies real data. It is called as
+
+    function(step: int, start: int, stop: int, *, seq_len: int | None, seed: int)
+        -> (inputs, targets)
+
+and must return samples [start, stop) of step `step`'s global batch: `inputs` a
+tensor or tuple of tensors (the model's positional inputs) and `targets` what the
+model's loss takes, each with stop - start rows. It must be deterministic in its
+arguments: the first and last stage of a pipeline call it separately (for the
+inputs and the targets), and a resumed run calls it again for the same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from planner.errors import PlannerError
+from planner.models import LoadedModel
+from planner.models.user import _import_target
+
+Hook = Callable[..., tuple[Any, Any]]
+
+
+def load_hook(target: str) -> Hook:
+    try:
+        return _import_target(target)
+    except PlannerError as exc:
+        raise PlannerError("bad-data", exc.message.replace("model factory", "data hook")
+                           .replace("Model factory", "Data hook"), exc.remedies) from None
+
+
+def _rows(tree: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _take(tree: Any, start: int, stop: int) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, tree)
+
+
+class Batches:
+    """Slices of each step's global batch (see the module docstring)."""
+
+    def __init__(self, loaded: LoadedModel, *, global_batch: int, seed: int,
+                 hook: str | None = None) -> None:
+        self.loaded, self.global_batch, self.seed = loaded, global_batch, seed
+        self.hook = load_hook(hook) if hook else None
+        self.hook_name = hook
+        self._cache: tuple[int, Any, Any] | None = None
+
+    def _synthetic(self, step: int) -> tuple[tuple, Any]:
+        if self._cache is not None and self._cache[0] == step:
+            return self._cache[1], self._cache[2]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed * 1_000_003 + step)
+            args, kwargs, targets = self.loaded.example(self.global_batch, "cpu")
+        if kwargs:
+            raise PlannerError("unsupported-model", "The model's example inputs include "
+                               "keyword arguments; the runtime passes positional inputs only.",
+                               ["pass a data hook with --data"])
+        self._cache = (step, tuple(args), targets)
+        return tuple(args), targets
+
+    def get(self, step: int, start: int, stop: int) -> tuple[tuple, Any]:
+        """(inputs, targets) of samples [start, stop) of step `step` (CPU tensors)."""
+        if self.hook is None:
+            args, targets = self._synthetic(step)
+            return _take(args, start, stop), _take(targets, start, stop)
+        try:
+            made = self.hook(step, start, stop, seq_len=self.loaded.seq_len, seed=self.seed)
+        except Exception as exc:
+            raise PlannerError("bad-data", f"Data hook {self.hook_name!r} raised "
+                               f"{type(exc).__name__}: {exc} (step {step}, samples "
+                               f"{start}-{stop}).", ["run the hook by hand with those "
+                                                     "arguments"]) from exc
+        if not isinstance(made, tuple) or len(made) != 2:
+            raise PlannerError("bad-data", f"Data hook {self.hook_name!r} must return "
+                               f"(inputs, targets); it returned {type(made).__name__}.")
+        inputs, targets = made
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        for tensor in _rows((inputs, targets)):
+            if tensor.dim() == 0 or tensor.shape[0] != stop - start:
+                raise PlannerError(
+                    "bad-data", f"Data hook {self.hook_name!r} returned a tensor of shape "
+                    f"{tuple(tensor.shape)} for samples {start}-{stop} of step {step}; every "
+                    f"tensor needs {stop - start} rows.")
+        return inputs, targets

@@ -1,0 +1,344 @@
+"""Process groups, device meshes, tensor parallelism, FSDP2 and gradient averaging.
+
+Groups. Every rank creates every group the plan needs, in one deterministic
+order (torch requires all ranks to take part in creating each group):
+  * per pipeline a 2-D DeviceMesh (pp x tp): its "pp" groups are the chains
+    torch.distributed.pipelining sends activations along (one chain per tensor-
+    parallel index);
+  * per stage group (a stage and its replicas: the stages of other pipelines with
+    the same layers, device type and tp) a 2-D DeviceMesh (dp x tp): "tp" is the
+    stage's tensor-parallel group (DTensor), "dp" its ZeRO group (FSDP2);
+  * per set of stages holding the same parameters, a group for summing their
+    gradients (pipelines may split layers differently, and a head tied to the
+    embedding shares its weight with the first stage, so these sets need not form
+    a mesh).
+
+Gradients. Each pipeline's loss for a micro-batch is the model's (mean) loss
+times micro_batch / global_batch, so the losses of all micro-batches of all
+pipelines add up to the mean loss over the global batch. Summing each
+parameter's gradient over every stage holding it therefore gives exactly the
+full-batch gradient: the average over pipelines weighted by their batch share.
+FSDP2 reduce-scatters with a divide factor of 1 (a sum) for the same reason.
+
+ZeRO: stages with zero >= 1 and at least two replicas are wrapped with FSDP2's
+fully_shard over their "dp" mesh dimension: zero 1 and 2 keep parameters
+gathered from the first forward to the end of backward (reshard_after_forward=
+False: gradients and optimizer states sharded, as ZeRO-2), zero 3 reshards after
+every forward. FSDP issues one all-gather per forward when resharding, so zero 3
+needs every replica to run the same number of micro-batches; otherwise it runs
+as zero 2 and the run summary says so. Parameters that stages outside the
+replica set also hold (tied weights, other pipelines' different splits) are kept
+out of FSDP and summed with the other holders like any unsharded parameter.
+
+Tensor parallelism (tp > 1): Megatron-style DTensor plans for the zoo's
+transformer blocks (q, k, v, MLP up/gate column-parallel; attention output and
+MLP down row-parallel; heads divided among the shards) and MLP blocks; the
+embedding, head and other layers are replicated on the tp group (correct, not
+sharded). A user's layer may define `tensor_parallel_plan() -> {submodule:
+"colwise" | "rowwise"}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from planner.errors import PlannerError
+from planner.runtime.layout import Layout
+from planner.runtime.stage import ChunkModule, ModelInfo, stage_param_names
+from planner.types import Plan, StagePlan
+
+StageKey = tuple[int, int]  # (pipeline, stage)
+
+
+def replica_key(stage: StagePlan) -> tuple:
+    return stage.chunks, stage.device_type, stage.tp
+
+
+@dataclass
+class Topology:
+    """Who holds what, computed the same way on every rank."""
+
+    plan: Plan
+    layout: Layout
+    replicas: dict[tuple, list[StageKey]]  # replica key -> stages, by ascending rank
+    holders: dict[str, list[StageKey]]  # parameter name -> stages holding it
+    params: dict[StageKey, frozenset[str]]
+
+    def stage(self, key: StageKey) -> StagePlan:
+        return self.plan.pipelines[key[0]].stages[key[1]]
+
+    def ranks(self, key: StageKey) -> tuple[int, ...]:
+        return self.layout.stage_ranks(*key)
+
+    def chain(self, pipeline: int, tp_rank: int) -> tuple[int, ...]:
+        """The ranks of a pipeline's stages (stage order) at one tensor-parallel index."""
+        return tuple(self.ranks((pipeline, s.index))[tp_rank]
+                     for s in self.plan.pipelines[pipeline].stages)
+
+    def replicas_of(self, key: StageKey) -> list[StageKey]:
+        return self.replicas[replica_key(self.stage(key))]
+
+
+def topology(plan: Plan, layout: Layout, info: ModelInfo) -> Topology:
+    for p in plan.pipelines:
+        tps = {s.tp for s in p.stages}
+        if len(tps) > 1:
+            raise PlannerError(
+                "unsupported-plan", f"Pipeline {p.index} mixes tensor-parallel degrees "
+                f"{sorted(tps)}; the runtime sends activations between stages of equal tp.",
+                ["solve with a fixed --tp"])
+    params: dict[StageKey, frozenset[str]] = {}
+    holders: dict[str, list[StageKey]] = {}
+    replicas: dict[tuple, list[StageKey]] = {}
+    for p in plan.pipelines:
+        for s in p.stages:
+            key = (p.index, s.index)
+            params[key] = stage_param_names(info, s)
+            for name in params[key]:
+                holders.setdefault(name, []).append(key)
+            replicas.setdefault(replica_key(s), []).append(key)
+    for name, keys in holders.items():
+        tps = {plan.pipelines[k[0]].stages[k[1]].tp for k in keys}
+        if len(tps) > 1:
+            raise PlannerError(
+                "unsupported-plan", f"Parameter {name} is held by stages with tensor-parallel "
+                f"degrees {sorted(tps)}; the runtime sums its gradients shard by shard, so "
+                "every stage holding it needs the same tp.", ["solve with a fixed --tp"])
+    for key, stages in replicas.items():
+        stages.sort(key=lambda k: layout.stage_ranks(*k))
+        tp = plan.pipelines[stages[0][0]].stages[stages[0][1]].tp
+        for t in range(1, tp):
+            if [layout.stage_ranks(*k)[t] for k in stages] != sorted(
+                    layout.stage_ranks(*k)[t] for k in stages):
+                raise PlannerError(
+                    "unsupported-plan", f"The replicas of the stage holding layers {key[0]} "
+                    "interleave their devices so that no rank order fits every tensor-"
+                    "parallel shard.", ["give each stage consecutive devices"])
+    return Topology(plan=plan, layout=layout, replicas=replicas, holders=holders,
+                    params=params)
+
+
+@dataclass
+class Groups:
+    """This rank's meshes and groups (see the module docstring)."""
+
+    pipeline_mesh: DeviceMesh  # ("pp", "tp")
+    stage_mesh: DeviceMesh  # ("dp", "tp")
+    chain: tuple[int, ...]  # global ranks of my pipeline's stages at my tp index
+    sync: list[tuple[tuple[int, ...], dist.ProcessGroup]] = field(default_factory=list)
+    by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+
+    @property
+    def pp(self) -> dist.ProcessGroup:
+        return self.pipeline_mesh.get_group("pp")
+
+    @property
+    def tp(self) -> int:
+        return self.stage_mesh.size(1)
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.stage_mesh["tp"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.stage_mesh["dp"]
+
+
+def sync_sets(topo: Topology) -> dict[str, tuple[int, ...]]:
+    """Per parameter name: the stages (as sorted ranks at tp index 0) whose gradients
+    are summed."""
+    return {name: tuple(sorted(topo.ranks(k)[0] for k in keys))
+            for name, keys in topo.holders.items()}
+
+
+def build_groups(topo: Topology, rank: int, device_type: str) -> Groups:
+    """Create every group on every rank (same order), and this rank's meshes."""
+    plan, layout = topo.plan, topo.layout
+    wanted: list[tuple[int, ...]] = []
+    for p in plan.pipelines:  # pipeline chains
+        for t in range(p.stages[0].tp):
+            wanted.append(tuple(sorted(topo.chain(p.index, t))))
+    for p in plan.pipelines:  # tensor-parallel groups
+        for s in p.stages:
+            wanted.append(topo.ranks((p.index, s.index)))
+    for stages in topo.replicas.values():  # replica (ZeRO) groups
+        tp = topo.stage(stages[0]).tp
+        for t in range(tp):
+            wanted.append(tuple(topo.ranks(k)[t] for k in stages))
+    holder_sets = sorted({tuple(sorted(keys)) for keys in topo.holders.values()})
+    for keys in holder_sets:  # gradient sums
+        tp = topo.stage(keys[0]).tp
+        for t in range(tp):
+            wanted.append(tuple(sorted(topo.ranks(k)[t] for k in keys)))
+    by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for ranks in wanted:
+        key = tuple(sorted(ranks))
+        if key not in by_ranks:
+            group = dist.new_group(list(key))
+            if rank in key:
+                by_ranks[key] = group
+    me = layout.of(rank)
+    mine = (me.pipeline, me.stage)
+    stage_ranks = topo.ranks(mine)
+    tp_group = by_ranks[tuple(sorted(stage_ranks))]
+    chain = topo.chain(me.pipeline, me.tp_rank)
+    pp_group = by_ranks[tuple(sorted(chain))]
+    pipe_mesh = DeviceMesh.from_group(
+        [pp_group, tp_group], device_type,
+        mesh=[list(topo.ranks((me.pipeline, s.index)))
+              for s in plan.pipelines[me.pipeline].stages],
+        mesh_dim_names=("pp", "tp"))
+    replicas = topo.replicas_of(mine)
+    dp_group = by_ranks[tuple(sorted(topo.ranks(k)[me.tp_rank] for k in replicas))]
+    stage_mesh = DeviceMesh.from_group(
+        [dp_group, tp_group], device_type, mesh=[list(topo.ranks(k)) for k in replicas],
+        mesh_dim_names=("dp", "tp"))
+    return Groups(pipeline_mesh=pipe_mesh, stage_mesh=stage_mesh, chain=chain,
+                  by_ranks=by_ranks)
+
+
+# --- tensor parallelism -----------------------------------------------------------------
+
+def _styles(plan: dict[str, str]) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {path: ColwiseParallel() if style == "colwise" else RowwiseParallel()
+            for path, style in plan.items()}
+
+
+def _transformer_block(unit: nn.Module, tp: int, where: str) -> dict | None:
+    from planner.models.transformer import MLP, Attention, Block
+
+    if not isinstance(unit, Block) or not isinstance(unit.attn, Attention):
+        return None
+    cfg = unit.attn.cfg
+    kv = cfg.kv_heads_
+    if cfg.heads % tp or kv % tp:
+        raise PlannerError("unsupported-plan", f"{where}: tp {tp} must divide the attention "
+                           f"heads ({cfg.heads}) and key/value heads ({kv}).",
+                           ["solve with a smaller --tp"])
+    plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise"}
+    if isinstance(unit.mlp, MLP):
+        if cfg.ffn_dim % tp:
+            raise PlannerError("unsupported-plan", f"{where}: tp {tp} must divide the MLP "
+                               f"width {cfg.ffn_dim}.", ["solve with a smaller --tp"])
+        plan.update({"mlp.up": "colwise", "mlp.down": "rowwise"})
+        if unit.mlp.gate is not None:
+            plan["mlp.gate"] = "colwise"
+    # each shard runs heads / tp heads; the attention reads its sizes from its config
+    unit.attn.cfg = dataclasses.replace(cfg, hidden=cfg.hidden // tp, heads=cfg.heads // tp,
+                                        kv_heads=kv // tp if cfg.kv_heads else None)
+    unit.attn.num_heads, unit.attn.num_kv_heads = cfg.heads // tp, kv // tp
+    return _styles(plan)
+
+
+def apply_tensor_parallel(units: Iterable[tuple[str, nn.Module]], mesh: DeviceMesh
+                          ) -> list[str]:
+    """Shard each unit over `mesh` (see the module docstring); returns notes on units
+    left replicated."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from planner.models.mlp import MLPBlock
+
+    tp = mesh.size()
+    notes = []
+    for path, unit in units:
+        where = f"layer {path}"
+        styles = None
+        custom = getattr(unit, "tensor_parallel_plan", None)
+        if callable(custom):
+            styles = _styles(custom())
+        elif isinstance(unit, MLPBlock):
+            styles = {"linear": ColwiseParallel(output_layouts=Replicate())}
+        else:
+            styles = _transformer_block(unit, tp, where)
+        if styles is None:
+            if any(True for _ in unit.parameters()):
+                notes.append(f"{where} ({type(unit).__name__}) is replicated on its {tp} "
+                             "tensor-parallel ranks")
+            continue
+        parallelize_module(unit, mesh, styles)
+    return notes
+
+
+# --- FSDP2 ------------------------------------------------------------------------------
+
+def fsdp_ignored(topo: Topology, key: StageKey, root: nn.Module) -> set[nn.Parameter]:
+    """Parameters of stage `key` that stages outside its replica set also hold."""
+    replicas = set(topo.replicas_of(key))
+    return {param for name, param in root.named_parameters()
+            if set(topo.holders[name]) != replicas}
+
+
+def apply_fsdp(chunks: Sequence[ChunkModule], mesh: DeviceMesh, *, reshard: bool,
+               ignored: set[nn.Parameter]) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for chunk in chunks:
+        for unit in chunk.units():
+            if any(p not in ignored for p in unit.parameters()):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard,
+                            ignored_params=ignored)
+        fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored)
+        for module in chunk.modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                # a plain sum (see the module docstring), as SUM collectives: gloo has no
+                # pre-multiplied sum
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def fsdp_managed(chunks: Sequence[ChunkModule], ignored: set[nn.Parameter]) -> set[int]:
+    """ids of the parameters FSDP manages: every chunk parameter it was not told to
+    ignore (fully_shard replaced them with sharded DTensor parameters)."""
+    return {id(p) for chunk in chunks for p in chunk.parameters() if p not in ignored}
+
+
+# --- gradient sums ----------------------------------------------------------------------
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class GradientSum:
+    """Sums the gradients of unsharded parameters over the stages holding them, one
+    flat all-reduce per group, groups in one global order (no deadlock)."""
+
+    def __init__(self, root: nn.Module, topo: Topology, groups: Groups, rank: int,
+                 skip: set[int]) -> None:
+        me = topo.layout.of(rank)
+        buckets: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for name, param in sorted(root.named_parameters()):
+            if id(param) in skip or not param.requires_grad:
+                continue
+            keys = topo.holders[name]
+            ranks = tuple(sorted(topo.ranks(k)[me.tp_rank] for k in keys))
+            if len(ranks) > 1:
+                buckets.setdefault(ranks, []).append(param)
+        self.buckets = [(groups.by_ranks[ranks], params)
+                        for ranks, params in sorted(buckets.items())]
+
+    def __call__(self) -> None:
+        for group, params in self.buckets:
+            grads = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(_local(p.grad))
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()

@@ -1,0 +1,93 @@
+"""Per-step logs, per-rank figures and the run summary (JSON, schema_version 1).
+
+RUN_DIR/losses.jsonl: one line per step as it finishes (rank 0):
+    {"step": 3, "loss": 6.21, "seconds": 0.84, "attempt": 0}
+`attempt` is torchrun's restart count, so a resumed run's lines follow the
+interrupted one's; for each step the last line is the one that counts. A run that
+starts at step 0 (no checkpoint to resume from) starts the file afresh.
+
+RUN_DIR/summary.json (rank 0, at the end):
+    kind "run-summary", plan, world_size, steps_run, first_step (0, or the step
+    resumed from), losses [{step, loss, seconds}], step_time {mean, median, min,
+    max} over the timed steps (after `warmup` steps), samples_per_s,
+    tokens_per_s, predicted_step_time (the plan's), prediction_error
+    ((measured - predicted) / predicted), ranks [{rank, node, pipeline, stage,
+    tp_rank, device, params, param_bytes, peak_memory_bytes, memory_kind,
+    step_time_mean, busy_mean}], notes.
+
+Memory: CUDA's peak allocated bytes on GPUs; on the CPU the process's peak
+resident set (torch itself included, so it overstates what the stage needs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCHEMA_VERSION = 1
+
+
+def log(rank: int, message: str) -> None:
+    print(f"[planner rank {rank}] {message}", file=sys.stderr, flush=True)
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda max_memory_allocated"
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    scale = 1 if sys.platform == "darwin" else 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale), "cpu peak RSS"
+
+
+class StepLog:
+    """Rank 0's per-step log file."""
+
+    def __init__(self, run_dir: Path, attempt: int, enabled: bool, fresh: bool) -> None:
+        """fresh: the run starts at step 0 (no checkpoint loaded): earlier lines go."""
+        self.path = run_dir / "losses.jsonl"
+        self.attempt, self.enabled = attempt, enabled
+        if enabled and fresh and self.path.exists():
+            self.path.unlink()
+
+    def write(self, step: int, loss: float, seconds: float) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as out:
+            out.write(json.dumps({"step": step, "loss": loss, "seconds": seconds,
+                                  "attempt": self.attempt, "time": time.time()}) + "\n")
+
+
+def read_losses(run_dir: Path) -> dict[int, float]:
+    """Each step's loss from losses.jsonl (the last line of a step wins)."""
+    out: dict[int, float] = {}
+    path = run_dir / "losses.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                out[row["step"]] = row["loss"]
+    return out
+
+
+def timing(seconds: list[float]) -> dict[str, float] | None:
+    if not seconds:
+        return None
+    return {"mean": statistics.fmean(seconds), "median": statistics.median(seconds),
+            "min": min(seconds), "max": max(seconds), "count": len(seconds)}
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    path = run_dir / "summary.json"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"kind": "run-summary", "schema_version": SCHEMA_VERSION,
+                               **summary}, indent=1) + "\n")
+    tmp.replace(path)
+    return path

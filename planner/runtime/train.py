@@ -1,0 +1,337 @@
+"""Train with a plan: validate, build this rank's stage, run the steps, checkpoint.
+
+    run(RunOptions(plan=Path("plan.json"), steps=20), os.environ)
+
+Order of work on every rank:
+  1. read the plan, lay out the ranks, check the environment (no collective yet);
+  2. join the process group; build the model on meta and check its layers chain;
+  3. create every process group and this rank's device meshes;
+  4. materialize only this rank's stage (deterministic values), then tensor
+     parallelism, recompute, FSDP2 (in that order);
+  5. resume from the latest checkpoint (--resume), else start at step 0;
+  6. per step: the pipeline schedule (forward, loss, backward over the micro-
+     batches), gradient sums over the holders of each parameter, optimizer step,
+     the global loss (one all-reduce), logs; a checkpoint every K steps;
+  7. a final checkpoint (unless turned off) and the run summary.
+
+Training dtype: fp32 and tf32 train in fp32 (tf32 allows TF32 matmuls on CUDA);
+bf16 and fp16 keep fp32 parameters and optimizer state and run the forward
+under autocast; fp16 multiplies the loss by a fixed 2**12 and skips steps whose
+gradients overflow on any rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.errors import PlannerError
+from planner.planfile import read_plan
+from planner.runtime import checkpoint
+from planner.runtime.data import Batches
+from planner.runtime.env import validate_environment
+from planner.runtime.layout import rank_layout
+from planner.runtime.parallel import (
+    GradientSum,
+    apply_fsdp,
+    apply_tensor_parallel,
+    build_groups,
+    fsdp_ignored,
+    fsdp_managed,
+    topology,
+)
+from planner.runtime.schedule import PipelineRunner
+from planner.runtime.stage import apply_recompute, build_stage, inspect_model
+from planner.runtime.summary import StepLog, log, peak_memory, timing, write_summary
+
+FP16_SCALE = 2.0**12
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    plan: Path
+    run_dir: Path | None = None  # default: runs/<plan file stem>
+    steps: int = 10
+    checkpoint_every: int = 0  # 0: no periodic checkpoints
+    final_checkpoint: bool = True
+    resume: bool = False
+    data: str | None = None  # package.module:function
+    seed: int = 0
+    lr: float = 1e-3
+    optimizer: str | None = None  # adamw or sgd; default from the plan (adam -> adamw)
+    cpu: bool = False  # every rank on the CPU with gloo (the local target)
+    check_device_type: bool = True
+    warmup: int = 1  # steps left out of the timing
+    timeout: float = 600.0  # seconds a collective may wait
+
+    def resolved_run_dir(self) -> Path:
+        return self.run_dir or Path("runs") / self.plan.stem
+
+
+def _check_options(options: RunOptions) -> None:
+    if options.steps < 1:
+        raise PlannerError("bad-option", f"--steps must be at least 1 (got {options.steps}).")
+    if options.checkpoint_every < 0:
+        raise PlannerError("bad-option", "--checkpoint-every must be 0 (off) or positive "
+                           f"(got {options.checkpoint_every}).")
+    if options.optimizer not in (None, "adamw", "sgd"):
+        raise PlannerError("bad-option", f"--optimizer must be adamw or sgd (got "
+                           f"{options.optimizer!r}).")
+
+
+def _optimizer(params: list, name: str, lr: float) -> torch.optim.Optimizer:
+    from torch.distributed.tensor import DTensor
+
+    mixed = any(isinstance(p, DTensor) for p in params) and not all(
+        isinstance(p, DTensor) for p in params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, foreach=False if mixed else None)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False if mixed else None)
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def run(options: RunOptions, env: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """Train with the plan; rank 0 returns the run summary (other ranks None)."""
+    env = dict(os.environ if env is None else env)
+    _check_options(options)
+    plan = read_plan(options.plan)
+    layout = rank_layout(plan)
+    place = validate_environment(plan, layout, env, cpu=options.cpu,
+                                 check_device_name=options.check_device_type)
+    rank = place.slot.rank
+    run_dir = options.resolved_run_dir()
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if place.device.type == "cuda":
+        torch.cuda.set_device(place.device)
+    _init_process_group(place.backend, rank, layout.world_size, env, attempt,
+                        datetime.timedelta(seconds=options.timeout))
+    try:
+        return _train(options, plan, layout, place, run_dir, attempt)
+    finally:
+        dist.destroy_process_group()
+
+
+def _init_process_group(backend: str, rank: int, world: int, env: dict[str, str],
+                        attempt: int, timeout: datetime.timedelta) -> None:
+    """Join the process group. Under torchrun the workers meet in the agent's store; a
+    static rendezvous keeps that store across restarts (torch prefixes nothing then),
+    so each attempt uses keys of its own and never meets the dead attempt's addresses."""
+    addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.PrefixStore(f"planner/attempt-{attempt}", dist.TCPStore(
+            addr, port, world_size=world, is_master=False, timeout=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+        return
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+
+
+def _prepare_run_dir(run_dir: Path, options: RunOptions, rank: int) -> None:
+    if rank == 0:
+        existing = checkpoint.complete_steps(run_dir)
+        if existing and not options.resume:
+            problem = [f"{run_dir} already holds checkpoints (up to step {existing[-1]})"]
+        else:
+            problem = [None]
+            (run_dir / "pids").mkdir(parents=True, exist_ok=True)
+    else:
+        problem = [None]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise PlannerError("run-exists", f"{problem[0]}; this run would start again from "
+                           "step 0 and mix its checkpoints with theirs.",
+                           ["pass --resume to continue that run",
+                            "pass another --run-dir", "delete the folder"])
+    (run_dir / "pids").mkdir(parents=True, exist_ok=True)
+    (run_dir / "pids" / f"rank-{rank}.pid").write_text(f"{os.getpid()}\n")
+
+
+def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Path,
+           attempt: int) -> dict[str, Any] | None:
+    me, rank, device = place.slot, place.slot.rank, place.device
+    _prepare_run_dir(run_dir, options, rank)
+    notes = list(place.notes)
+    started = time.perf_counter()
+    info = inspect_model(plan)
+    topo = topology(plan, layout, info)
+    groups = build_groups(topo, rank, device.type)
+    pipeline = plan.pipelines[me.pipeline]
+    stage = pipeline.stages[me.stage]
+    dtype = plan.training.dtype
+    autocast = None
+    if dtype in ("bf16", "fp16"):
+        autocast = (device.type, torch.bfloat16 if dtype == "bf16" else torch.float16)
+    if dtype == "tf32" and device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    built = build_stage(info, stage, seed=options.seed, autocast=autocast)
+    built.root.to(device)
+    units = [u for chunk in built.units for u in chunk]
+    if stage.tp > 1:
+        notes += apply_tensor_parallel(units, groups.tp_mesh)
+    for _, unit in units:
+        apply_recompute(unit, stage.recompute)
+    key = (me.pipeline, me.stage)
+    replicas = topo.replicas_of(key)
+    ignored = fsdp_ignored(topo, key, built.root)
+    managed: set[int] = set()
+    if stage.zero >= 1 and len(replicas) > 1:
+        counts = {plan.pipelines[p].num_microbatches for p, _ in replicas}
+        reshard = stage.zero == 3 and len(counts) == 1
+        if stage.zero == 3 and not reshard:
+            notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-3 ran as ZeRO-2 "
+                         f"(parameters gathered once per step): its replicas run "
+                         f"{sorted(counts)} micro-batches, and FSDP's per-forward gathers "
+                         "must match")
+        apply_fsdp(built.chunks, groups.dp_mesh, reshard=reshard, ignored=ignored)
+        managed = fsdp_managed(built.chunks, ignored)
+    elif stage.zero >= 1:
+        notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-{stage.zero} has no "
+                     "replica to shard with (one copy of these layers)")
+    gradient_sum = GradientSum(built.root, topo, groups, rank, skip=managed)
+    params = list(dict.fromkeys(built.root.parameters()))
+    opt_name = options.optimizer or ("sgd" if plan.training.optimizer.name == "sgd"
+                                     else "adamw")
+    optimizer = _optimizer(params, opt_name, options.lr)
+    scale = (pipeline.micro_batch / plan.training.global_batch
+             * (FP16_SCALE if dtype == "fp16" else 1.0))
+    loss_of = info.loaded.loss
+
+    def loss_fn(output: torch.Tensor, target: Any) -> torch.Tensor:
+        return loss_of(output, target) * scale
+
+    runner = PipelineRunner(pipeline, stage, built.chunks, device=device, group=groups.pp,
+                            chain=groups.chain, loss_fn=loss_fn)
+    first = 0
+    if options.resume:
+        found = checkpoint.latest_step(run_dir)
+        if found is not None:
+            checkpoint.load(run_dir, found, built.root, optimizer)
+            first = found
+            if rank == 0:
+                log(rank, f"resumed from step {found} ({checkpoint.step_dir(run_dir, found)})")
+    batches = Batches(info.loaded, global_batch=plan.training.global_batch, seed=options.seed,
+                      hook=options.data)
+    offset = sum(p.batch_share for p in plan.pipelines[:me.pipeline])
+    share = pipeline.batch_share
+    step_log = StepLog(run_dir, attempt, enabled=rank == 0, fresh=first == 0)
+    reports_loss = runner.is_last and me.tp_rank == 0
+    setup_seconds = time.perf_counter() - started
+    if rank == 0:
+        log(rank, f"{plan.model.describe()}: {len(plan.pipelines)} pipeline(s), "
+            f"{layout.world_size} ranks, global batch {plan.training.global_batch}, "
+            f"{dtype}; set up in {setup_seconds:.1f} s; steps {first + 1}-{options.steps}")
+    step_seconds: list[float] = []
+    busy_seconds: list[float] = []
+    losses: list[dict[str, float]] = []
+    for step in range(first, options.steps):
+        begin = time.perf_counter()
+        inputs = targets = None
+        if runner.is_first or runner.is_last:
+            inputs, targets = batches.get(step, offset, offset + share)
+            inputs = _to_device(inputs, device) if runner.is_first else None
+            targets = _to_device(targets, device) if runner.is_last else None
+        mb_losses = runner.step(inputs, targets)
+        busy = time.perf_counter() - begin
+        gradient_sum()
+        skipped = _finish_grads(optimizer, params, dtype, device)
+        if not skipped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        if reports_loss:
+            total += sum(float(x.detach()) for x in mb_losses)
+        dist.all_reduce(total)
+        loss = float(total) / (FP16_SCALE if dtype == "fp16" else 1.0)
+        seconds = time.perf_counter() - begin
+        if step - first >= options.warmup:
+            step_seconds.append(seconds)
+            busy_seconds.append(busy)
+        losses.append({"step": step + 1, "loss": loss, "seconds": seconds})
+        step_log.write(step + 1, loss, seconds)
+        if rank == 0:
+            log(rank, f"step {step + 1}/{options.steps} loss {loss:.5f} {seconds:.3f} s "
+                f"{plan.training.global_batch / seconds:.1f} samples/s"
+                + (" (overflow: step skipped)" if skipped else ""))
+        done = step + 1
+        if options.checkpoint_every and done % options.checkpoint_every == 0 and (
+                done < options.steps or not options.final_checkpoint):
+            checkpoint.save(run_dir, done, built.root, optimizer)
+    if options.final_checkpoint and first < options.steps:
+        checkpoint.save(run_dir, options.steps, built.root, optimizer)
+    return _summarize(options, plan, layout, place, run_dir, built, step_seconds,
+                      busy_seconds, losses, first, notes, attempt)
+
+
+def _finish_grads(optimizer: torch.optim.Optimizer, params: list, dtype: str,
+                  device: torch.device) -> bool:
+    """fp16: unscale gradients; True if any rank found an overflow (skip the step)."""
+    if dtype != "fp16":
+        return False
+    from planner.runtime.parallel import _local
+
+    bad = torch.zeros((), device=device)
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(FP16_SCALE)
+            if not torch.isfinite(_local(p.grad)).all():
+                bad.fill_(1.0)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item())
+
+
+def _summarize(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Path,
+               built: Any, step_seconds: list[float], busy_seconds: list[float],
+               losses: list[dict], first: int, notes: list[str],
+               attempt: int) -> dict[str, Any] | None:
+    from planner.runtime.parallel import _local
+
+    me, rank = place.slot, place.slot.rank
+    memory, kind = peak_memory(place.device)
+    held = list(dict.fromkeys(built.root.parameters()))
+    mine = {"rank": rank, "node": me.node, "pipeline": me.pipeline, "stage": me.stage,
+            "tp_rank": me.tp_rank, "device": str(place.device), "local_device": me.device,
+            "params": sum(_local(p).numel() for p in held),
+            "param_bytes": sum(_local(p).numel() * _local(p).element_size() for p in held),
+            "peak_memory_bytes": memory, "memory_kind": kind,
+            "step_time_mean": timing(step_seconds)["mean"] if step_seconds else None,
+            "busy_mean": timing(busy_seconds)["mean"] if busy_seconds else None,
+            "notes": notes}
+    log(rank, f"pipeline {me.pipeline} stage {me.stage} tp {me.tp_rank} on {me.node}: "
+        f"mean step {mine['step_time_mean'] or 0:.3f} s, peak memory "
+        f"{memory / 2**20:.0f} MiB ({kind}), {mine['params']:,} parameters")
+    gathered: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None
+    stats = timing(step_seconds)
+    predicted = plan.prediction.step_time or None
+    batch = plan.training.global_batch
+    summary = {
+        "plan": str(options.plan), "model": plan.model.describe(),
+        "world_size": layout.world_size, "steps_run": len(losses), "first_step": first,
+        "attempt": attempt, "global_batch": batch, "dtype": plan.training.dtype,
+        "losses": losses, "step_time": stats, "warmup_steps": options.warmup,
+        "samples_per_s": batch / stats["median"] if stats else None,
+        "tokens_per_s": (batch * plan.training.seq_len / stats["median"]
+                         if stats and plan.training.seq_len else None),
+        "predicted_step_time": predicted,
+        "prediction_error": ((stats["median"] - predicted) / predicted
+                             if stats and predicted else None),
+        "ranks": gathered,
+        "notes": sorted({n for r in gathered for n in r["notes"]}),
+    }
+    path = write_summary(run_dir, summary)
+    log(rank, f"wrote {path}")
+    return summary

@@ -1,0 +1,39 @@
+"""A data hook for the runtime tests, as a user would write one (see planner/runtime/data.py):
+samples [start, stop) of step `step`'s global batch, the same on every call."""
+
+import torch
+
+VOCAB = 512
+
+
+def tokens(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    rows = []
+    for sample in range(start, stop):
+        g = torch.Generator().manual_seed(seed * 7919 + step * 1009 + sample)
+        rows.append(torch.randint(0, VOCAB, (seq_len + 1,), generator=g))
+    ids = torch.stack(rows)
+    return (ids[:, :-1],), ids[:, 1:]
+
+
+class Residual(torch.nn.Module):
+    """Blocks joined by a skip connection outside them: not a chain of layers."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.relu(layer(x))
+        return x
+
+    @staticmethod
+    def loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, targets)
+
+    def example_batch(self, batch: int, seq_len, device):
+        return (torch.zeros(batch, 16, device=device),), torch.zeros(batch, 16, device=device)
+
+
+def residual_model(width: int = 16, depth: int = 3) -> Residual:
+    return Residual(width, depth)

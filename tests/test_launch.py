@@ -1,0 +1,157 @@
+"""`planner launch`: the rendered scripts (bash -n, ShellCheck, quoting), per-node
+settings from the plan, the hosts file, and the CLI."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from planner.errors import PlannerError
+from planner.launch import parse_hosts, render_launch, write_launch
+from planner.planfile import write_plan
+from tests.runtime_helpers import tiny_plan
+
+runner = CliRunner()
+EVIL = "gpu-a1$(touch pwned);`touch pwned2` 'x' \"y\"\nreboot"
+
+
+@pytest.fixture(scope="module")
+def hetero_plan():
+    """Two nodes with different device counts used: 2 ranks on the first, 4 on the
+    second (tp 2 stages), so --nproc-per-node differs per node."""
+    return tiny_plan("1x2xA100-80G,1x4xV100-32G", tp=2, pp=3)
+
+
+def _scripts(files):
+    return {name: text for name, text in files.items() if name.endswith((".sh", ".sbatch"))}
+
+
+def _check_shell(tmp_path, files):
+    out = tmp_path / "out"
+    write_launch(files, out, force=True)
+    for name in _scripts(files):
+        subprocess.run(["bash", "-n", str(out / name)], check=True)
+        if shutil.which("shellcheck"):
+            result = subprocess.run(["shellcheck", str(out / name)], capture_output=True,
+                                    text=True)
+            assert result.returncode == 0, result.stdout
+    return out
+
+
+@pytest.mark.parametrize("target", ["torchrun", "slurm", "local"])
+def test_scripts_pass_bash_n_and_shellcheck(tmp_path, hetero_plan, target):
+    hosts = parse_hosts({"a100-80g-sxm-0": {"host": "gpu-a1", "addr": "10.0.0.1",
+                                            "ifname": "ib0", "cpus": "0-3",
+                                            "env": {"NCCL_IB_HCA": "mlx5_0"}},
+                         "v100-32g-0": "gpu-v1"}, "test")
+    files = render_launch(hetero_plan, target=target, hosts=hosts, max_restarts=2,
+                          runtime_args=["--steps", "5", "--data", "my data.mod:load"],
+                          sbatch=["--partition=gpu"])
+    _check_shell(tmp_path, files)
+    assert "plan.json" in files and "README.md" in files
+    for text in _scripts(files).values():
+        assert "set -euo pipefail" in text
+    if target == "local":
+        assert set(files) == {"plan.json", "README.md", "run-local.sh"}
+        text = files["run-local.sh"]
+        assert "taskset -c 0-3" in text and "--cpu" in text and "127.0.0.1" in text
+        assert text.count("torch.distributed.run") == 2
+        assert "--nproc-per-node=2" in text and "--nproc-per-node=4" in text
+
+
+def test_each_node_gets_its_rank_its_process_count_and_its_devices(hetero_plan):
+    files = render_launch(hetero_plan, target="torchrun", max_restarts=1,
+                          hosts=parse_hosts({"a100-80g-sxm-0": "gpu-a1"}, "t"))
+    first, second = files["node-0-a100-80g-sxm-0.sh"], files["node-1-v100-32g-0.sh"]
+    assert "--nnodes=2 --node-rank=0 --nproc-per-node=2" in first
+    assert "--nnodes=2 --node-rank=1 --nproc-per-node=4" in second
+    for text in (first, second):
+        assert "--rdzv-backend=static" in text and "--master-addr=gpu-a1" in text
+        assert "--max-restarts=1" in text and "--resume" in text
+    assert "export CUDA_VISIBLE_DEVICES=0,1\n" in first
+    assert "export CUDA_VISIBLE_DEVICES=0,1,2,3\n" in second
+    assert "export PLANNER_NODE=v100-32g-0" in second
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in second and "OMP_NUM_THREADS" in second
+    readme = files["README.md"]
+    assert "| 1 | v100-32g-0 | v100-32g-0 |" in readme and "node-1-v100-32g-0.sh" in readme
+
+
+def test_slurm_asks_for_one_component_per_device_type(hetero_plan):
+    files = render_launch(hetero_plan, target="slurm", sbatch=["--time=01:00:00"])
+    sbatch = files["launch.sbatch"]
+    assert sbatch.count("#SBATCH hetjob") == 1
+    assert "#SBATCH --gpus-per-node=2" in sbatch and "#SBATCH --gpus-per-node=4" in sbatch
+    assert "srun --het-group=1 --nodes=1 --ntasks=1 --nodelist=v100-32g-0" in sbatch
+    assert sbatch.count("#SBATCH --time=01:00:00") == 2
+    with pytest.raises(PlannerError, match="not a name SLURM can place"):
+        render_launch(hetero_plan, target="slurm",
+                      hosts=parse_hosts({"v100-32g-0": "bad host"}, "t"))
+
+
+def test_a_host_name_with_shell_metacharacters_is_quoted_not_executed(tmp_path, hetero_plan):
+    hosts = parse_hosts({"a100-80g-sxm-0": EVIL}, "test")
+    files = render_launch(hetero_plan, target="torchrun", hosts=hosts,
+                          runtime_args=["--data", "$(touch pwned3)"])
+    out = _check_shell(tmp_path, files)
+    # in comments the line break becomes "?": "reboot" stays in the comment
+    assert "# Run it on host gpu-a1$(touch pwned);`touch pwned2` 'x' \"y\"?reboot;" in files[
+        "node-0-a100-80g-sxm-0.sh"]
+    # run the script with a stand-in python that records its arguments
+    fake = tmp_path / "fake-python"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGS_FILE"\n')
+    fake.chmod(0o755)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    env = dict(os.environ, PLANNER_PYTHON=str(fake), ARGS_FILE=str(tmp_path / "args"))
+    subprocess.run(["bash", str(out / "node-1-v100-32g-0.sh"), "--steps", "2"], cwd=work,
+                   env=env, check=True)
+    args = (tmp_path / "args").read_text().split("\n")
+    assert not list(work.iterdir()) and not list(out.glob("pwned*"))
+    addr = "\n".join(args[args.index("--nproc-per-node=4") + 4:]).split("--master-port")[0]
+    assert addr.startswith("--master-addr=gpu-a1$(touch pwned);`touch pwned2` 'x' \"y\"")
+    assert args[args.index("--data") + 1] == "$(touch pwned3)"
+    assert args[-3:-1] == ["--steps", "2"] and args[args.index("--plan") + 1] == str(
+        out / "plan.json")
+
+
+def test_hosts_file_errors_name_the_node(tmp_path, hetero_plan):
+    with pytest.raises(PlannerError, match=r"node 'v100-32g-1'.*Did you mean 'v100-32g-0'"):
+        render_launch(hetero_plan, target="torchrun",
+                      hosts=parse_hosts({"v100-32g-1": "h"}, "hosts.yaml"))
+    with pytest.raises(PlannerError, match="cpus 'all' is not a CPU list"):
+        parse_hosts({"v100-32g-0": {"host": "h", "cpus": "all"}}, "hosts.yaml")
+    with pytest.raises(PlannerError, match="'bad-name' is not an environment variable"):
+        parse_hosts({"v100-32g-0": {"host": "h", "env": {"bad-name": "1"}}}, "hosts.yaml")
+
+
+def test_cli_writes_refuses_to_overwrite_and_dry_runs(tmp_path, hetero_plan):
+    plan = tmp_path / "plan.json"
+    write_plan(hetero_plan, plan)
+    (tmp_path / "hosts.yaml").write_text("a100-80g-sxm-0: gpu-a1\nv100-32g-0:\n  host: gpu-v1\n")
+    out = tmp_path / "launch"
+    args = ["launch", str(plan), "--out", str(out), "--hosts", str(tmp_path / "hosts.yaml"),
+            "--steps", "7", "--checkpoint-every", "2"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md", "node-0-a100-80g-sxm-0.sh", "node-1-v100-32g-0.sh", "plan.json"]
+    assert os.access(out / "node-0-a100-80g-sxm-0.sh", os.X_OK)
+    assert "--checkpoint-every 2" in (out / "node-1-v100-32g-0.sh").read_text()
+    again = runner.invoke(app, args)
+    assert again.exit_code == 1 and "already exists" in again.output
+    assert runner.invoke(app, [*args, "--force"]).exit_code == 0
+    dry = runner.invoke(app, ["launch", str(plan), "--dry-run", "--target", "slurm"])
+    assert dry.exit_code == 0 and "==> launch.sbatch <==" in dry.output
+    missing = runner.invoke(app, ["launch", str(plan)])
+    assert missing.exit_code == 1 and "--out" in missing.output
+
+
+def test_the_plan_copy_is_the_plan(tmp_path, hetero_plan):
+    from planner.planfile import read_plan
+
+    out = _check_shell(tmp_path, render_launch(hetero_plan, target="torchrun"))
+    assert read_plan(Path(out / "plan.json")) == hetero_plan

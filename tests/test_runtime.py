@@ -1,0 +1,146 @@
+"""The runtime trains exactly like one process: distributed runs of small plans (gloo,
+one process per rank) against single-process training on the same global batch.
+
+Parameters are compared after SGD steps (Adam divides by the gradient's running
+magnitude, which turns float noise in gradients that are zero in exact arithmetic,
+like an attention key bias's, into full-size updates)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from planner.planfile import write_plan
+from planner.runtime.checkpoint import complete_steps, load_full_model
+from planner.runtime.reference import build_reference, train_reference
+from planner.runtime.summary import read_losses
+from planner.types import Recompute, Schedule
+from tests.runtime_helpers import resplit, run_ranks, tiny_plan
+
+pytestmark = pytest.mark.slow  # each test starts a few processes (5-20 s)
+
+STEPS = 3
+
+
+def _check_against_reference(plan, run_dir, *, optimizer="sgd", lr=1e-3, data=None,
+                             steps=STEPS):
+    losses, model = train_reference(plan, steps=steps, lr=lr, optimizer=optimizer, data=data)
+    got = read_losses(run_dir)
+    assert [got[i + 1] for i in range(steps)] == pytest.approx(losses, rel=1e-5)
+    _, trained = build_reference(plan, seed=0)
+    load_full_model(run_dir / "checkpoints" / f"step-{steps:08d}", trained)
+    expected, found = model.state_dict(), trained.state_dict()
+    assert expected.keys() == found.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(found[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _run(tmp_path, plan, **options):
+    path = tmp_path / "plan.json"
+    write_plan(plan, path)
+    run_dir = tmp_path / "run"
+    options.setdefault("optimizer", "sgd")
+    run_ranks(path, run_dir=run_dir, steps=options.pop("steps", STEPS), **options)
+    return run_dir
+
+
+def test_two_stages_by_two_replicas_with_unequal_shares(tmp_path):
+    # pipeline 0 takes 6 of the 8 samples, pipeline 1 takes 2; the tied token table
+    # sits in stage 0 (embedding) and stage 1 (head) of both pipelines
+    plan = tiny_plan("1x4xcpu", pp=2, dp=2, shares=[3, 1])
+    assert [p.batch_share for p in plan.pipelines] == [6, 2]
+    summary = _check_against_reference(plan, _run(tmp_path, plan))
+    assert summary["world_size"] == 4 and summary["steps_run"] == STEPS
+    ranks = summary["ranks"]
+    assert [(r["pipeline"], r["stage"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["peak_memory_bytes"] > 0 and r["step_time_mean"] > 0 for r in ranks)
+    assert summary["step_time"]["count"] == STEPS - 1 and summary["samples_per_s"] > 0
+
+
+def test_tensor_parallel_stages(tmp_path):
+    plan = tiny_plan("1x4xcpu", tp=2, pp=2)
+    summary = _check_against_reference(plan, _run(tmp_path, plan))
+    per_rank = {r["rank"]: r["params"] for r in summary["ranks"]}
+    full = sum(p.numel() for p in build_reference(plan, 0)[1].parameters())
+    # blocks are sharded over the two tp ranks, embedding and head replicated
+    assert per_rank[0] == per_rank[1] and per_rank[0] + per_rank[2] < full
+
+
+def test_zero3_tensor_parallel_and_full_recompute(tmp_path):
+    plan = tiny_plan("1x4xcpu", tp=2, dp=2, zero=3, recompute=Recompute.FULL, shares=[3, 1])
+    summary = _check_against_reference(plan, _run(tmp_path, plan))
+    assert any("ZeRO-3 ran as ZeRO-2" in note for note in summary["notes"])
+
+
+def test_zero3_equal_shares_selective_recompute_and_a_tied_weight(tmp_path):
+    # FSDP shards stage 0 over its replica; the token table is also the head's, in
+    # stage 1, so it stays out of FSDP and is summed over all four holders
+    plan = tiny_plan("1x4xcpu", pp=2, dp=2, zero=3, recompute=Recompute.SELECTIVE)
+    summary = _check_against_reference(plan, _run(tmp_path, plan))
+    assert not any("ZeRO" in note for note in summary["notes"])
+
+
+def test_pipelines_split_differently_gpipe(tmp_path):
+    plan = tiny_plan("1x4xcpu", pp=2, dp=2, shares=[1, 3], schedule=Schedule.GPIPE)
+    plan = resplit(plan, 1, [(0, 2), (2, 6)])
+    assert plan.pipelines[0].stages[0].layers == (0, 3)
+    _check_against_reference(plan, _run(tmp_path, plan))
+
+
+def test_interleaved_schedule_with_a_data_hook(tmp_path):
+    plan = tiny_plan("1x2xcpu", pp=2, interleave=2, micro_batch=2, batch=8)
+    assert plan.pipelines[0].schedule is Schedule.INTERLEAVED
+    assert len(plan.pipelines[0].stages[0].chunks) == 2
+    hook = "tests.runtime_data:tokens"
+    _check_against_reference(plan, _run(tmp_path, plan, data=hook), data=hook)
+
+
+def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path):
+    """The generated local launch (torchrun) with restarts: SIGKILL a rank mid-run; the
+    restarted ranks resume from the latest checkpoint and the loss curve is the one of
+    an uninterrupted run (single-process training)."""
+    plan = tiny_plan("1x2xcpu", pp=2, shares=None)
+    write_plan(plan, tmp_path / "plan.json")
+    out = tmp_path / "launch"
+    steps, every = 8, 2
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    result = CliRunner().invoke(app, [
+        "launch", str(tmp_path / "plan.json"), "--out", str(out), "--target", "local",
+        "--steps", str(steps), "--checkpoint-every", str(every), "--max-restarts", "1",
+        "--python", sys.executable, "--master-port", "29613"])
+    assert result.exit_code == 0, result.output
+    run_dir = out / "run"
+    proc = subprocess.Popen(["bash", str(out / "run-local.sh")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and len(read_losses(run_dir)) < 3:
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        killed_after = max(read_losses(run_dir))
+        os.kill(int((run_dir / "pids" / "rank-1.pid").read_text()), signal.SIGKILL)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output + "".join(
+        p.read_text()[-3000:] for p in (out / "logs").glob("*.log"))
+    rows = [json.loads(line) for line in (run_dir / "losses.jsonl").read_text().splitlines()]
+    resumed = [r for r in rows if r["attempt"] == 1]
+    assert resumed, "no restart happened"
+    first_resumed = resumed[0]["step"]
+    # at most `every` steps (plus the one in flight) are lost
+    assert killed_after - every <= first_resumed - 1 <= killed_after
+    assert first_resumed - 1 in complete_steps(run_dir) or first_resumed == 1
+    expected, _ = train_reference(plan, steps=steps, optimizer="adamw")
+    got = read_losses(run_dir)
+    assert [got[i + 1] for i in range(steps)] == pytest.approx(expected, rel=1e-5)

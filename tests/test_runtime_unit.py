@@ -1,0 +1,174 @@
+"""The runtime's parts that need no processes: rank layout, environment checks, the
+model chain check, deterministic initialization and data slicing."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.errors import PlannerError
+from planner.planfile import write_plan
+from planner.runtime.data import Batches
+from planner.runtime.env import validate_environment
+from planner.runtime.layout import rank_layout
+from planner.runtime.reference import build_reference
+from planner.runtime.stage import build_stage, inspect_model
+from planner.types import DeviceGroup
+from tests.runtime_helpers import tiny_plan
+
+
+def _env(**values):
+    base = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4",
+            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    base.update({k: str(v) for k, v in values.items()})
+    return base
+
+
+def test_ranks_follow_nodes_in_cluster_order_then_device_index():
+    plan = tiny_plan("1x2xcpu,1x3xcpu", pp=2, dp=2)
+    # move pipeline 0's first stage to the second node, device 2: ranks follow devices
+    p0 = plan.pipelines[0]
+    s0 = dataclasses.replace(p0.stages[0], devices=DeviceGroup(node="cpu-1", devices=(2,)))
+    plan = dataclasses.replace(plan, pipelines=(
+        dataclasses.replace(p0, stages=(s0, *p0.stages[1:])), *plan.pipelines[1:]))
+    layout = rank_layout(plan)
+    assert [(n.name, n.node_rank, n.devices, n.first_rank) for n in layout.nodes] == [
+        ("cpu-0", 0, (1,), 0), ("cpu-1", 1, (0, 1, 2), 1)]
+    assert [(s.node, s.device, s.pipeline, s.stage) for s in layout.slots] == [
+        ("cpu-0", 1, 0, 1), ("cpu-1", 0, 1, 0), ("cpu-1", 1, 1, 1), ("cpu-1", 2, 0, 0)]
+    assert layout.stage_ranks(0, 0) == (3,)
+
+
+def test_a_device_used_twice_is_a_plan_error():
+    plan = tiny_plan("1x4xcpu", pp=2, dp=2)
+    p1 = plan.pipelines[1]
+    clash = dataclasses.replace(p1.stages[0], devices=plan.pipelines[0].stages[0].devices)
+    plan = dataclasses.replace(plan, pipelines=(
+        plan.pipelines[0], dataclasses.replace(p1, stages=(clash, p1.stages[1]))))
+    with pytest.raises(PlannerError, match="Device 0 of node cpu-0 is used by pipeline 0"):
+        rank_layout(plan)
+
+
+def test_environment_matching_the_plan_places_the_rank():
+    plan = tiny_plan("1x4xcpu", pp=2, dp=2)
+    layout = rank_layout(plan)
+    place = validate_environment(plan, layout, _env(RANK=3, LOCAL_RANK=3))
+    assert (place.slot.pipeline, place.slot.stage, place.backend) == (1, 1, "gloo")
+    assert place.device == torch.device("cpu")
+
+
+def test_environment_mismatch_lists_expected_and_found():
+    plan = tiny_plan("1x4xcpu", pp=2, dp=2)
+    layout = rank_layout(plan)
+    with pytest.raises(PlannerError) as info:
+        validate_environment(plan, layout, _env(WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, RANK=1))
+    message = info.value.message
+    assert info.value.kind == "bad-environment"
+    assert "WORLD_SIZE: expected 4 (one rank per device the plan uses), found 2" in message
+    assert "LOCAL_WORLD_SIZE (--nproc-per-node) on node cpu-0: expected 4, found 2" in message
+    assert "RANK of local rank 0 on node cpu-0: expected 0, found 1" in message
+    with pytest.raises(PlannerError, match="PLANNER_NODE: expected one of cpu-0, found 'gpu'"):
+        validate_environment(plan, layout, _env(PLANNER_NODE="gpu"))
+    with pytest.raises(PlannerError, match="not started by torchrun"):
+        validate_environment(plan, layout, {})
+
+
+def test_gpu_plans_check_the_device_count_and_type():
+    plan = tiny_plan("1x2xA100-80G", pp=2)
+    layout = rank_layout(plan)
+    env = _env(WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+    with pytest.raises(PlannerError, match=r"CUDA devices on node a100-80g-sxm-0: expected 2 "
+                       r"visible .*found 0"):
+        validate_environment(plan, layout, env, cuda_count=lambda: 0)
+    with pytest.raises(PlannerError, match="expected A100-80G-SXM, found 'NVIDIA V100'"):
+        validate_environment(plan, layout, env, cuda_count=lambda: 2,
+                             cuda_name=lambda i: "NVIDIA V100")
+    place = validate_environment(plan, layout, env, cuda_count=lambda: 2,
+                                 cuda_name=lambda i: "NVIDIA A100-SXM4-80GB")
+    assert (place.device, place.backend) == (torch.device("cuda", 0), "nccl")
+    cpu = validate_environment(plan, layout, env, cpu=True)
+    assert cpu.backend == "gloo" and "running on the CPU" in cpu.notes[0]
+
+
+def test_the_runtime_command_reports_a_mismatch_and_exits_1(tmp_path, monkeypatch, capsys):
+    from planner.runtime.__main__ import main
+
+    plan = tiny_plan("1x4xcpu", pp=2, dp=2)
+    write_plan(plan, tmp_path / "plan.json")
+    for key, value in _env(WORLD_SIZE=3).items():
+        monkeypatch.setenv(key, value)
+    assert main(["--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: The environment of rank 0 does not match the plan: "
+                          "WORLD_SIZE: expected 4")
+    assert "Traceback" not in err
+
+
+def test_a_model_whose_layers_do_not_chain_is_refused():
+    from cost_models.cluster import load_cluster
+    from cost_models.model import AnalyticalCostModel
+    from planner.models import load_model, model_spec
+    from planner.solver.uniform import uniform_plan
+    from planner.trace import trace_loaded
+    from planner.types import TrainingSpec
+
+    graph = trace_loaded(load_model(model_spec("tests.runtime_data:residual_model")),
+                         dtype="fp32")
+    spec = load_cluster("1x2xcpu")
+    plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=spec,
+                        training=TrainingSpec(global_batch=4, dtype="fp32"),
+                        costs=AnalyticalCostModel(spec), tp=1, pp=2)
+    with pytest.raises(PlannerError, match=r"does not take layer \d's output unchanged"):
+        inspect_model(plan)
+
+
+def test_a_stage_gets_the_whole_models_values_and_its_tied_weight():
+    plan = tiny_plan("1x2xcpu", pp=2)
+    info = inspect_model(plan)
+    assert "embed.tokens.weight" in info.uses[-1]  # the head reads the token table
+    head_stage = plan.pipelines[0].stages[1]
+    built = build_stage(info, head_stage, seed=0)
+    assert built.extras == ("embed.tokens",)
+    _, whole = build_reference(plan, seed=0)
+    full = whole.state_dict()
+    mine = built.root.state_dict()
+    assert "embed.tokens.weight" in mine and "layers.3.attn.q.weight" in mine
+    assert "layers.0.attn.q.weight" not in mine
+    for name, value in mine.items():
+        assert torch.equal(value, full[name]), name
+
+
+def test_pipelines_take_consecutive_slices_of_one_global_batch():
+    plan = tiny_plan("1x2xcpu", pp=2)
+    loaded = inspect_model(plan).loaded
+    batches = Batches(loaded, global_batch=8, seed=3)
+    whole, targets = batches.get(5, 0, 8)
+    part, part_targets = batches.get(5, 2, 6)
+    assert torch.equal(part[0], whole[0][2:6]) and torch.equal(part_targets, targets[2:6])
+    other, _ = Batches(loaded, global_batch=8, seed=3).get(6, 0, 8)
+    assert not torch.equal(other[0], whole[0])
+
+
+def test_a_data_hook_with_wrong_rows_is_reported(tmp_path):
+    plan = tiny_plan("1x2xcpu", pp=2)
+    loaded = inspect_model(plan).loaded
+    good = Batches(loaded, global_batch=8, seed=0, hook="tests.runtime_data:tokens")
+    inputs, targets = good.get(0, 0, 4)
+    assert inputs[0].shape == (4, 32) and targets.shape == (4, 32)
+    bad = Batches(loaded, global_batch=8, seed=0, hook="tests.runtime_data:residual_model")
+    with pytest.raises(PlannerError, match=r"Data hook 'tests\.runtime_data:residual_model'"):
+        bad.get(0, 0, 4)
+    with pytest.raises(PlannerError, match="data hook"):
+        Batches(loaded, global_batch=8, seed=0, hook="tests.nowhere:fn")
+
+
+def test_an_existing_run_is_not_restarted_from_scratch(tmp_path):
+    from planner.runtime.checkpoint import complete_steps
+
+    (tmp_path / "checkpoints" / "step-00000004").mkdir(parents=True)
+    assert complete_steps(tmp_path) == []  # no .metadata: an interrupted save
+    (tmp_path / "checkpoints" / "step-00000004" / ".metadata").write_bytes(b"")
+    (tmp_path / "checkpoints" / "step-00000002").mkdir()
+    (tmp_path / "checkpoints" / "step-00000002" / ".metadata").write_bytes(b"")
+    assert complete_steps(Path(tmp_path)) == [2, 4]
