@@ -2,8 +2,11 @@
 
 The processes are spawned with torch.multiprocessing and joined with
 torch.distributed over TCP on localhost: gloo on CPU tensors, nccl with one GPU
-per process. For each message size, after a warm-up call, each operation is timed
-`repeats` times back to back on rank 0 and the median kept. Figures follow
+per process. For each message size, after warm-up calls, each operation is timed
+call by call on rank 0 for a time budget (at least `_MIN_CALLS` calls; rank 0 sets
+the count for all) and the mean kept: a training step pays the mean, and on a shared
+machine the per-call time is bimodal (a scheduler tick decides the mode), so a median
+of a few calls jumps between modes while the mean over many is stable. Figures follow
 nccl-tests: algbw = bytes / seconds; busbw = algbw × 2(n-1)/n for all_reduce
 (bytes = the buffer), algbw × (n-1)/n for all_gather (bytes = the whole output),
 and algbw for p2p, whose time is half a send/recv ping-pong between ranks 0 and 1.
@@ -32,9 +35,11 @@ import torch.multiprocessing as mp
 from cost_models.profile.timing import Clock
 from planner.errors import PlannerError
 
-_SIZES = {True: tuple(2**i for i in range(10, 23, 4)),  # 1 KiB .. 4 MiB
+_SIZES = {True: tuple(2**i for i in range(10, 27, 2)),  # 1 KiB .. 64 MiB
           False: tuple(2**i for i in range(10, 29, 2))}  # 1 KiB .. 256 MiB
-_REPEATS = {True: 10, False: 20}
+_BUDGET_S = {True: 0.2, False: 1.0}  # seconds of timed calls per operation and size
+_MIN_CALLS = 5
+_WARM_UP_CALLS = 3
 _OP_TIMEOUT = {True: 60, False: 300}  # seconds one collective may wait for the others
 _DEADLINE = {True: 300, False: 1800}  # seconds for the whole measurement
 OPERATIONS = ("all_reduce", "all_gather", "p2p")
@@ -78,7 +83,7 @@ def _join(context: mp.ProcessContext, deadline_s: float, backend: str) -> None:
                 raise PlannerError("comm-failed", f"The {backend} communication benchmark "
                                    f"did not finish within {deadline_s} s; it was stopped.",
                                    ["run again with --no-comm to skip it"])
-    except mp.ProcessException as exc:
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
         lines = [line for line in str(exc).splitlines() if line.strip()]
         remedies = ["run again with --no-comm to skip it"]
         if backend == "gloo":
@@ -103,8 +108,8 @@ def _worker(rank: int, world: int, init_method: str, backend: str, quick: bool,
                             device_id=device if device.type == "cuda" else None)
     try:
         clock = Clock(device)
-        seconds = {op: [[size, _median_seconds(_operation(op, size, rank, world, device),
-                                               clock, _REPEATS[quick])]
+        seconds = {op: [[size, _mean_seconds(_operation(op, size, rank, world, device),
+                                             clock, _BUDGET_S[quick], device)]
                         for size in _SIZES[quick]]
                    for op in OPERATIONS}
         if rank == 0:
@@ -131,16 +136,28 @@ def _operation(op: str, size: int, rank: int, world: int,
     return lambda: None  # ranks past 1 sit the ping-pong out
 
 
-def _median_seconds(fn: Callable[[], object], clock: Clock, repeats: int) -> float:
-    fn()
+def _mean_seconds(fn: Callable[[], object], clock: Clock, budget_s: float,
+                  device: torch.device) -> float:
+    """Mean seconds per call of `fn`, timed call by call for about `budget_s` seconds
+    (the call count from rank 0's pilot of `_MIN_CALLS` calls: ranks past 1 sit the
+    ping-pong out and would pick another)."""
+    for _ in range(_WARM_UP_CALLS):
+        fn()
     clock.sync()
     dist.barrier()
     samples = []
-    for _ in range(repeats):
-        start = clock.mark()
-        fn()
-        samples.append(clock.seconds(start, clock.mark()))
-    return statistics.median(samples)
+
+    def timed(calls: int) -> None:
+        for _ in range(calls):
+            start = clock.mark()
+            fn()
+            samples.append(clock.seconds(start, clock.mark()))
+
+    timed(_MIN_CALLS)
+    calls = torch.tensor([budget_s * len(samples) / max(sum(samples), 1e-9)], device=device)
+    dist.broadcast(calls, 0)
+    timed(max(0, int(calls.item()) - _MIN_CALLS))
+    return statistics.fmean(samples)
 
 
 def _summary(op: str, measured: list[list[float]], world: int) -> dict:

@@ -37,7 +37,7 @@ from planner.trace import trace_loaded
 from planner.types import Layer
 
 QUICK_SEQ_LEN = 64  # quick mode's sequence length when none is given (if shorter)
-_REPEATS = {True: 3, False: 5}  # timed steps per micro-batch (after one warm-up step)
+_REPEATS = {True: 3, False: 5}  # timed steps per micro-batch, after one warm-up step at it
 
 Event = tuple[Any, bool, tuple[int, ...]]  # (clock mark, entering, layer indices)
 
@@ -164,10 +164,10 @@ def profile_layers(model: str, *, seq_len: int | None, dtype: str, device: torch
     timings, steps = [], []
     try:
         with tf32(dtype == "tf32") if device.type == "cuda" else contextlib.nullcontext():
-            _step(loaded, recorder, _inputs(loaded, 1, device, dtype))  # warm-up
             for batch in micro_batches(quick):
                 tick(f"{device}: layers of {spec.describe()}, micro-batch {batch}")
                 inputs = _inputs(loaded, batch, device, dtype)
+                _step(loaded, recorder, inputs)  # warm-up: allocations at this shape
                 fwd, bwd, seconds = zip(*(_step(loaded, recorder, inputs)
                                           for _ in range(_REPEATS[quick])), strict=True)
                 timings += [{"layer": layer.name, "signature": layer.signature,
