@@ -111,6 +111,8 @@ def what_if(
     recompute: opt.Recompute = None,
     zero: opt.Zero = None,
     exclude: opt.Exclude = None,
+    first_stage: opt.FirstStage = None,
+    last_stage: opt.LastStage = None,
     mixed: opt.Mixed = True,
     time_limit: opt.TimeLimit = 60.0,
     output: Output = None,
@@ -177,7 +179,8 @@ def what_if(
     constraints = Constraints(exclude=tuple(exclude or ()), mixed=mixed)
     for key, value in (("tp", tp), ("max-tp", max_tp), ("pp", pp), ("dp", dp),
                        ("micro-batch", micro_batch), ("max-stages", max_stages),
-                       ("recompute", recompute), ("zero", zero)):
+                       ("recompute", recompute), ("zero", zero),
+                       ("first-stage", first_stage), ("last-stage", last_stage)):
         if value is not None:
             constraints = parse_constraint(constraints, key, str(value))
     names = {n.name for n in cluster.nodes}

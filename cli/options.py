@@ -52,6 +52,10 @@ Recompute = Annotated[str | None, _constraint(
 Zero = Annotated[int | None, _constraint("--zero", "ZeRO stage 0-3 (default: any).")]
 Exclude = Annotated[list[str] | None, _constraint("--exclude",
                                                   "A node not to use (repeatable).")]
+FirstStage = Annotated[str | None, _constraint(
+    "--first-stage", "Device type every pipeline's first stage (the embedding's) runs on.")]
+LastStage = Annotated[str | None, _constraint(
+    "--last-stage", "Device type every pipeline's last stage (the head's) runs on.")]
 Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Constraints",
                                      help="Allow pipelines that mix two device types.")]
 TimeLimit = Annotated[float | None, typer.Option(

@@ -102,6 +102,8 @@ def solve(
     recompute: opt.Recompute = None,
     zero: opt.Zero = None,
     exclude: opt.Exclude = None,
+    first_stage: opt.FirstStage = None,
+    last_stage: opt.LastStage = None,
     mixed: opt.Mixed = True,
     layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
     kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
@@ -126,7 +128,8 @@ def solve(
     graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape)
     options = SolveOptions(
         limits=Limits(tp=tp, max_tp=max_tp, pp=pp, dp=dp, micro_batch=micro_batch,
-                      max_stages=max_stages, mixed=mixed),
+                      max_stages=max_stages, mixed=mixed, first_stage=first_stage,
+                      last_stage=last_stage),
         space=Space(policies=_policies(recompute),
                     zeros=(zero,) if zero is not None else (0, 1, 2, 3)),
         exclude=tuple(exclude or ()), top_k=top_k, gap=gap, time_limit=time_limit)

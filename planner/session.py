@@ -80,7 +80,8 @@ COMMANDS: tuple[Command, ...] = (
             "planner what-if PLAN --link TARGET=BANDWIDTH", "what-if"),
     Command("constrain", "constrain KEY=VALUE ...", "fix or bound the search: tp, max-tp, pp, "
             "dp, micro-batch, max-stages, recompute (none|selective|full), zero (0-3), "
-            "mixed (yes|no)", "planner solve --tp N --pp N ... (same names)", "constrain"),
+            "first-stage / last-stage (a device type), mixed (yes|no)",
+            "planner solve --tp N --pp N ... (same names)", "constrain"),
     Command("exclude", "exclude NODE ...", "do not use these nodes",
             "planner solve --exclude NODE", "constrain"),
     Command("pin", "pin NODE ...", "use only these nodes (pin again to add more)",
@@ -122,7 +123,7 @@ _BY_NAME = {c.name: c for c in COMMANDS}
 _ALIASES = {"exit": "quit", "q": "quit", "?": "help"}
 _UNRECORDED = {"help", "history", "quit", "cli"}
 CONSTRAINT_KEYS = ("tp", "max-tp", "pp", "dp", "micro-batch", "max-stages", "recompute",
-                   "zero", "mixed")
+                   "zero", "first-stage", "last-stage", "mixed")
 
 
 # ---------------------------------------------------------------- state
@@ -139,6 +140,8 @@ class Constraints:
     max_stages: int | None = None
     recompute: str | None = None
     zero: int | None = None
+    first_stage: str | None = None  # device type
+    last_stage: str | None = None
     mixed: bool = True
     exclude: tuple[str, ...] = ()
     pinned: tuple[str, ...] = ()
@@ -181,6 +184,7 @@ class Constraints:
 
         limits = Limits(tp=self.tp, max_tp=self.max_tp, pp=self.pp, dp=self.dp,
                         micro_batch=self.micro_batch, mixed=self.mixed,
+                        first_stage=self.first_stage, last_stage=self.last_stage,
                         **({"max_stages": self.max_stages} if self.max_stages else {}))
         space = Space(policies=(Recompute(self.recompute),) if self.recompute else tuple(Recompute),
                       zeros=(self.zero,) if self.zero is not None else (0, 1, 2, 3))
@@ -209,6 +213,8 @@ def parse_constraint(constraints: Constraints, key: str, value: str) -> Constrai
             raise PlannerError("bad-value", f"recompute must be none, selective or full (got "
                                f"{value!r}).")
         return dataclasses.replace(constraints, recompute=value)
+    if key in ("first-stage", "last-stage"):
+        return dataclasses.replace(constraints, **{attr: value.strip()})
     number = parse_int(value, key)
     if key == "zero" and number not in (0, 1, 2, 3):
         raise PlannerError("bad-value", f"zero must be 0, 1, 2 or 3 (got {number}).")

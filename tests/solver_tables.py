@@ -104,7 +104,7 @@ def brute_force(table: CostTable, batch: int, limits: Limits, space: Space) -> f
         homogeneous = [[None] + [(k,) * s for s in lengths] for k in names]
         for pattern in itertools.product(mixed, *homogeneous):
             patterns = [p for p in pattern if p is not None]
-            if not patterns:
+            if not patterns or not all(limits.allows(p) for p in patterns):
                 continue
             maxima = [min(capacity(table, config.tp, k, p.count(k)) for k in set(p))
                       for p in patterns]

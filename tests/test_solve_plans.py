@@ -153,7 +153,20 @@ def test_cli_solve_and_estimate(tmp_path):
     assert json.loads(est.stdout)["solver"]["status"] == "fixed"
 
 
+def test_stage_pins_place_the_first_and_last_stages(tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", "16",
+                                 "--first-stage", "v100-16g", "--last-stage", "A100-40G",
+                                 "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    for pipeline in read_plan(out).pipelines:
+        assert pipeline.stages[0].device_type == "V100-16G"
+        assert pipeline.stages[-1].device_type == "A100-40G-SXM"
+
+
 @pytest.mark.parametrize("args, needle", [
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--first-stage", "H100"],
+     "--first-stage H100: no usable node has that device type"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "16"], "--tp 16 cannot be used"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", "0"], "--global-batch must be"),
     (["solve", "gpt-tiny", "--cluster", "nope-cluster"], "not a file, a built-in example"),

@@ -1,5 +1,7 @@
 """The search against brute force over the same space, and properties of its plans."""
 
+import contextlib
+import dataclasses
 import random
 
 import pytest
@@ -38,6 +40,24 @@ def test_search_equals_brute_force_with_fixed_choices(seed):
     expected = brute_force(table, batch, limits, space)
     got = best_or_inf(table, batch, limits, space)
     assert got == pytest.approx(expected, rel=1e-9) or got == expected == float("inf")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_equals_brute_force_with_pinned_stages(seed):
+    rng = random.Random(seed)
+    table, batch, limits = random_instance(rng)
+    names = [t.name for t in table.types]
+    limits = dataclasses.replace(limits, first_stage=rng.choice([None, *names]),
+                                 last_stage=rng.choice([None, *names]))
+    expected = brute_force(table, batch, limits, Space())
+    result = None
+    with contextlib.suppress(PlannerError):
+        result = search(table, batch, limits=limits)
+    got = result.best[0].step_time if result else float("inf")
+    assert got == pytest.approx(expected, rel=1e-9) or got == expected == float("inf")
+    for shape in result.best[0].shapes if result else ():
+        assert limits.allows(shape.types)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

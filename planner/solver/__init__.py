@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cost_models.model import AnalyticalCostModel, CostModel
-from planner.errors import PlannerError
+from planner.errors import PlannerError, closest
 from planner.solver.baselines import baselines
 from planner.solver.bounds import lower_bound
 from planner.solver.build import from_evaluation
@@ -59,6 +59,7 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         raise PlannerError("no-devices", "Every node is excluded: the cluster has no usable "
                            "device.", ["drop some --exclude options"])
     limits = options.limits
+    _pinned_types(limits, used)
     biggest = max(n.devices for n in used.nodes)
     tp = limits.tp
     if tp is not None and not any(n.devices % tp == 0 for n in used.nodes):
@@ -81,6 +82,31 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         raise PlannerError("bad-option", f"--dp {limits.dp} pipelines cannot share a global "
                            f"batch of {training.global_batch}.", ["lower --dp"])
     return used
+
+
+def pinned_type(name: str, types: list[str]) -> str | None:
+    """The device type among `types` that a stage pin names (any case, or a catalog
+    alias such as A100-40G for A100-40G-SXM), or None."""
+    from cost_models import catalog
+
+    by_lower = {t.lower(): t for t in types}
+    if name.lower() in by_lower:
+        return by_lower[name.lower()]
+    try:
+        return by_lower.get(catalog.device(name).name.lower())
+    except PlannerError:
+        return None
+
+
+def _pinned_types(limits: Limits, cluster: ClusterSpec) -> None:
+    types = sorted({n.device.name for n in cluster.nodes})
+    for flag, pinned in (("--first-stage", limits.first_stage),
+                         ("--last-stage", limits.last_stage)):
+        if pinned is not None and pinned_type(pinned, types) is None:
+            near = closest(pinned, types)
+            raise PlannerError("bad-option", f"{flag} {pinned}: no usable node has that device "
+                               f"type" + (f"; did you mean {near[0]}?" if near else "."),
+                               [f"use one of {', '.join(types)}"])
 
 
 def _fastest_only(cluster: ClusterSpec, dtype: str) -> ClusterSpec:
@@ -132,6 +158,11 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     first: it is a baseline and a good first plan for the full search to beat."""
     options = options or SolveOptions()
     used = _check(model, cluster, training, options)
+    types = sorted({n.device.name for n in used.nodes})
+    limits = options.limits
+    options = dataclasses.replace(options, limits=dataclasses.replace(
+        limits, first_stage=limits.first_stage and pinned_type(limits.first_stage, types),
+        last_stage=limits.last_stage and pinned_type(limits.last_stage, types)))
     costs = costs or AnalyticalCostModel(cluster)
     alone_cluster = _fastest_only(used, training.dtype)
     alone: list[Plan] = []

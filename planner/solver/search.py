@@ -55,6 +55,13 @@ class Limits:
     max_stages: int = 16
     max_micro_batch: int = 16
     mixed: bool = True
+    first_stage: str | None = None  # device type of every pipeline's first stage
+    last_stage: str | None = None  # ... and of its last stage
+
+    def allows(self, types: tuple[str, ...]) -> bool:
+        """Whether a pipeline of these stage device types obeys the stage pins."""
+        return ((self.first_stage is None or types[0] == self.first_stage)
+                and (self.last_stage is None or types[-1] == self.last_stage))
 
 
 @dataclass
@@ -143,6 +150,8 @@ def _families(table: CostTable, config: Config, limits: Limits, space: Space
         return best
 
     def family(types: tuple[str, ...]) -> _Family | None:
+        if not limits.allows(types):
+            return None
         blocks = [(k, len(list(g))) for k, g in itertools.groupby(types)]
         n_max = min(capacity(table, config.tp, k, c) for k, c in blocks)
         if n_max < 1:
@@ -498,6 +507,8 @@ def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Spac
           best: list[Evaluation], top_k: int) -> None:
     if limits.dp is not None and sum(node.counts) != limits.dp:
         return
+    if not all(limits.allows(types) for types in node.chosen):
+        return  # a seed the stage pins rule out
     shapes = tuple(ClassShape(types=t, n=n) for t, n in zip(node.chosen, node.counts,
                                                            strict=True))
     microbatches = batch // node.config.mb
