@@ -22,7 +22,6 @@ micro-batches of one optimizer step (and no step allocates them afresh).
 from __future__ import annotations
 
 import contextlib
-import statistics
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +36,7 @@ from planner.trace import trace_loaded
 from planner.types import Layer
 
 QUICK_SEQ_LEN = 64  # quick mode's sequence length when none is given (if shorter)
-_REPEATS = {True: 3, False: 5}  # timed steps per micro-batch, after one warm-up step at it
+_REPEATS = {True: 3, False: 6}  # timed steps per micro-batch, after one warm-up step at it
 
 Event = tuple[Any, bool, tuple[int, ...]]  # (clock mark, entering, layer indices)
 
@@ -148,9 +147,11 @@ def _step(loaded: LoadedModel, recorder: _Recorder,
 
 def profile_layers(model: str, *, seq_len: int | None, dtype: str, device: torch.device,
                    quick: bool, tick: Callable[[str], None]) -> dict:
-    """Median forward and backward seconds of every traced layer of `model` at each
-    micro-batch size, and the median step time. Calls `tick` once before tracing and
-    once before each micro-batch."""
+    """Forward and backward seconds of every traced layer of `model` at each micro-batch
+    size, from the fastest of the timed steps, and that step's time: other work on a
+    shared machine only ever adds time, and it comes in bursts that can cover several
+    steps, so the fastest step is the one that measures the model. Calls `tick` once
+    before tracing and once before each micro-batch."""
     dtype = canonical_dtype(dtype)
     spec = model_spec(model)
     tick(f"{device}: tracing {spec.describe()}")
@@ -168,14 +169,12 @@ def profile_layers(model: str, *, seq_len: int | None, dtype: str, device: torch
                 tick(f"{device}: layers of {spec.describe()}, micro-batch {batch}")
                 inputs = _inputs(loaded, batch, device, dtype)
                 _step(loaded, recorder, inputs)  # warm-up: allocations at this shape
-                fwd, bwd, seconds = zip(*(_step(loaded, recorder, inputs)
-                                          for _ in range(_REPEATS[quick])), strict=True)
+                fwd, bwd, seconds = min((_step(loaded, recorder, inputs)
+                                         for _ in range(_REPEATS[quick])), key=lambda r: r[2])
                 timings += [{"layer": layer.name, "signature": layer.signature,
-                             "micro_batch": batch,
-                             "fwd": statistics.median(f[i] for f in fwd),
-                             "bwd": statistics.median(b[i] for b in bwd)}
+                             "micro_batch": batch, "fwd": fwd[i], "bwd": bwd[i]}
                             for i, layer in enumerate(layers)]
-                steps.append({"micro_batch": batch, "seconds": statistics.median(seconds)})
+                steps.append({"micro_batch": batch, "seconds": seconds})
     finally:
         recorder.remove()
     return {"model": spec.describe(), "seq_len": meta.seq_len, "dtype": dtype,
