@@ -206,7 +206,7 @@ def estimate(
                         dp=dp, micro_batch=micro_batch, recompute=_policies(recompute)[0],
                         zero=zero, schedule=chosen, interleave=interleave)
     _emit(plan, graph, output, force, json_out)
-    problems = overflows(plan)
+    problems = overflows(plan.pipelines, plan.cluster)
     if problems:
         raise PlannerError("does-not-fit", "This configuration does not fit in memory: "
                            + "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "."),

@@ -31,6 +31,7 @@ from planner.types import DeviceSpec, Layer, MemoryBreakdown, OpClass, TrainingS
 from planner.types.training import Recompute
 
 GIB = 2.0**30
+_NORM = OpClass.NORM.value  # read once: an enum member's value is a slow descriptor
 
 
 def optimizer_state_bytes(training: TrainingSpec) -> float:
@@ -48,7 +49,7 @@ def activation_bytes(layer: Layer, *, recompute: Recompute, tp: int) -> float:
         return layer.input_bytes
     if recompute is Recompute.SELECTIVE:
         return layer.selective_bytes / tp
-    replicated = layer.saved_by_class.get(OpClass.NORM.value, 0.0)
+    replicated = layer.saved_by_class.get(_NORM, 0.0)
     return replicated + (layer.activation_bytes - replicated) / tp
 
 

@@ -96,8 +96,14 @@ class AnalyticalCostModel:
     def memory(self, layers: Sequence[Layer], device: DeviceSpec, training: TrainingSpec, *,
                tp: int = 1, dp: int = 1, zero: int = 0, recompute: Recompute = Recompute.NONE,
                micro_batch: int = 1, in_flight: int = 1) -> MemoryBreakdown:
-        return stage_memory(layers, device=device, training=training, tp=tp, dp=dp, zero=zero,
-                            recompute=recompute, micro_batch=micro_batch, in_flight=in_flight)
+        key = ("memory", tuple(layer.signature for layer in layers), id(device), training, tp,
+               dp, zero, recompute, micro_batch, in_flight)
+        if key not in self.memo:
+            self.memo[key] = stage_memory(layers, device=device, training=training, tp=tp,
+                                          dp=dp, zero=zero, recompute=recompute,
+                                          micro_batch=micro_batch, in_flight=in_flight)
+            self.memo["alive", key] = device
+        return self.memo[key]
 
     def optimizer_time(self, params: float, device: DeviceSpec,
                        training: TrainingSpec) -> float:

@@ -15,8 +15,17 @@ from collections.abc import Callable, Sequence
 
 from cost_models.model import CostModel
 from planner.errors import PlannerError
-from planner.solver.uniform import overflows, uniform_plan
-from planner.types import Baseline, ClusterSpec, Layer, ModelSpec, Plan, TrainingSpec
+from planner.solver.build import FIXED, assemble
+from planner.solver.uniform import fits, uniform_pipelines
+from planner.types import (
+    Baseline,
+    ClusterSpec,
+    Layer,
+    ModelSpec,
+    PipelinePlan,
+    Plan,
+    TrainingSpec,
+)
 from planner.types.training import Recompute
 
 # memory savers in order of cost: the first that fits is the fastest
@@ -24,17 +33,20 @@ _SAVERS = [(Recompute.NONE, 0), (Recompute.NONE, 1), (Recompute.NONE, 2),
            (Recompute.SELECTIVE, 2), (Recompute.FULL, 2), (Recompute.FULL, 3)]
 
 
-def _best(candidates: Sequence[Callable[[Recompute, int], Plan]]) -> Plan | None:
-    """The fastest plan over candidates, each with the cheapest memory saver that fits."""
+def _best(candidates: Sequence[Callable[[Recompute, int], list[PipelinePlan]]],
+          common: dict) -> Plan | None:
+    """The fastest plan over candidates, each with the cheapest memory saver that fits
+    (only the pipelines that fit are priced)."""
     best = None
     for make in candidates:
         for recompute, zero in _SAVERS:
             try:
-                plan = make(recompute, zero)
+                pipelines = make(recompute, zero)
             except PlannerError:
                 break
-            if overflows(plan):
+            if not fits(pipelines, common["cluster"]):
                 continue
+            plan = assemble(pipelines=pipelines, solver=FIXED, **common)
             if best is None or plan.prediction.step_time < best.prediction.step_time:
                 best = plan
             break
@@ -48,21 +60,22 @@ def _powers(limit: int) -> list[int]:
 def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec,
               training: TrainingSpec, costs: CostModel,
               fastest_alone: Callable[[ClusterSpec], Plan | None]) -> tuple[Baseline, ...]:
-    common = dict(layers=layers, model=model, cluster=cluster, training=training, costs=costs)
+    common = dict(layers=layers, cluster=cluster, training=training, costs=costs)
+    whole = dict(common, model=model)
     micro = [m for m in (1, 2, 4, 8) if training.global_batch % m == 0]
     out = []
     dp_plan = _best([
-        (lambda r, z, mb=mb: uniform_plan(**common, tp=1, pp=1, dp=cluster.num_devices,
-                                          micro_batch=mb, recompute=r, zero=z))
-        for mb in micro])
+        (lambda r, z, mb=mb: uniform_pipelines(**common, tp=1, pp=1, dp=cluster.num_devices,
+                                               micro_batch=mb, recompute=r, zero=z))
+        for mb in micro], whole)
     out.append(_baseline("data-parallel", "every device a replica, even batch shares", dp_plan,
                          "the model does not fit one device of every type"))
     biggest = max(n.devices for n in cluster.nodes)
     uniform = _best([
-        (lambda r, z, tp=tp, pp=pp, mb=mb: uniform_plan(
+        (lambda r, z, tp=tp, pp=pp, mb=mb: uniform_pipelines(
             **common, tp=tp, pp=pp, micro_batch=mb, recompute=r, zero=z))
         for tp, pp, mb in itertools.product(_powers(biggest), _powers(min(len(layers), 64)),
-                                            micro[:3])])
+                                            micro[:3])], whole)
     out.append(_baseline("uniform", "best Megatron-style TP x PP x DP recipe: even layers, "
                          "even shares, devices in file order", uniform,
                          "no uniform recipe fits in memory"))

@@ -22,7 +22,7 @@ from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
 from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
-from planner.types import CostBreakdown, Layer, Plan, StagePlan
+from planner.types import CostBreakdown, Layer, NodeSpec, Plan, StagePlan
 
 
 class _Groups:
@@ -55,25 +55,19 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
     cluster, dtype = costs.cluster, plan.training.dtype
     groups = _Groups(plan)
     out = []
+    compute: dict[tuple, tuple[float, float, float, float]] = {}  # stages repeat across replicas
     for pipeline in plan.pipelines:
         mb, timings = pipeline.micro_batch, []
         for i, stage in enumerate(pipeline.stages):
             node = cluster.node(stage.devices.node)
-            device = node.device
-            fwd = bwd = tp_fwd = recompute = 0.0
-            group = CommGroup(((node.name, stage.tp),))
             chunk_layers = [layer for a, b in stage.chunks for layer in layers[a:b]]
-            for layer in chunk_layers:
-                t = costs.layer_time(layer, device, tp=stage.tp, micro_batch=mb, dtype=dtype)
-                tp_comm = (costs.collective_time(Collective.ALL_REDUCE,
-                                                 layer.tp_comm_bytes * mb, group)
-                           if stage.tp > 1 else 0.0)
-                rec = costs.recompute_time(layer, device, tp=stage.tp, micro_batch=mb,
-                                           dtype=dtype, policy=stage.recompute)
-                fwd += t.fwd + tp_comm
-                bwd += t.bwd + tp_comm + rec
-                tp_fwd += tp_comm
-                recompute += rec
+            # a stage's tensor-parallel group lies inside its node: nodes with the same
+            # device and intra-node link price it alike
+            key = (stage.chunks, id(node.device), node.intra_link, stage.tp, mb,
+                   stage.recompute)
+            if key not in compute:
+                compute[key] = _compute(chunk_layers, node, stage, mb, dtype, costs)
+            fwd, bwd, tp_fwd, recompute = compute[key]
             if stage.zero == 3:
                 zero_group = CommGroup.of(groups.of(stage))
                 weight = sum(layer.params for layer in chunk_layers) * plan_weight_bytes(plan)
@@ -91,6 +85,25 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
                                        recompute=recompute, send=send))
         out.append(timings)
     return out
+
+
+def _compute(chunk_layers: Sequence[Layer], node: NodeSpec, stage: StagePlan, mb: int,
+             dtype: str, costs: CostModel) -> tuple[float, float, float, float]:
+    """(forward, backward, tensor-parallel, recompute) seconds of a stage's layers per
+    micro-batch; forward and backward include the tensor-parallel all-reduces."""
+    fwd = bwd = tp_fwd = recompute = 0.0
+    group = CommGroup(((node.name, stage.tp),))
+    for layer in chunk_layers:
+        t = costs.layer_time(layer, node.device, tp=stage.tp, micro_batch=mb, dtype=dtype)
+        tp_comm = (costs.collective_time(Collective.ALL_REDUCE, layer.tp_comm_bytes * mb,
+                                         group) if stage.tp > 1 else 0.0)
+        rec = costs.recompute_time(layer, node.device, tp=stage.tp, micro_batch=mb,
+                                   dtype=dtype, policy=stage.recompute)
+        fwd += t.fwd + tp_comm
+        bwd += t.bwd + tp_comm + rec
+        tp_fwd += tp_comm
+        recompute += rec
+    return fwd, bwd, tp_fwd, recompute
 
 
 def plan_weight_bytes(plan: Plan) -> float:

@@ -45,6 +45,21 @@ def uniform_plan(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterS
                  recompute: Recompute = Recompute.NONE, zero: int = 0,
                  schedule: Schedule = Schedule.ONE_F_ONE_B, interleave: int = 1) -> Plan:
     """The uniform recipe as a Plan (its predictions included); errors name the option."""
+    pipelines = uniform_pipelines(layers=layers, cluster=cluster, training=training,
+                                  costs=costs, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
+                                  recompute=recompute, zero=zero, schedule=schedule,
+                                  interleave=interleave)
+    return assemble(model=model, training=training, cluster=cluster, pipelines=pipelines,
+                    layers=layers, costs=costs, solver=FIXED)
+
+
+def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
+                      training: TrainingSpec, costs: CostModel, tp: int, pp: int,
+                      dp: int | None = None, micro_batch: int = 1,
+                      recompute: Recompute = Recompute.NONE, zero: int = 0,
+                      schedule: Schedule = Schedule.ONE_F_ONE_B, interleave: int = 1
+                      ) -> list[PipelinePlan]:
+    """The uniform recipe's pipelines, stage memory included but not yet priced."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--micro-batch", micro_batch),
                         ("--interleave", interleave)):
         if value < 1:
@@ -97,20 +112,25 @@ def uniform_plan(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterS
                                       batch_share=m * micro_batch, micro_batch=micro_batch,
                                       num_microbatches=m, schedule=schedule,
                                       interleave=interleave))
-    return assemble(model=model, training=training, cluster=cluster, pipelines=pipelines,
-                    layers=layers, costs=costs, solver=FIXED)
+    return pipelines
 
 
 def _even(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def overflows(plan: Plan) -> list[str]:
+def fits(pipelines: Sequence[PipelinePlan], cluster: ClusterSpec) -> bool:
+    """Whether every device's predicted memory is within its capacity."""
+    return all(s.memory.total <= cluster.node(s.devices.node).device.memory
+               for p in pipelines for s in p.stages)
+
+
+def overflows(pipelines: Sequence[PipelinePlan], cluster: ClusterSpec) -> list[str]:
     """Devices whose predicted memory exceeds their capacity, as readable lines."""
     lines = []
-    for p in plan.pipelines:
+    for p in pipelines:
         for s in p.stages:
-            capacity = plan.cluster.node(s.devices.node).device.memory
+            capacity = cluster.node(s.devices.node).device.memory
             if s.memory.total > capacity:
                 term = s.memory.largest()
                 lines.append(f"pipeline {p.index} stage {s.index} on {s.devices.node} "

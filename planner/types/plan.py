@@ -37,7 +37,7 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return self.weights + self.gradients + self.optimizer + self.activations + self.reserve
 
     def terms(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
