@@ -1,6 +1,5 @@
 """The search against brute force over the same space, and properties of its plans."""
 
-import contextlib
 import dataclasses
 import random
 
@@ -14,20 +13,31 @@ from planner.solver.search import Limits, search
 from tests.solver_tables import brute_force, random_instance, random_table, with_extra_node
 
 
-def best_or_inf(table, batch, limits, space=None):
+def best_or_none(table, batch, limits, space=None):
     try:
-        return search(table, batch, limits=limits, space=space).best[0].step_time
+        return search(table, batch, limits=limits, space=space).best[0]
     except PlannerError:
-        return float("inf")
+        return None
+
+
+def best_or_inf(table, batch, limits, space=None):
+    best = best_or_none(table, batch, limits, space)
+    return best.step_time if best else float("inf")
+
+
+def assert_equals_brute_force(table, batch, limits, space=None):
+    """The search's best plan is brute force's, and it obeys the limits' stage pins."""
+    expected = brute_force(table, batch, limits, space or Space())
+    best = best_or_none(table, batch, limits, space)
+    got = best.step_time if best else float("inf")
+    assert got == pytest.approx(expected, rel=1e-9) or got == expected == float("inf")
+    assert best is None or all(limits.allows(shape.types) for shape in best.shapes)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_search_equals_brute_force(seed):
-    table, batch, limits = random_instance(random.Random(seed))
-    expected = brute_force(table, batch, limits, Space())
-    got = best_or_inf(table, batch, limits)
-    assert got == pytest.approx(expected, rel=1e-9) or got == expected == float("inf")
+    assert_equals_brute_force(*random_instance(random.Random(seed)))
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -37,9 +47,7 @@ def test_search_equals_brute_force_with_fixed_choices(seed):
     table, batch, _ = random_instance(rng)
     space = Space(policies=(rng.choice(list(Space().policies)),), zeros=(rng.choice([0, 3]),))
     limits = Limits(max_stages=3, pp=rng.choice([None, 2]), mixed=rng.random() < 0.5)
-    expected = brute_force(table, batch, limits, space)
-    got = best_or_inf(table, batch, limits, space)
-    assert got == pytest.approx(expected, rel=1e-9) or got == expected == float("inf")
+    assert_equals_brute_force(table, batch, limits, space)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -48,16 +56,8 @@ def test_search_equals_brute_force_with_pinned_stages(seed):
     rng = random.Random(seed)
     table, batch, limits = random_instance(rng)
     names = [t.name for t in table.types]
-    limits = dataclasses.replace(limits, first_stage=rng.choice([None, *names]),
-                                 last_stage=rng.choice([None, *names]))
-    expected = brute_force(table, batch, limits, Space())
-    result = None
-    with contextlib.suppress(PlannerError):
-        result = search(table, batch, limits=limits)
-    got = result.best[0].step_time if result else float("inf")
-    assert got == pytest.approx(expected, rel=1e-9) or got == expected == float("inf")
-    for shape in result.best[0].shapes if result else ():
-        assert limits.allows(shape.types)
+    assert_equals_brute_force(table, batch, dataclasses.replace(
+        limits, first_stage=rng.choice([None, *names]), last_stage=rng.choice([None, *names])))
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
