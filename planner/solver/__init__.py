@@ -59,7 +59,6 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         raise PlannerError("no-devices", "Every node is excluded: the cluster has no usable "
                            "device.", ["drop some --exclude options"])
     limits = options.limits
-    _pinned_types(limits, used)
     biggest = max(n.devices for n in used.nodes)
     tp = limits.tp
     if tp is not None and not any(n.devices % tp == 0 for n in used.nodes):
@@ -98,15 +97,22 @@ def pinned_type(name: str, types: list[str]) -> str | None:
         return None
 
 
-def _pinned_types(limits: Limits, cluster: ClusterSpec) -> None:
+def _resolve_pins(limits: Limits, cluster: ClusterSpec) -> Limits:
+    """The limits with their stage pins named as the cluster's device types; an error
+    for a pin no usable node has."""
     types = sorted({n.device.name for n in cluster.nodes})
-    for flag, pinned in (("--first-stage", limits.first_stage),
-                         ("--last-stage", limits.last_stage)):
-        if pinned is not None and pinned_type(pinned, types) is None:
+    resolved = {}
+    for flag, field_name in (("--first-stage", "first_stage"), ("--last-stage", "last_stage")):
+        pinned = getattr(limits, field_name)
+        if pinned is None:
+            continue
+        resolved[field_name] = pinned_type(pinned, types)
+        if resolved[field_name] is None:
             near = closest(pinned, types)
             raise PlannerError("bad-option", f"{flag} {pinned}: no usable node has that device "
                                f"type" + (f"; did you mean {near[0]}?" if near else "."),
                                [f"use one of {', '.join(types)}"])
+    return dataclasses.replace(limits, **resolved)
 
 
 def _fastest_only(cluster: ClusterSpec, dtype: str) -> ClusterSpec:
@@ -158,11 +164,7 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     first: it is a baseline and a good first plan for the full search to beat."""
     options = options or SolveOptions()
     used = _check(model, cluster, training, options)
-    types = sorted({n.device.name for n in used.nodes})
-    limits = options.limits
-    options = dataclasses.replace(options, limits=dataclasses.replace(
-        limits, first_stage=limits.first_stage and pinned_type(limits.first_stage, types),
-        last_stage=limits.last_stage and pinned_type(limits.last_stage, types)))
+    options = dataclasses.replace(options, limits=_resolve_pins(options.limits, used))
     costs = costs or AnalyticalCostModel(cluster)
     alone_cluster = _fastest_only(used, training.dtype)
     alone: list[Plan] = []
