@@ -74,7 +74,15 @@ def group_links(cluster: ClusterSpec, group: CommGroup) -> tuple[LinkSpec | None
     """(slowest intra-node link among nodes with several ranks, slowest link between
     any two member nodes); None where the group has no such pair."""
     intra = [cluster.node(name).intra_link for name, count in group.members if count > 1]
-    names = [name for name, _ in group.members]
+    # nodes in the same groups with the same NIC see the same links: one pair of each
+    # kind of node (and two nodes of one kind, if it has two) is enough
+    kinds: dict[tuple, list[str]] = {}
+    for name, _ in group.members:
+        node = cluster.node(name)
+        same = kinds.setdefault((node.groups, node.nic), [])
+        if len(same) < 2:
+            same.append(name)
+    names = [name for same in kinds.values() for name in same]
     inter = [cluster.link_between(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
     slowest_intra = intra[0].slowest(*intra[1:]) if intra else None
     slowest_inter = inter[0].slowest(*inter[1:]) if inter else None

@@ -13,7 +13,9 @@ The optimizer step updates each device's share of its stage's parameters.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -118,23 +120,48 @@ def shares(lines: Sequence[tuple[int, float, float]], total: int) -> list[int] |
     def done(t: float) -> int:
         return sum(n * capacity(t, b, c) for n, b, c in lines)
 
-    low = max(c for _, _, c in lines)
-    high = max(c + (total - pipelines) * b for _, b, c in lines)
-    while high - low > 1e-12 * high:
-        mid = (low + high) / 2
-        if done(mid) >= total:
-            high = mid
-        else:
-            low = mid
-    counts = [[max(1, capacity(high, b, c))] * n for n, b, c in lines]
-    excess = sum(map(sum, counts)) - total
-    while excess > 0:  # take micro-batches back from the slowest pipelines
-        j = max((j for j, row in enumerate(counts) if max(row) > 1),
-                key=lambda j: (max(counts[j]) - 1) * lines[j][1] + lines[j][2])
-        row = counts[j]
-        row[row.index(max(row))] -= 1
-        excess -= 1
-    return [m for row in counts for m in row]
+    high = max(c for _, _, c in lines)  # every pipeline runs at least one micro-batch
+    if done(high) < total:
+        # t* lies within the longest period above where the pipelines, run fluidly, would
+        # finish; it is one of the times a pipeline completes a micro-batch
+        fluid = (total - sum(n * (1 - c / b) for n, b, c in lines)) / sum(
+            n / b for n, b, _ in lines)
+        low = max(high, fluid)
+        reach = low + max(b for _, b, _ in lines)
+        times = sorted({c + k * b for _, b, c in lines
+                        for k in range(max(0, math.floor((low - c) / b)),
+                                       math.floor((reach - c) / b) + 2)})
+        times = [t for t in times if t >= low] or [reach]
+        first, last = 0, len(times) - 1
+        while first < last:
+            mid = (first + last) // 2
+            first, last = (first, mid) if done(times[mid]) >= total else (mid + 1, last)
+        high = times[first]
+    tops = [max(1, capacity(high, b, c)) for _, b, c in lines]
+    firsts = [0] * len(lines)  # class j: its first firsts[j] pipelines run tops[j] - 1
+    excess = sum(n * top for (n, _, _), top in zip(lines, tops, strict=True)) - total
+
+    def key(j: int) -> tuple[float, int]:  # the slowest pipeline first, then the class order
+        return -((tops[j] - 1) * lines[j][1] + lines[j][2]), j
+
+    heap = [key(j) for j in range(len(lines)) if tops[j] > 1]
+    heapq.heapify(heap)
+    while excess > 0:  # take micro-batches back from the slowest pipelines, a level at a time
+        _, j = heapq.heappop(heap)
+        n, b, c = lines[j]
+        if excess < n:
+            firsts[j] = excess
+            break
+        levels = 1
+        if heap:  # every level still slower than the next class's slowest pipeline
+            slower = math.floor((tops[j] - 1) - (-heap[0][0] - c) / b) if b > 0 else 1
+            levels = max(1, min(slower, tops[j] - 1, excess // n))
+        tops[j] -= levels
+        excess -= levels * n
+        if tops[j] > 1:
+            heapq.heappush(heap, key(j))
+    return [top - (i < first) for (n, _, _), top, first in zip(lines, tops, firsts, strict=True)
+            for i in range(n)]
 
 
 def _holder_nodes(placement: Placement, splits: Sequence[Split], layer: int) -> list[str]:
@@ -164,9 +191,10 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
 
 
 def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
-             placement: Placement, splits: Sequence[Split], microbatches: int
-             ) -> Evaluation | None:
-    """Price a structure whose classes use the given splits."""
+             placement: Placement, splits: Sequence[Split], microbatches: int,
+             beat: float = float("inf")) -> Evaluation | None:
+    """Price a structure whose classes use the given splits (None if its pipelines alone
+    take `beat` or longer)."""
     counts = shares([(shape.n, split.bottleneck, split.total) for shape, split in zip(
         shapes, splits, strict=True)], microbatches)
     if counts is None:
@@ -175,6 +203,8 @@ def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
     per_class = tuple(tuple(next(it) for _ in range(shape.n)) for shape in shapes)
     times = tuple(tuple(split.time(m) for m in ms) for split, ms in zip(splits, per_class,
                                                                         strict=True))
+    if max(map(max, times)) >= beat:
+        return None
     sync, opt = sync_and_optimizer(table, config, shapes, placement, splits)
     return Evaluation(config=config, shapes=shapes, placement=placement, splits=tuple(splits),
                       microbatches=per_class, pipeline_times=times, sync=sync, optimizer=opt)
@@ -240,13 +270,23 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
     return sync + opt
 
 
-def refine(table: CostTable, priced: Priced, microbatches: int) -> Evaluation:
-    """The structure's exact best: every combination of each class's frontier splits."""
-    fronts = [frontier(r) for r in priced.results]
-    best = priced.upper
+def refine(table: CostTable, priced: Priced, microbatches: int,
+           beat: float = float("inf")) -> Evaluation | None:
+    """The structure's exact best: every combination of each class's frontier splits
+    (None if none is faster than `beat`)."""
+    fronts = [_frontier(table, r) for r in priced.results]
+    best = priced.upper if priced.upper.step_time < beat else None
     for combo in itertools.product(*fronts):
         candidate = evaluate(table, priced.config, priced.shapes, priced.placement, combo,
-                             microbatches)
-        if candidate is not None and candidate.step_time < best.step_time:
+                             microbatches, best.step_time if best else beat)
+        if candidate is not None and candidate.step_time < (best.step_time if best else beat):
             best = candidate
     return best
+
+
+def _frontier(table: CostTable, result: ClassResult) -> list[Split]:
+    """`frontier`, once per class result (results live in the table's cache)."""
+    memo = table.cache.setdefault("frontiers", {})
+    if id(result) not in memo:
+        memo[id(result)] = (result, frontier(result))
+    return memo[id(result)][1]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -214,17 +215,20 @@ def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: flo
     weight_bytes = range_params * tp * table.weight_bytes
     gathers = (gather[0] + (gather[1] - gather[0]) * weight_bytes / ZERO_GATHER_REF) * (
         weight_bytes > 0)
-    zero_time = {z: (gathers if z == 3 else 0.0) for z in (0, 1, 2, 3)}
+    times_key = ("stage times", kind, tp, mb, gather if n > 1 else None, options)
+    if times_key not in table.cache:  # per option, independent of memory
+        table.cache[times_key] = [base + rec_range[o.recompute]
+                                  + (3 * gathers if o.zero == 3 else 0.0) for o in options]
     busy = np.full(base.shape, INF)
     choice = np.zeros(base.shape, dtype=np.int16)
-    for i, option in enumerate(options):
+    room = info.memory - info.reserve
+    for i, (option, t) in enumerate(zip(options, table.cache[times_key], strict=True)):
         memory = state[option.zero] + acts[option.recompute] * flight
         if option.recompute is Recompute.FULL:
             memory = memory + range_max
-        t = base + rec_range[option.recompute] + 3 * zero_time[option.zero]
-        better = valid & (memory + info.reserve <= info.memory) & (t < busy)
+        better = valid & (memory <= room) & (t < busy)
         busy = np.where(better, t, busy)
-        choice = np.where(better, i, choice)
+        choice[better] = i
 
     parts = {**prefix, "rec": rec, "gather": gathers}
     table.cache[key] = (busy, choice, parts)
@@ -262,9 +266,14 @@ class ClassResult:
     """The first step of G (smallest bottleneck) and G's floor."""
 
     costs: ClassCosts
-    first: Split
+    choices: list[np.ndarray] = field(repr=False)  # the dynamic program's, at M0
     floor: float  # G(inf): no split has a smaller sum_s w_s
     smallest_max: float  # M0: no split has a smaller max_s h_s
+
+    @cached_property
+    def first(self) -> Split:
+        """The cheapest split with the smallest bottleneck (built only when asked for)."""
+        return self.costs.split(self.choices)
 
     @property
     def min_period(self) -> float:
@@ -283,8 +292,7 @@ def optimize(costs: ClassCosts) -> ClassResult | None:
         return None
     _, choices = costs.solve(bottleneck)
     floor, _ = costs.solve(INF)
-    return ClassResult(costs=costs, first=costs.split(choices), floor=floor,
-                       smallest_max=bottleneck)
+    return ClassResult(costs=costs, choices=choices, floor=floor, smallest_max=bottleneck)
 
 
 def frontier(result: ClassResult) -> list[Split]:

@@ -33,7 +33,7 @@ import numpy as np
 
 from planner.errors import PlannerError
 from planner.solver.evaluate import Config, Evaluation, Space, price, refine
-from planner.solver.partition import ZERO_GATHER_REF, class_costs, optimize
+from planner.solver.partition import INF, ZERO_GATHER_REF, class_costs, optimize
 from planner.solver.structure import ClassShape, capacity
 from planner.solver.table import CostTable
 from planner.types import LinkSpec
@@ -41,6 +41,9 @@ from planner.types import LinkSpec
 SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
                 "type; every tp and micro-batch size allowed; exact layer splits, recompute "
                 "and ZeRO per stage; optimal micro-batch shares")
+
+
+_DIVE_TRIES = 16  # children a dive prices exactly at each level before it picks one
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ def configs(table: CostTable, batch: int, limits: Limits) -> list[Config]:
 
 def _families(table: CostTable, config: Config, limits: Limits, space: Space
               ) -> list[list[_Family]]:
-    """Level 0: mixed patterns; level i: homogeneous patterns of type i.
+    """One level of homogeneous patterns per device type, fastest type first, then the
+    level of mixed patterns (none without --mixed or with one type).
 
     Each family starts with bounds from per-layer times alone: its stages of type
     k (c_k of them) share the work W_k the whole model takes on type k, so the
@@ -138,6 +142,8 @@ def _families(table: CostTable, config: Config, limits: Limits, space: Space
     slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
     longest = min(limits.max_stages, table.num_layers)
     params = float(table.params.sum()) / config.tp
+    largest_layer = {(a, b): float(np.minimum(busy[a], busy[b]).max())
+                     for a in busy for b in busy}
 
     def state_bytes(n: int) -> float:
         """Fewest bytes per parameter a device can keep, with ZeRO over n pipelines."""
@@ -149,37 +155,35 @@ def _families(table: CostTable, config: Config, limits: Limits, space: Space
                        + table.state_bytes / (shard if z >= 1 else 1))
         return best
 
-    def family(types: tuple[str, ...]) -> _Family | None:
+    def family(blocks: list[tuple[str, int]]) -> _Family | None:
+        types = tuple(k for k, c in blocks for _ in range(c))
         if not limits.allows(types):
             return None
-        blocks = [(k, len(list(g))) for k, g in itertools.groupby(types)]
         n_max = min(capacity(table, config.tp, k, c) for k, c in blocks)
         if n_max < 1:
             return None
         room = sum(c * (table.type(k).memory - table.type(k).reserve) for k, c in blocks)
         if room < params * state_bytes(n_max):
             return None
-        per_layer = np.min([busy[k] for k, _ in blocks], axis=0)
         fluid = 1.0 / sum(c / work[k] for k, c in blocks)
         return _Family(types=types, n_max=n_max, total=min(work[k] for k, _ in blocks),
-                       min_busy=max(fluid, float(per_layer.max())))
+                       min_busy=max(fluid, largest_layer[blocks[0][0], blocks[-1][0]]))
 
     def lengths() -> range:
         return range(limits.pp, limits.pp + 1) if limits.pp else range(1, longest + 1)
 
-    levels: list[list[_Family]] = [[]]
+    kinds = sorted(work, key=lambda k: (work[k], k))
+    levels = [[f for s in lengths() if s <= slots[k] and (f := family([(k, s)])) is not None]
+              for k in kinds]
     if limits.mixed and len(table.types) > 1:
-        for a, b in itertools.permutations([t.name for t in table.types], 2):
+        mixed = []
+        for a, b in itertools.permutations(sorted(work), 2):
             for total in lengths():
                 for ca in range(1, min(total, slots[a] + 1)):
                     cb = total - ca
-                    if 1 <= cb <= slots[b]:
-                        f = family((a,) * ca + (b,) * cb)
-                        if f is not None:
-                            levels[0].append(f)
-    for info in table.types:
-        levels.append([f for s in lengths() if s <= slots[info.name]
-                       and (f := family((info.name,) * s)) is not None])
+                    if 1 <= cb <= slots[b] and (f := family([(a, ca), (b, cb)])) is not None:
+                        mixed.append(f)
+        levels.insert(0, mixed)
     return levels
 
 
@@ -230,73 +234,194 @@ def _tighten(table: CostTable, config: Config, space: Space, family: _Family) ->
 class _Bound:
     """Lower bounds on the step time of (partial) structures of one config.
 
-    A pipeline of family f finishes at most 1 + (t - total_f) / min_busy_f
-    micro-batches by time t (none before total_f), so n of them lie below the line
-    n / min_busy_f * t + n * (1 - total_f / min_busy_f). An open level adds the
-    best such line among its families, with n limited by the device slots the
-    fixed classes left. The smallest t at which the lines reach the global
-    number of micro-batches bounds the pipelines' time; the optimizer step of the
-    fixed classes (some stage holds at least 1/S of the parameters) is added.
+    A pipeline of family f finishes c_f(t) = 1 + (t - total_f) / min_busy_f
+    micro-batches by time t at most (none before total_f). Fixed classes finish
+    n_f c_f(t). Pipelines of the open levels, on the device slots the fixed
+    classes left (free_k of type k), finish at most free . y(t) for any per-slot
+    values y >= 0 that cover every open family (sum_k count_fk y_k >= c_f(t),
+    LP duality for the fractional packing of pipelines into slots). Two such y
+    are tried: each open homogeneous level's best c_f / S_f on its own type, scaled
+    up until it covers the mixed families too; and the same raised to every mixed
+    family's c_f / |f| on each of its types. The bound is the smallest t at which
+    fixed and open pipelines can have finished the global number of micro-batches,
+    plus the optimizer step of the fixed classes (some stage holds 1/S of the
+    parameters).
+
+    `fewer`: the last fixed class stands for 1..n pipelines (its smaller counts
+    are searched later); its slots then go to the open levels, and since the
+    capacity is linear in its count, the larger of the two ends bounds them all.
     """
 
     def __init__(self, levels: list[list[_Family]], microbatches: int,
-                 slots: dict[str, int], optimizer: Callable[[_Family, int], float]) -> None:
+                 slots: dict[str, int], work: dict[str, float],
+                 optimizer: Callable[[_Family, int], float]) -> None:
         self.m, self.levels, self.slots, self.optimizer = microbatches, levels, slots, optimizer
         self.kinds = sorted(slots)
+        self.work = np.array([work[k] for k in self.kinds])
         self._arrays: dict[int, tuple] = {}
+        self._bounds: dict[int, tuple] = {}
 
     def _level(self, level: int) -> tuple:
-        """Per family of a level: n_max, stages per type, min_busy, total (as arrays);
-        `invalidate` drops them when families were tightened."""
-        families = self.levels[level]
-        cached = self._arrays.get(level)
-        if cached is None:
+        """Per family of a level: stages per type, 1 / min_busy, total (infinite for a
+        family that cannot run), 1 / stage count, the families holding each type, 1 /
+        sum_k count_k / W_k, and the level's own type (-1 for mixed patterns). The
+        bounds part is dropped by `invalidate` when families were tightened."""
+        static = self._arrays.get(level)
+        if static is None:
+            families = self.levels[level]
             counts = np.array([[f.types.count(k) for k in self.kinds] for f in families],
                               dtype=float).reshape(len(families), len(self.kinds))
-            cached = (None, np.array([f.n_max for f in families], dtype=float), counts,
-                      np.array([f.min_busy for f in families]),
-                      np.array([f.total for f in families]))
-            self._arrays[level] = cached
-        return cached[1:]
+            kinds = {k for f in families for k in f.types}
+            home = self.kinds.index(kinds.pop()) if len(kinds) == 1 else -1
+            holding = [np.flatnonzero(counts[:, i]) for i in range(len(self.kinds))]
+            static = (counts, 1 / counts.sum(axis=1).clip(1), holding,
+                      1 / counts.dot(1 / self.work).clip(1e-300), home)
+            self._arrays[level] = static
+        bounds = self._bounds.get(level)
+        if bounds is None:
+            live = [np.isfinite(f.min_busy) for f in self.levels[level]]
+            bounds = (np.array([1 / f.min_busy if ok else 0.0
+                                for f, ok in zip(self.levels[level], live, strict=True)]),
+                      np.array([f.total if ok else INF
+                                for f, ok in zip(self.levels[level], live, strict=True)]))
+            self._bounds[level] = bounds
+        return (*static, *bounds)
 
     def invalidate(self) -> None:
-        self._arrays.clear()
+        self._bounds.clear()
 
-    def _open_line(self, level: int, free: np.ndarray) -> tuple[float, float]:
-        n_max, counts, busy, total = self._level(level)
-        if not len(n_max):
-            return 0.0, 0.0
+    def _counts(self, f: _Family | None) -> np.ndarray:
+        return np.array([f.types.count(k) if f else 0 for k in self.kinds], dtype=float)
+
+    def _slot_values(self, t: np.ndarray, open_levels: Sequence[int]
+                     ) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Per-slot values y (one row per t) that cover every open family at time t, and
+        where each is valid (None: everywhere); see the class."""
+        y = np.zeros((len(t), len(self.kinds)))
+        mixed = None
+        for level in open_levels:
+            counts, inv_size, holding, inv_fluid, home, inv_busy, total = self._level(level)
+            with np.errstate(invalid="ignore"):  # (t - inf) * 0 where no family can run
+                done = np.where(t[:, None] >= total, 1 + (t[:, None] - total) * inv_busy, 0.0)
+            if home >= 0:
+                y[:, home] = np.maximum(y[:, home], (done * inv_size).max(axis=1))
+            else:
+                mixed = (counts, inv_size, holding, inv_fluid, done)
+        if mixed is None:
+            return [(y, None)]
+        counts, inv_size, holding, inv_fluid, done = mixed
+        per_slot = done * inv_size
+        raised = np.maximum(y, np.stack([
+            per_slot[:, held].max(axis=1) if len(held) else np.zeros(len(t))
+            for held in holding], axis=1))
+        # t / W_k per slot covers every family, tightened or not (see `_families`); scaled
+        # down to what the best mixed family reaches of it
+        fluid = (done * inv_fluid).max(axis=1)[:, None] / self.work[None, :]
+        covered = y.dot(counts.T)
+        live = done > 0
         with np.errstate(divide="ignore", invalid="ignore"):
-            fits = np.where(counts > 0, np.floor(free[None, :] / counts), np.inf).min(axis=1)
-        n = np.minimum(n_max, fits)
-        live = (n >= 1) & np.isfinite(busy)
-        if not live.any():
-            return 0.0, 0.0
-        n, busy, total = n[live], busy[live], total[live]
-        return float((n / busy).max()), float((n * (1 - total / busy)).max())
+            scale = np.where(live, done / covered, 0.0).max(axis=1)
+        valid = ~(live & (covered <= 0)).any(axis=1)
+        return [(raised, None), (np.maximum(y, fluid), None),
+                (y * np.where(valid, np.maximum(1.0, scale), 1.0)[:, None], valid)]
 
-    @staticmethod
-    def _line(f: _Family, n: int) -> tuple[float, float]:
-        return n / f.min_busy, n * (1 - f.total / f.min_busy)
-
-    def __call__(self, fixed: Sequence[tuple[_Family, int]], open_levels: Sequence[int]
-                 ) -> float:
-        if sum(n for _, n in fixed) > self.m:
-            return float("inf")
-        if any(f.min_busy == float("inf") for f, _ in fixed):
-            return float("inf")
+    def many(self, fixed: Sequence[tuple[_Family, int]],
+             candidates: Sequence[tuple[_Family | None, int]], open_levels: Sequence[int],
+             fewer: bool = False, at_least: float = 0.0) -> np.ndarray:
+        """The bound of `fixed` plus each candidate class (f, n) (None: no class), all at
+        once; with `fewer`, a candidate stands for 1..n pipelines. `at_least` is a bound
+        already known for all of them (e.g. the parent's)."""
+        dead = any(f.min_busy == INF for f, _ in fixed)
         free = np.array([float(self.slots[k]) for k in self.kinds])
         for f, n in fixed:
-            for i, kind in enumerate(self.kinds):
-                free[i] -= n * f.types.count(kind)
-        lines = [self._line(f, n) for f, n in fixed]
-        lines += [self._open_line(level, free) for level in open_levels]
-        rate = sum(r for r, _ in lines)
-        if rate <= 0:
-            return float("inf")
-        start = max((f.total for f, _ in fixed), default=0.0)
-        pipelines = max(start, (self.m - sum(c for _, c in lines)) / rate)
-        return pipelines + max((self.optimizer(f, n) for f, n in fixed), default=0.0)
+            free -= n * self._counts(f)
+        pipelines = sum(n for _, n in fixed)
+        counts = np.array([self._counts(f) for f, _ in candidates]).reshape(-1, len(self.kinds))
+        n_c = np.array([float(n) if f else 0.0 for f, n in candidates])
+        busy = np.array([f.min_busy if f else INF for f, _ in candidates])
+        total = np.array([f.total if f else -INF for f, _ in candidates])
+        dead = dead | (pipelines + n_c > self.m) | (n_c > 0) & (busy == INF)
+        free = free[None, :] - n_c[:, None] * counts
+        optimizer = np.maximum(max((self.optimizer(f, n) for f, n in fixed), default=0.0),
+                               [self.optimizer(f, n) if f else 0.0 for f, n in candidates])
+        start = np.maximum(max((f.total for f, _ in fixed), default=0.0), total)
+        open_levels = [level for level in open_levels if self.levels[level]]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if not open_levels:  # every pipeline is busy from `start` on: a line in t
+                rate = sum(n / f.min_busy for f, n in fixed) + np.where(
+                    n_c > 0, n_c / busy, 0.0)
+                offset = sum(n * (1 - f.total / f.min_busy) for f, n in fixed) + np.where(
+                    n_c > 0, n_c * (1 - total / busy), 0.0)
+                times = np.where(rate > 0, np.maximum(start, (self.m - offset) / rate), INF)
+            else:
+                if not fixed:
+                    first = min(float(self._level(level)[-1].min()) for level in open_levels)
+                    start = np.where(n_c > 0, start, first)
+
+                def short(t: np.ndarray) -> np.ndarray:
+                    """Micro-batches still missing at t (positive: t is a lower bound)."""
+                    done = sum(np.where(t >= f.total, n * (1 + (t - f.total) / f.min_busy),
+                                        0.0) for f, n in fixed) + np.zeros(len(t))
+                    one = np.where((n_c > 0) & (t >= total), 1 + (t - total) / busy, 0.0)
+                    done += n_c * one
+                    best = np.full(len(t), INF)
+                    for y, valid in self._slot_values(t, open_levels):
+                        value = done + (free * y).sum(axis=1)
+                        if fewer:
+                            freed = (counts * y).sum(axis=1)
+                            value = np.maximum(value, value + (n_c - 1) * (freed - one))
+                        best = np.minimum(best, value if valid is None else
+                                          np.where(valid, value, INF))
+                    return self.m - best
+
+                times = _first_enough(short, np.where(np.isfinite(start), start, INF),
+                                      at_least - optimizer)
+        return np.where(dead, INF, np.maximum(at_least, times + optimizer))
+
+    def __call__(self, fixed: Sequence[tuple[_Family, int]], open_levels: Sequence[int],
+                 fewer: bool = False, at_least: float = 0.0) -> float:
+        """The bound of one (partial) structure; `fewer` applies to its last class."""
+        last = [fixed[-1]] if fixed else [(None, 0)]
+        return float(self.many(fixed[:-1], last, open_levels, fewer, at_least)[0])
+
+
+def _first_enough(short: Callable[[np.ndarray], np.ndarray], start: np.ndarray,
+                  guess: np.ndarray) -> np.ndarray:
+    """Per element, a t at which `short` (non-increasing in t) is still positive,
+    within 0.01% of where it reaches 0: the bracket [start, guess or beyond] shrinks by
+    regula falsi (Illinois). Infinite where it never reaches 0 or start is infinite."""
+    low = start.astype(float)
+    short_low = short(np.where(np.isfinite(low), low, 0.0))
+    answer = np.where(~np.isfinite(low) | (short_low <= 0), low, np.nan)
+    high = np.maximum.reduce([guess, low * 1.01, np.full(len(low), 1e-9)])
+    short_high = short(np.where(np.isfinite(high), high, 0.0))
+    while True:  # widen until the bracket holds the answer
+        grow = np.isnan(answer) & (short_high > 0)
+        if not grow.any():
+            break
+        answer = np.where(grow & (high > 1e12), INF, answer)
+        grow &= high <= 1e12
+        low, short_low = np.where(grow, high, low), np.where(grow, short_high, short_low)
+        high = np.where(grow, 2 * high, high)
+        short_high = np.where(grow, short(high), short_high)
+    side = np.zeros(len(low))
+    while True:
+        active = np.isnan(answer) & (high - low > 1e-4 * high)
+        if not active.any():
+            break
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = high - short_high * (high - low) / (short_high - short_low)
+        t = np.clip(np.nan_to_num(t, nan=0.0), low + 0.01 * (high - low),
+                    high - 0.01 * (high - low))
+        value = short(np.where(active, t, low))
+        up = active & (value > 0)
+        down = active & (value <= 0)
+        short_high = np.where(up & (side == 1), short_high / 2, short_high)
+        short_low = np.where(down & (side == -1), short_low / 2, short_low)
+        low, short_low = np.where(up, t, low), np.where(up, value, short_low)
+        high, short_high = np.where(down, t, high), np.where(down, value, short_high)
+        side = np.where(up, 1, np.where(down, -1, side))
+    return np.where(np.isnan(answer), low, answer)
 
 
 def _optimizer_bound(table: CostTable, params: float, space: Space, tp: int
@@ -333,7 +458,9 @@ class _Search:
             levels = _families(table, config, limits, space)
             slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
 
-            bound = _Bound(levels, batch // config.mb, slots,
+            costs = {t.name: table.costs(t.name, config.tp, config.mb) for t in table.types}
+            work = {k: float(c.fwd.sum() + c.bwd.sum()) for k, c in costs.items()}
+            bound = _Bound(levels, batch // config.mb, slots, work,
                            _optimizer_bound(table, params, space, config.tp))
             self.state[config] = (levels, bound, {f.types: f for lv in levels for f in lv})
             root = _Node(bound([], range(len(levels))), next(self.counter), config, 0, (), ())
@@ -365,8 +492,14 @@ class _Search:
         for f in loose:
             _tighten(self.table, node.config, self.space, f)
         bound.invalidate()
-        node.bound = max(node.bound, bound(fixed, range(node.level, len(levels))))
+        node.bound = bound(fixed, range(node.level, len(levels)), self.shrinks(node),
+                           node.bound)
         return False
+
+    @staticmethod
+    def shrinks(node: _Node) -> bool:
+        """Whether the node also stands for fewer pipelines of its last class."""
+        return bool(node.counts) and node.counts[-1] > 1 and node.chosen[-1] in node.fewer
 
     def children(self, node: _Node) -> list[_Node]:
         levels, bound, _ = self.state[node.config]
@@ -379,34 +512,67 @@ class _Search:
         for f in levels[node.level]:
             if f.min_busy == float("inf"):
                 continue
-            # at most as many pipelines as fit and as there are micro-batches left: the
-            # bound only grows as a family loses pipelines, which the lazy siblings rely on
+            # at most as many pipelines as fit and as there are micro-batches left; the
+            # child stands for 1..n of them (the smaller counts are its lazy siblings)
             n = min([f.n_max, bound.m - sum(node.counts)]
                     + [(bound.slots[k] - used.get(k, 0)) // f.types.count(k)
                        for k in set(f.types)])
             if n >= 1:
                 options.append((f, n))
+        if node.level == len(levels) - 1 and not node.chosen:
+            options = options[1:]  # a structure needs at least one class
+        bounds = bound.many(fixed, options, range(node.level + 1, len(levels)), True,
+                            node.bound)
         out = []
-        for f, n in options:
+        for (f, n), b in zip(options, bounds, strict=True):
             chosen = node.chosen + ((f.types,) if f else ())
-            if node.level == len(levels) - 1 and not chosen:
-                continue
-            b = bound(fixed + ([(f, n)] if f else []), range(node.level + 1, len(levels)))
-            out.append(_Node(b, next(self.counter), node.config, node.level + 1, chosen,
+            out.append(_Node(float(b), next(self.counter), node.config, node.level + 1, chosen,
                              node.counts + ((n,) if f else ()),
                              frozenset([f.types]) if f else frozenset()))
         return out
 
     def sibling(self, node: _Node) -> _Node | None:
         """The same last family with one pipeline fewer (made only when needed)."""
-        if not (node.counts and node.counts[-1] > 1 and node.chosen[-1] in node.fewer):
+        if not self.shrinks(node):
             return None
         levels, bound, _ = self.state[node.config]
         fixed = self.fixed(node)
         counts = (*node.counts[:-1], node.counts[-1] - 1)
-        b = bound([*fixed[:-1], (fixed[-1][0], counts[-1])], range(node.level, len(levels)))
+        b = bound([*fixed[:-1], (fixed[-1][0], counts[-1])], range(node.level, len(levels)),
+                  counts[-1] > 1, node.bound)
         return _Node(b, next(self.counter), node.config, node.level, node.chosen, counts,
                      node.fewer)
+
+    def greedy(self, config: Config) -> None:
+        """A first plan built one device type at a time, fastest first: each type adds
+        the homogeneous class (as many pipelines as fit) that most shortens the step,
+        or nothing if none does. Cheap, and at scale far better than one type alone."""
+        levels = self.state[config][0]
+        microbatches = self.batch // config.mb
+        slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in self.table.types}
+        chosen: list[ClassShape] = []
+        best = float("inf")
+        for level in levels:
+            if not level or len(set(level[0].types)) > 1:
+                continue
+            kind = level[0].types[0]
+            left = slots[kind] - sum(s.n * s.stages for s in chosen if s.types[0] == kind)
+            pick = None
+            for f in level:
+                n = min(f.n_max, left // len(f.types), microbatches - sum(s.n for s in chosen))
+                if n < 1 or not self.limits.allows(f.types):
+                    continue
+                shapes = tuple(sorted((*chosen, ClassShape(f.types, n)), key=_placement_order))
+                priced = price(self.table, config, self.space, shapes, microbatches)
+                if priced is not None and priced.upper.step_time < best:
+                    best, pick = priced.upper.step_time, ClassShape(f.types, n)
+            if pick is not None:
+                chosen.append(pick)
+        if chosen:
+            node = _Node(0.0, next(self.counter), config, len(levels),
+                         tuple(s.types for s in chosen), tuple(s.n for s in chosen))
+            _leaf(self.table, node, self.batch, self.limits, self.space, self.best,
+                  self.top_k)
 
     def is_leaf(self, node: _Node) -> bool:
         return node.level == len(self.state[node.config][0])
@@ -423,10 +589,11 @@ class _Search:
                       self.top_k)
                 return
             children = self.children(node)
-            while children:
-                children.sort()
-                if self.settle(children[0]):
+            heapq.heapify(children)
+            for _ in range(_DIVE_TRIES):  # the best child once its families are priced
+                if not children or self.settle(children[0]):
                     break
+                heapq.heapreplace(children, children[0])
             if not children or children[0].bound == float("inf"):
                 return
             node = children[0]
@@ -480,6 +647,7 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
                          tuple(s.types for s in shapes), tuple(s.n for s in shapes))
             _leaf(table, node, batch, run.limits, run.space, run.best, top_k)
     for root in sorted(run.heap)[:dives]:
+        run.greedy(root.config)
         run.dive(dataclasses.replace(root, order=next(run.counter)))
     status = "optimal"
     while run.step():
@@ -503,14 +671,19 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
                         wall_time=time.perf_counter() - start)
 
 
+def _placement_order(shape: ClassShape) -> tuple[bool, str]:
+    """Classes are placed mixed first, then the homogeneous ones by type name."""
+    return len(set(shape.types)) == 1, shape.types[0]
+
+
 def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Space,
           best: list[Evaluation], top_k: int) -> None:
     if limits.dp is not None and sum(node.counts) != limits.dp:
         return
     if not all(limits.allows(types) for types in node.chosen):
         return  # a seed the stage pins rule out
-    shapes = tuple(ClassShape(types=t, n=n) for t, n in zip(node.chosen, node.counts,
-                                                           strict=True))
+    shapes = tuple(sorted((ClassShape(types=t, n=n) for t, n in zip(
+        node.chosen, node.counts, strict=True)), key=_placement_order))
     microbatches = batch // node.config.mb
     priced = price(table, node.config, space, shapes, microbatches)
     if priced is None:
@@ -518,7 +691,9 @@ def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Spac
     threshold = best[top_k - 1].step_time if len(best) >= top_k else float("inf")
     if priced.lower >= threshold:
         return
-    evaluation = refine(table, priced, microbatches)
+    evaluation = refine(table, priced, microbatches, threshold)
+    if evaluation is None:
+        return
     if any((e.config, e.shapes) == (evaluation.config, evaluation.shapes) for e in best):
         return  # already found (by a dive)
     if evaluation.step_time < threshold:
