@@ -7,10 +7,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cost_models.comm import Collective, CommGroup
 from planner.errors import PlannerError
 from planner.solver.evaluate import Space
 from planner.solver.search import Limits, search
-from tests.solver_tables import brute_force, random_instance, random_table, with_extra_node
+from tests.solver_tables import (
+    GIB,
+    brute_force,
+    random_instance,
+    random_table,
+    with_extra_node,
+)
 
 
 def best_or_none(table, batch, limits, space=None):
@@ -110,3 +117,34 @@ def test_time_limit_returns_a_feasible_plan_and_a_bound():
     result = search(table, 6, limits=Limits(max_stages=4), time_limit=0.0)
     assert result.best and result.bound <= result.best[0].step_time
     assert result.status in ("feasible", "optimal")
+
+
+def test_zero3_shards_are_still_synchronised_across_classes():
+    """ZeRO-3 reduce-scatters within a class; two classes holding the same layers must
+    still all-reduce each device's shard once per step, one class alone need not."""
+    from planner.solver.evaluate import Config, class_links, sync_and_optimizer
+    from planner.solver.partition import class_costs
+    from planner.solver.structure import ClassShape, place
+
+    table = random_table(3, layers=3, types=[("t0", [2]), ("t1", [2])], memory=64 * GIB)
+    space = Space(zeros=(3,))
+
+    def sync(shapes):
+        placement = place(table, shapes, 1)
+        splits = []
+        for shape, slots in zip(shapes, placement, strict=True):
+            costs = class_costs(table, shape.types, tp=1, mb=1, n=shape.n,
+                                links=class_links(table, slots),
+                                gathers=[(0.0, 0.0)] * shape.stages,
+                                schedule=Config(1, 1).schedule, policies=space.policies,
+                                zeros=space.zeros)
+            splits.append(costs.split_at((0, table.num_layers)))
+        assert all(stage.zero == 3 for split in splits for stage in split.options)
+        return sync_and_optimizer(table, Config(1, 1), shapes, placement, splits)[0]
+
+    alone = sync((ClassShape(("t0",), 2),))
+    together = sync((ClassShape(("t0",), 2), ClassShape(("t1",), 2)))
+    assert alone == 0.0
+    shard = table.params.sum() * table.grad_bytes / 2  # each class shards over 2 pipelines
+    assert together == pytest.approx(table.collective(
+        Collective.ALL_REDUCE, shard, CommGroup.of(["t0-0", "t0-0", "t1-0", "t1-0"])))

@@ -7,7 +7,9 @@ the pipeline whose time grows least, which minimises the maximum for any
 non-decreasing T_p (HAP's uneven shares). Gradient sync: each stage's
 gradients are all-reduced (ZeRO-1/2: reduce-scattered and gathered, the same
 volume) among every pipeline that holds its first layer, on the nodes those
-pipelines hold it on; ZeRO-3 stages already reduce-scatter per micro-batch.
+pipelines hold it on. ZeRO-3 stages reduce-scatter within their class per
+micro-batch; where other classes hold the same layers, each device's shard (1/n
+of the stage) is still all-reduced among all holders once per step.
 The optimizer step updates each device's share of its stage's parameters.
 """
 
@@ -181,10 +183,11 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
             a, b = split.bounds[s], split.bounds[s + 1]
             params = float(table.params[a:b].sum())
             zero = split.options[s].zero
-            if zero < 3:
-                group = CommGroup.of(_holder_nodes(placement, splits, a))
-                sync = max(sync, table.collective(Collective.ALL_REDUCE,
-                                                  params * table.grad_bytes, group))
+            holders = _holder_nodes(placement, splits, a)
+            if zero < 3 or len(holders) > shape.n:  # ZeRO-3: each shard across classes
+                volume = params * table.grad_bytes / (shape.n if zero == 3 else 1)
+                sync = max(sync, table.collective(Collective.ALL_REDUCE, volume,
+                                                  CommGroup.of(holders)))
             local = params / config.tp / (shape.n if zero >= 1 else 1)
             opt = max(opt, table.optimizer_time(shape.types[s], local))
     return sync, opt
@@ -261,10 +264,10 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
         for shape in shapes:
             zero3 = 3 in space.zeros and shape.n > 1
             sharded = shape.n > 1 and any(z >= 1 for z in space.zeros)
-            if position == 0 and not zero3:
-                sync = max(sync, table.collective(Collective.ALL_REDUCE,
-                                                  params * table.grad_bytes,
-                                                  CommGroup.of(holders)))
+            if position == 0 and (not zero3 or len(holders) > shape.n):
+                sync = max(sync, table.collective(  # ZeRO-3 shards it (see the module)
+                    Collective.ALL_REDUCE, params * table.grad_bytes / (
+                        shape.n if zero3 else 1), CommGroup.of(holders)))
             local = params / config.tp / (shape.n if sharded else 1)
             opt = max(opt, table.optimizer_time(shape.types[position], local))
     return sync + opt

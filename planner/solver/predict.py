@@ -123,11 +123,12 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
                 continue
             seen.add(key)
             params = sum(layer.params for layer in layers[stage.layers[0]:stage.layers[1]])
-            if stage.zero < 3:
-                group = CommGroup.of(groups.holders(stage.layers[0]))
-                sync = max(sync, costs.collective_time(Collective.ALL_REDUCE, params * grad,
-                                                       group))
             shard = len(groups.of(stage)) if stage.zero >= 1 else 1
+            holders = groups.holders(stage.layers[0])
+            if stage.zero < 3 or len(holders) > shard:  # ZeRO-3: each shard across classes
+                volume = params * grad / (shard if stage.zero == 3 else 1)
+                sync = max(sync, costs.collective_time(Collective.ALL_REDUCE, volume,
+                                                       CommGroup.of(holders)))
             device = costs.cluster.node(stage.devices.node).device
             opt = max(opt, costs.optimizer_time(params / stage.tp / shard, device,
                                                 plan.training))
