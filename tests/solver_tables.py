@@ -90,7 +90,13 @@ def _compositions(total: int, parts: int):
 
 def brute_force(table: CostTable, batch: int, limits: Limits, space: Space) -> float:
     """The best step time over every structure, split and micro-batch share."""
-    best = float("inf")
+    return min((value for _, _, value in every_structure(table, batch, limits, space)),
+               default=float("inf"))
+
+
+def every_structure(table: CostTable, batch: int, limits: Limits, space: Space):
+    """(config, class shapes, best step time over their splits and shares) for every
+    structure of the search space."""
     names = [t.name for t in table.types]
     for config in configs(table, batch, limits):
         microbatches = batch // config.mb
@@ -113,8 +119,7 @@ def brute_force(table: CostTable, batch: int, limits: Limits, space: Space) -> f
                     continue
                 shapes = tuple(ClassShape(types=p, n=n) for p, n in zip(patterns, counts,
                                                                         strict=True))
-                best = min(best, _structure(table, config, space, shapes, microbatches))
-    return best
+                yield config, shapes, _structure(table, config, space, shapes, microbatches)
 
 
 def _structure(table: CostTable, config: Config, space: Space,

@@ -14,6 +14,7 @@ from planner.solver.search import Limits, search
 from tests.solver_tables import (
     GIB,
     brute_force,
+    every_structure,
     random_instance,
     random_table,
     with_extra_node,
@@ -148,3 +149,62 @@ def test_zero3_shards_are_still_synchronised_across_classes():
     shard = table.params.sum() * table.grad_bytes / 2  # each class shards over 2 pipelines
     assert together == pytest.approx(table.collective(
         Collective.ALL_REDUCE, shard, CommGroup.of(["t0-0", "t0-0", "t1-0", "t1-0"])))
+
+
+def _level_key(types: tuple[str, ...]) -> str | None:
+    """Which level of the search decides a class: its type, or None for mixed ones."""
+    return types[0] if len(set(types)) == 1 else None
+
+
+def _consistent(shapes, node, levels, shrinks: bool) -> bool:
+    """Whether a full structure lies in the subtree of a search node."""
+    keys = [_level_key(lv[0].types) if lv else "empty" for lv in levels[:node.level]]
+    ours = {_level_key(s.types): s for s in shapes}
+    chosen = {_level_key(t): (t, n) for t, n in zip(node.chosen, node.counts, strict=True)}
+    if any(key not in keys for key in chosen):
+        return False
+    for key in keys:
+        if key not in chosen:
+            if key in ours:
+                return False
+            continue
+        types, n = chosen[key]
+        shape = ours.get(key)
+        if shape is None or shape.types != types:
+            return False
+        last = node.chosen and types == node.chosen[-1]
+        if shape.n != n and not (shrinks and last and shape.n < n):
+            return False
+    return True
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
+    """The branch and bound's bounds, before and after pricing a node's classes, for every
+    node of the tree (a child stands for 1..n pipelines of its last class)."""
+    from planner.solver.search import _Search
+
+    table, batch, limits = random_instance(random.Random(seed))
+    space = Space()
+    values = list(every_structure(table, batch, limits, space))
+    run = _Search(table, batch, limits, space, 1, 0.0)
+    stack = list(run.heap)
+    rng = random.Random(seed)
+    for _ in range(300):  # a random walk over the tree: it can be large
+        if not stack:
+            break
+        node = stack.pop(rng.randrange(len(stack)))
+        levels = run.state[node.config][0]
+        shrinks = run.shrinks(node)
+        best = min((v for config, shapes, v in values if config == node.config
+                    and _consistent(shapes, node, levels, shrinks)), default=float("inf"))
+        assert node.bound <= best * (1 + 1e-9)
+        while not run.settle(node):
+            pass
+        assert node.bound <= best * (1 + 1e-9)
+        if not run.is_leaf(node):
+            stack.extend(run.children(node))
+        sibling = run.sibling(node)
+        if sibling is not None:
+            stack.append(sibling)
