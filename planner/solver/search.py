@@ -11,13 +11,17 @@ placed as `structure.place` describes, every class's layer split, recompute
 and ZeRO choices optimal (`partition`), micro-batches shared optimally
 (`evaluate.shares`). The objective is `evaluate`'s step time.
 
-A node of the search tree fixes the mixed class and the classes of the first
-few types; its bound is the time the global batch needs if every chosen class
-ran at its lower bound and every open type ran its best class at a bound that
-uses only per-layer times (no split does better). Nodes are expanded in order
-of bound, so when the queue's best bound reaches the k-th best plan found, no
-unexplored structure can beat it: the search is optimal. A time limit stops
-the search early and reports the queue's best bound.
+A node of the search tree fixes the mixed class (first level), then the homogeneous
+class of one type per level, fastest type first; a node's last class stands for
+1..n pipelines (fewer are its lazy siblings). Its bound (`_Bound`) is the time the
+global batch needs if the fixed classes ran at their lower bounds and the open
+levels' pipelines packed the device slots left at the best per-slot rates any of
+their families could reach (an LP dual: no assignment of slots does better).
+Nodes are expanded in order of bound, so when the queue's best bound reaches the
+k-th best plan found, no unexplored structure can beat it: the search is optimal.
+Before that, a greedy plan (one homogeneous class per type, fastest first) and
+dives down the tree give it a good plan to prune with. A time limit stops the
+search early and reports the queue's best bound.
 """
 
 from __future__ import annotations
@@ -127,15 +131,17 @@ def configs(table: CostTable, batch: int, limits: Limits) -> list[Config]:
 
 def _families(table: CostTable, config: Config, limits: Limits, space: Space
               ) -> list[list[_Family]]:
-    """One level of homogeneous patterns per device type, fastest type first, then the
-    level of mixed patterns (none without --mixed or with one type).
+    """The level of mixed patterns first (absent with `mixed` off or a single type),
+    then one level of homogeneous patterns per device type, fastest type first.
 
     Each family starts with bounds from per-layer times alone: its stages of type
     k (c_k of them) share the work W_k the whole model takes on type k, so the
     bottleneck is at least 1 / sum_k (c_k / W_k) (the fluid bound) and at least
     the largest layer's time on its fastest type; the total is at least the
-    smallest W_k. A family whose devices cannot hold the parameter states even
-    fully sharded by ZeRO over its pipelines is dropped."""
+    smallest W_k (>= the fluid bound, so c_f(t) <= t sum_k c_k / W_k: the fluid rate
+    per slot covers every family, before and after `_tighten`). A family whose
+    devices cannot hold the parameter states even fully sharded by ZeRO over its
+    pipelines is dropped."""
     busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, config.tp, config.mb))
             for t in table.types}
     work = {k: float(v.sum()) for k, v in busy.items()}
@@ -238,14 +244,15 @@ class _Bound:
     micro-batches by time t at most (none before total_f). Fixed classes finish
     n_f c_f(t). Pipelines of the open levels, on the device slots the fixed
     classes left (free_k of type k), finish at most free . y(t) for any per-slot
-    values y >= 0 that cover every open family (sum_k count_fk y_k >= c_f(t),
-    LP duality for the fractional packing of pipelines into slots). Two such y
-    are tried: each open homogeneous level's best c_f / S_f on its own type, scaled
-    up until it covers the mixed families too; and the same raised to every mixed
-    family's c_f / |f| on each of its types. The bound is the smallest t at which
-    fixed and open pipelines can have finished the global number of micro-batches,
-    plus the optimizer step of the fixed classes (some stage holds 1/S of the
-    parameters).
+    values y >= 0 that cover every open family (sum_k count_fk y_k >= c_f(t): LP
+    duality for the fractional packing of pipelines into slots). Three such y are
+    tried and the smallest result kept: each open homogeneous level's best
+    c_f / S_f on its own type raised to every mixed family's c_f / |f| on each of
+    its types; the same raised to the fluid rate t / W_k scaled by the best mixed
+    family's share of it; and the homogeneous values scaled up until they cover the
+    mixed families. The bound is the smallest t at which fixed and open pipelines
+    can have finished the global number of micro-batches, plus the optimizer step of
+    the fixed classes (some stage holds 1/S of the parameters).
 
     `fewer`: the last fixed class stands for 1..n pipelines (its smaller counts
     are searched later); its slots then go to the open levels, and since the
@@ -635,8 +642,8 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
 
     gap: prune structures whose bound is within this fraction of the k-th best
     (0: exact); the returned bound accounts for what was pruned that way.
-    dives: how many of the most promising configurations are first followed
-    greedily to a plan, to start pruning with a good one.
+    dives: how many of the most promising configurations first get a greedy plan
+    and are followed down the tree to a plan, to start pruning with a good one.
     seeds: structures known to be good (e.g. the best on one device type), priced
     first for the same purpose."""
     start = time.perf_counter()
@@ -647,7 +654,10 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
                          tuple(s.types for s in shapes), tuple(s.n for s in shapes))
             _leaf(table, node, batch, run.limits, run.space, run.best, top_k)
     for root in sorted(run.heap)[:dives]:
-        run.greedy(root.config)
+        if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
+            break
+        if len(table.types) > 1:
+            run.greedy(root.config)
         run.dive(dataclasses.replace(root, order=next(run.counter)))
     status = "optimal"
     while run.step():
