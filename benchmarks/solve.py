@@ -44,6 +44,9 @@ SCENARIOS = [
 ]
 
 
+REPEATS = 3  # solves up to 64 GPUs run this often; the fastest time is reported
+
+
 def dtype_for(cluster) -> str:
     kinds = cluster.device_types().values()
     return "bf16" if all("bf16" in d.peak_flops for d in kinds) else "fp16"
@@ -58,9 +61,13 @@ def run(index: int) -> str:
     # the targets as time limits for the big clusters: the gap says what they left open
     limit = 10.0 if cluster.num_devices > 64 else None
     limit = 60.0 if cluster.num_devices > 1024 else limit
-    start = time.perf_counter()
-    plan = solve(graph, cluster, training, SolveOptions(time_limit=limit))[0]
-    total = time.perf_counter() - start
+    searches, totals = [], []
+    for _ in range(REPEATS if limit is None else 1):  # this machine is shared and noisy
+        start = time.perf_counter()
+        plan = solve(graph, cluster, training, SolveOptions(time_limit=limit))[0]
+        totals.append(time.perf_counter() - start)
+        searches.append(plan.solver.wall_time)
+    total, search_time = min(totals), min(searches)
     report, pred = plan.solver, plan.prediction
     costs = AnalyticalCostModel(cluster)
     timings = stage_timings(plan, graph.layers, costs)
@@ -75,7 +82,7 @@ def run(index: int) -> str:
     shape = f"{len(plan.pipelines)} pipelines, " + ", ".join(sorted({
         f"{len(p.stages)} stages of {'+'.join(dict.fromkeys(s.device_type for s in p.stages))}"
         for p in plan.pipelines}))
-    row = (f"| {label} | {cluster.num_devices} | {dtype} | {report.wall_time:.2f} s | "
+    row = (f"| {label} | {cluster.num_devices} | {dtype} | {search_time:.2f} s | "
            f"{total:.1f} s | {report.status} | {report.gap:.2%} | "
            f"{pred.step_time:.3g} s | {pred.samples_per_s:,.1f} | {pred.mfu:.1%} | "
            f"{'; '.join(ratios)} | {sim_error:+.2%} | {shape} |")
@@ -95,8 +102,10 @@ def main() -> None:
             "step time | samples/s | MFU | baseline step / plan step | closed form vs "
             "simulator | plan |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
             + "\n".join(rows) + "\n\n"
-            "Search: the branch and bound alone (`SolverReport.wall_time`), with the targets "
-            "as time limits above 64 GPUs (10 s, 60 s); solve: the whole "
+            "Search: the branch and bound alone (`SolverReport.wall_time`), the fastest of "
+            f"{REPEATS} runs up to 64 GPUs (the machine is shared and its timings vary by up "
+            "to 2x), one run with the targets as time limits above (10 s, 60 s); solve: the "
+            "whole "
             "`solve()` call, cost table and baselines (three of them, one a second search) "
             "included. Gap: how far the best bound is below the plan (the search stops at "
             "0.5%). Baselines: data-parallel (every device a replica, even shares), uniform "

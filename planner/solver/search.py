@@ -265,7 +265,7 @@ class _Bound:
         self.m, self.levels, self.slots, self.optimizer = microbatches, levels, slots, optimizer
         self.kinds = sorted(slots)
         self.work = np.array([work[k] for k in self.kinds])
-        self._arrays: dict[int, tuple] = {}
+        self._static: dict[int, tuple] = {}
         self._bounds: dict[int, tuple] = {}
 
     def _level(self, level: int) -> tuple:
@@ -273,7 +273,7 @@ class _Bound:
         family that cannot run), 1 / stage count, the families holding each type, 1 /
         sum_k count_k / W_k, and the level's own type (-1 for mixed patterns). The
         bounds part is dropped by `invalidate` when families were tightened."""
-        static = self._arrays.get(level)
+        static = self._static.get(level)
         if static is None:
             families = self.levels[level]
             counts = np.array([[f.types.count(k) for k in self.kinds] for f in families],
@@ -283,7 +283,7 @@ class _Bound:
             holding = [np.flatnonzero(counts[:, i]) for i in range(len(self.kinds))]
             static = (counts, 1 / counts.sum(axis=1).clip(1), holding,
                       1 / counts.dot(1 / self.work).clip(1e-300), home)
-            self._arrays[level] = static
+            self._static[level] = static
         bounds = self._bounds.get(level)
         if bounds is None:
             live = [np.isfinite(f.min_busy) for f in self.levels[level]]
