@@ -30,6 +30,7 @@ recompute policy, plus the framework reserve.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -199,6 +200,31 @@ def _memory_terms(table: CostTable, tp: int, mb: int, n: int, zeros: Sequence[in
     return table.cache[key]
 
 
+def _gathers(table: CostTable, gather: tuple[float, float]) -> np.ndarray:
+    """Seconds of one ZeRO-3 all-gather of the weights of every layer range [a, b)
+    (cached): each of the tp ranks gathers its shard, together the whole stage."""
+    key = ("gathers", gather)
+    if key not in table.cache:
+        params = np.concatenate([[0.0], np.cumsum(table.params)])
+        weight_bytes = (params[None, :] - params[:, None]) * table.weight_bytes
+        table.cache[key] = (gather[0] + (gather[1] - gather[0]) * weight_bytes
+                            / ZERO_GATHER_REF) * (weight_bytes > 0)
+    return table.cache[key]
+
+
+def zero3_first(table: CostTable, costs: ClassCosts, kind: str, *, tp: int, mb: int,
+                gather: tuple[float, float]) -> ClassCosts:
+    """The class's costs if its first stage (of type `kind`) must use ZeRO-3: no faster
+    than before, nor than its layers plus three gathers per micro-batch. For bounds
+    only (the first stage's option indices are the unrestricted ones)."""
+    key = ("zero3 first", id(costs.busy[0]), kind, tp, mb, gather)
+    if key not in table.cache:  # kept, as h_w caches by the array's id
+        base = _prefixes(table, kind, tp, mb)[3]
+        table.cache[key] = (costs.busy[0], np.maximum(
+            costs.busy[0], base + 3 * _gathers(table, gather)))
+    return dataclasses.replace(costs, busy=[table.cache[key][1], *costs.busy[1:]])
+
+
 def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: float,
            gather: tuple[float, float], policies: Sequence[Recompute], zeros: Sequence[int]
            ) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -209,12 +235,9 @@ def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: flo
         return table.cache[key]
     info = table.type(kind)
     prefix, rec, rec_range, base = _prefixes(table, kind, tp, mb)
-    range_params, state, acts, range_max, valid = _memory_terms(table, tp, mb, n, zeros)
+    _, state, acts, range_max, valid = _memory_terms(table, tp, mb, n, zeros)
     options = _options(n, policies, zeros)
-    # each of the tp ranks gathers its shard; together they move the whole stage
-    weight_bytes = range_params * tp * table.weight_bytes
-    gathers = (gather[0] + (gather[1] - gather[0]) * weight_bytes / ZERO_GATHER_REF) * (
-        weight_bytes > 0)
+    gathers = _gathers(table, gather)
     times_key = ("stage times", kind, tp, mb, gather if n > 1 else None, options)
     if times_key not in table.cache:  # per option, independent of memory
         table.cache[times_key] = [base + rec_range[o.recompute]

@@ -35,10 +35,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cost_models.comm import Collective, CommGroup
 from planner.errors import PlannerError
 from planner.solver.evaluate import Config, Evaluation, Space, price, refine
-from planner.solver.partition import INF, ZERO_GATHER_REF, class_costs, optimize
-from planner.solver.structure import ClassShape, capacity
+from planner.solver.partition import (
+    INF,
+    ZERO_GATHER_REF,
+    class_costs,
+    optimize,
+    zero3_first,
+)
+from planner.solver.structure import ClassShape, capacity, place
 from planner.solver.table import CostTable
 from planner.types import LinkSpec
 
@@ -581,6 +588,50 @@ class _Search:
             _leaf(self.table, node, self.batch, self.limits, self.space, self.best,
                   self.top_k)
 
+    def leaf(self, node: _Node) -> None:
+        """Price a whole structure unless its sync floor already rules it out."""
+        if self.sync_floor(node) < self.threshold():
+            _leaf(self.table, node, self.batch, self.limits, self.space, self.best,
+                  self.top_k)
+
+    def sync_floor(self, node: _Node) -> float:
+        """A bound on a (settled) leaf's whole step: the first stage of every pipeline
+        holds the first layer, whose gradients are all-reduced over all of them unless
+        every class shards that stage with ZeRO-3, which costs its pipelines three
+        gathers per micro-batch and still all-reduces each shard across classes."""
+        table, config = self.table, node.config
+        shapes = sorted((ClassShape(t, n) for t, n in zip(node.chosen, node.counts,
+                                                         strict=True)), key=_placement_order)
+        placement = place(table, tuple(shapes), config.tp)
+        if placement is None:
+            return float("inf")
+        holders = CommGroup.of([p[0].node for slots in placement for p in slots])
+        grads = float(table.params[0]) * table.grad_bytes
+        synced = node.bound + table.collective(Collective.ALL_REDUCE, grads, holders)
+        if 3 not in self.space.zeros or any(s.n == 1 for s in shapes):
+            return synced
+        shards = max(table.collective(Collective.ALL_REDUCE, grads / s.n, holders)
+                     for s in shapes) if len(shapes) > 1 else 0.0
+        bound = self.state[config][1]
+        sharded = bound([(self.zero3(config, f), n) for f, n in self.fixed(node)], ())
+        return min(synced, max(node.bound, sharded) + shards)
+
+    def zero3(self, config: Config, family: _Family) -> _Family:
+        """The (tightened) family with its first stage on ZeRO-3."""
+        key = ("zero3 family", family.types, family.n_max, config, self.space)
+        if key not in self.table.cache:
+            result = self.table.cache[("tight", family.types, family.n_max, config,
+                                       self.space)]
+            kind = family.types[0]
+            forced = result and optimize(zero3_first(
+                self.table, result.costs, kind, tp=config.tp, mb=config.mb,
+                gather=_cheapest_gather(self.table, kind)))
+            self.table.cache[key] = _Family(
+                types=family.types, n_max=family.n_max, tight=True,
+                min_busy=forced.min_period if forced else INF,
+                total=forced.floor if forced else INF)
+        return self.table.cache[key]
+
     def is_leaf(self, node: _Node) -> bool:
         return node.level == len(self.state[node.config][0])
 
@@ -592,8 +643,7 @@ class _Search:
             if node.bound == float("inf"):
                 return
             if self.is_leaf(node):
-                _leaf(self.table, node, self.batch, self.limits, self.space, self.best,
-                      self.top_k)
+                self.leaf(node)
                 return
             children = self.children(node)
             heapq.heapify(children)
@@ -624,8 +674,7 @@ class _Search:
             heapq.heappush(self.heap, sibling)
         self.explored += 1
         if self.is_leaf(node):
-            _leaf(self.table, node, self.batch, self.limits, self.space, self.best,
-                  self.top_k)
+            self.leaf(node)
             return True
         for child in self.children(node):
             if self.keep(child.bound):
