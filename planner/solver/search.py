@@ -103,13 +103,6 @@ class _Family:
     total: float  # no split has a total below this
     tight: bool = False
 
-    def lower(self, m: float) -> float:
-        return (m - 1) * self.min_busy + self.total
-
-    def capacity(self, t: float) -> float:
-        """Micro-batches one pipeline can finish within t, at best."""
-        return 0.0 if t < self.total else 1 + (t - self.total) / self.min_busy
-
 
 @dataclass(order=True)
 class _Node:
