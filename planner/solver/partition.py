@@ -289,14 +289,14 @@ class ClassResult:
     """The first step of G (smallest bottleneck) and G's floor."""
 
     costs: ClassCosts
-    choices: list[np.ndarray] = field(repr=False)  # the dynamic program's, at M0
     floor: float  # G(inf): no split has a smaller sum_s w_s
     smallest_max: float  # M0: no split has a smaller max_s h_s
 
     @cached_property
     def first(self) -> Split:
-        """The cheapest split with the smallest bottleneck (built only when asked for)."""
-        return self.costs.split(self.choices)
+        """The cheapest split with the smallest bottleneck (found only when asked for:
+        bounds need M0 and the floor alone)."""
+        return self.costs.split(self.costs.solve(self.smallest_max)[1])
 
     @property
     def min_period(self) -> float:
@@ -313,9 +313,8 @@ def optimize(costs: ClassCosts) -> ClassResult | None:
     bottleneck = costs.min_bottleneck()
     if not np.isfinite(bottleneck):
         return None
-    _, choices = costs.solve(bottleneck)
     floor, _ = costs.solve(INF)
-    return ClassResult(costs=costs, choices=choices, floor=floor, smallest_max=bottleneck)
+    return ClassResult(costs=costs, floor=floor, smallest_max=bottleneck)
 
 
 def frontier(result: ClassResult) -> list[Split]:
