@@ -556,7 +556,7 @@ class _Search:
         or nothing if none does. Cheap, and at scale far better than one type alone."""
         levels = self.state[config][0]
         microbatches = self.batch // config.mb
-        slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in self.table.types}
+        slots = self.state[config][1].slots
         chosen: list[ClassShape] = []
         best = float("inf")
         for level in levels:
@@ -593,9 +593,8 @@ class _Search:
         every class shards that stage with ZeRO-3, which costs its pipelines three
         gathers per micro-batch and still all-reduces each shard across classes."""
         table, config = self.table, node.config
-        shapes = sorted((ClassShape(t, n) for t, n in zip(node.chosen, node.counts,
-                                                         strict=True)), key=_placement_order)
-        placement = place(table, tuple(shapes), config.tp)
+        shapes = _shapes(node)
+        placement = place(table, shapes, config.tp)
         if placement is None:
             return float("inf")
         holders = CommGroup.of([p[0].node for slots in placement for p in slots])
@@ -728,14 +727,19 @@ def _placement_order(shape: ClassShape) -> tuple[bool, str]:
     return len(set(shape.types)) == 1, shape.types[0]
 
 
+def _shapes(node: _Node) -> tuple[ClassShape, ...]:
+    """A leaf's classes in the order they are placed."""
+    return tuple(sorted((ClassShape(types=t, n=n) for t, n in zip(
+        node.chosen, node.counts, strict=True)), key=_placement_order))
+
+
 def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Space,
           best: list[Evaluation], top_k: int) -> None:
     if limits.dp is not None and sum(node.counts) != limits.dp:
         return
     if not all(limits.allows(types) for types in node.chosen):
         return  # a seed the stage pins rule out
-    shapes = tuple(sorted((ClassShape(types=t, n=n) for t, n in zip(
-        node.chosen, node.counts, strict=True)), key=_placement_order))
+    shapes = _shapes(node)
     microbatches = batch // node.config.mb
     priced = price(table, node.config, space, shapes, microbatches)
     if priced is None:
