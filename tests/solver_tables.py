@@ -31,7 +31,9 @@ def random_table(seed: int, *, layers: int, types: list[tuple[str, list[int]]],
         infos.append(TypeInfo(name=name, nodes=nodes, node_devices=tuple(devices),
                               memory=memory * (1 + i) / len(types), peak_flops=1e12 * (1 + i),
                               reserve=0.1 * GIB))
-    speed = {t.name: 0.5 + rng.random() for t in infos}
+    # each type its own speed, and per layer its own ratio to the others (a memory-bound
+    # layer gains less from a faster device than a compute-bound one)
+    speed = {t.name: (0.5 + rng.random()) * rng.uniform(0.8, 1.2, layers) for t in infos}
     base_f = rng.uniform(0.5, 1.5, layers)
     base_b = base_f * rng.uniform(1.5, 2.5, layers)
     rec = {Recompute.NONE: np.zeros(layers), Recompute.SELECTIVE: 0.2 * base_f,
@@ -70,7 +72,7 @@ def random_table(seed: int, *, layers: int, types: list[tuple[str, list[int]]],
         activations=lambda p, tp: acts[p] / tp,
         boundary=rng.uniform(0.01, 0.1, layers) * GIB, weight_bytes=2.0, grad_bytes=2.0,
         state_bytes=12.0, link=link, collective=collective,
-        optimizer_time=lambda kind, p: p * 1e-9 * speed[kind],
+        optimizer_time=lambda kind, p: p * 1e-9 * float(speed[kind].mean()),
         layer_flops=base_f * 1e12)
 
 

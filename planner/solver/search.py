@@ -54,7 +54,7 @@ SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class
                 "and ZeRO per stage; optimal micro-batch shares")
 
 
-_DIVE_TRIES = 16  # children a dive prices exactly at each level before it picks one
+_DIVE_TRIES = 16  # times a dive prices a child's families at each level before it picks one
 
 
 @dataclass(frozen=True)
@@ -134,22 +134,27 @@ def _families(table: CostTable, config: Config, limits: Limits, space: Space
     """The level of mixed patterns first (absent with `mixed` off or a single type),
     then one level of homogeneous patterns per device type, fastest type first.
 
-    Each family starts with bounds from per-layer times alone: its stages of type
-    k (c_k of them) share the work W_k the whole model takes on type k, so the
-    bottleneck is at least 1 / sum_k (c_k / W_k) (the fluid bound) and at least
-    the largest layer's time on its fastest type; the total is at least the
-    smallest W_k (>= the fluid bound, so c_f(t) <= t sum_k c_k / W_k: the fluid rate
-    per slot covers every family, before and after `_tighten`). A family whose
-    devices cannot hold the parameter states even fully sharded by ZeRO over its
-    pipelines is dropped."""
+    Each family starts with bounds from per-layer times alone. A split puts layers
+    [0, j) on the c_a stages of type a and [j, L) on the c_b stages of type b (one
+    block for a homogeneous family), so its total is at least the smallest
+    prefix_a(j) + suffix_b(j) and its bottleneck at least the smallest
+    max(prefix_a(j) / c_a, suffix_b(j) / c_b) over the j that leave every stage a
+    layer, and at least the largest layer's time on its faster type. (Layer times
+    are not proportional across types, so the plain fluid bound 1 / sum_k c_k / W_k
+    is not one.) A family whose devices cannot hold the parameter states even fully
+    sharded by ZeRO over its pipelines is dropped."""
     busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, config.tp, config.mb))
             for t in table.types}
     work = {k: float(v.sum()) for k, v in busy.items()}
+    prefix = {k: np.concatenate([[0.0], np.cumsum(v)]) for k, v in busy.items()}
     slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
     longest = min(limits.max_stages, table.num_layers)
     params = float(table.params.sum()) / config.tp
     largest_layer = {(a, b): float(np.minimum(busy[a], busy[b]).max())
                      for a in busy for b in busy}
+
+    held = np.concatenate([[0.0], np.cumsum(table.params)]) / config.tp
+    rooms = {t.name: t.memory - t.reserve for t in table.types}
 
     def state_bytes(n: int) -> float:
         """Fewest bytes per parameter a device can keep, with ZeRO over n pipelines."""
@@ -168,12 +173,22 @@ def _families(table: CostTable, config: Config, limits: Limits, space: Space
         n_max = min(capacity(table, config.tp, k, c) for k, c in blocks)
         if n_max < 1:
             return None
-        room = sum(c * (table.type(k).memory - table.type(k).reserve) for k, c in blocks)
-        if room < params * state_bytes(n_max):
+        if sum(c * rooms[k] for k, c in blocks) < params * state_bytes(n_max):
             return None
-        fluid = 1.0 / sum(c / work[k] for k, c in blocks)
-        return _Family(types=types, n_max=n_max, total=min(work[k] for k, _ in blocks),
-                       min_busy=max(fluid, largest_layer[blocks[0][0], blocks[-1][0]]))
+        (a, ca), (b, cb) = blocks[0], blocks[-1]
+        if len(blocks) == 1:
+            total, busiest = work[a], work[a] / ca
+        else:
+            cuts = slice(ca, table.num_layers - cb + 1)
+            need = held * state_bytes(n_max)  # parameter states of layers [0, j)
+            fits = (need[cuts] <= ca * rooms[a]) & (need[-1] - need[cuts] <= cb * rooms[b])
+            if not fits.any():
+                return None
+            head, tail = prefix[a][cuts][fits], (work[b] - prefix[b][cuts])[fits]
+            total = float((head + tail).min())
+            busiest = float(np.maximum(head / ca, tail / cb).min())
+        return _Family(types=types, n_max=n_max, total=total,
+                       min_busy=max(busiest, largest_layer[a, b]))
 
     def lengths() -> range:
         return range(limits.pp, limits.pp + 1) if limits.pp else range(1, longest + 1)
@@ -235,6 +250,15 @@ def _tighten(table: CostTable, config: Config, space: Space, family: _Family) ->
     else:
         family.min_busy = max(family.min_busy, result.min_period)
         family.total = max(family.total, result.floor)
+
+
+def _best_per_slot(level: list[_Family], t: float) -> _Family | None:
+    """The family of a homogeneous level whose pipelines finish the most micro-batches
+    per device slot by time t (None for the mixed level or an empty one)."""
+    if not level or len(set(level[0].types)) > 1 or not np.isfinite(t):
+        return None
+    return max(level, key=lambda f: (1 + (t - f.total) / f.min_busy) / len(f.types)
+               if t >= f.total and np.isfinite(f.min_busy) else 0.0)
 
 
 class _Bound:
@@ -353,43 +377,80 @@ class _Bound:
                                [self.optimizer(f, n) if f else 0.0 for f, n in candidates])
         start = np.maximum(max((f.total for f, _ in fixed), default=0.0), total)
         open_levels = [level for level in open_levels if self.levels[level]]
+        lines = [(float(n), f.min_busy, f.total) for f, n in fixed] + [(n_c, busy, total)]
+
+        def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
+            """Micro-batches finished: by the fixed classes and the candidates at t_fixed
+            (whole ones or run fluidly), by the open levels at t_open."""
+            count = _finished if whole else _fluid
+            ones = [np.where(np.asarray(n) > 0, count(t_fixed, c, b), 0.0)
+                    for n, b, c in lines]
+            value = sum(n * one for (n, _, _), one in zip(lines, ones, strict=True))
+            best = value if not open_levels else np.full(len(t_fixed), INF)
+            for y, valid in self._slot_values(t_open, open_levels) if open_levels else ():
+                more = value + (free * y).sum(axis=1)
+                if fewer:
+                    freed = (counts * y).sum(axis=1)
+                    more = np.maximum(more, more + (n_c - 1) * (freed - ones[-1]))
+                best = np.minimum(best, more if valid is None else np.where(valid, more, INF))
+            return best
+
         with np.errstate(divide="ignore", invalid="ignore"):
             if not open_levels:  # every pipeline is busy from `start` on: a line in t
-                rate = sum(n / f.min_busy for f, n in fixed) + np.where(
+                rate = sum(n / b for n, b, _ in lines[:-1]) + np.where(
                     n_c > 0, n_c / busy, 0.0)
-                offset = sum(n * (1 - f.total / f.min_busy) for f, n in fixed) + np.where(
+                offset = sum(n * (1 - c / b) for n, b, c in lines[:-1]) + np.where(
                     n_c > 0, n_c * (1 - total / busy), 0.0)
                 times = np.where(rate > 0, np.maximum(start, (self.m - offset) / rate), INF)
             else:
                 if not fixed:
                     first = min(float(self._level(level)[-1].min()) for level in open_levels)
                     start = np.where(n_c > 0, start, first)
-
-                def short(t: np.ndarray) -> np.ndarray:
-                    """Micro-batches still missing at t (positive: t is a lower bound)."""
-                    done = sum(np.where(t >= f.total, n * (1 + (t - f.total) / f.min_busy),
-                                        0.0) for f, n in fixed) + np.zeros(len(t))
-                    one = np.where((n_c > 0) & (t >= total), 1 + (t - total) / busy, 0.0)
-                    done += n_c * one
-                    best = np.full(len(t), INF)
-                    for y, valid in self._slot_values(t, open_levels):
-                        value = done + (free * y).sum(axis=1)
-                        if fewer:
-                            freed = (counts * y).sum(axis=1)
-                            value = np.maximum(value, value + (n_c - 1) * (freed - one))
-                        best = np.minimum(best, value if valid is None else
-                                          np.where(valid, value, INF))
-                    return self.m - best
-
-                times = _first_enough(short, np.where(np.isfinite(start), start, INF),
+                times = _first_enough(lambda t: self.m - done(t, t, False),
+                                      np.where(np.isfinite(start), start, INF),
                                       at_least - optimizer)
+            times = self._whole(times, lines, done)
         return np.where(dead, INF, np.maximum(at_least, times + optimizer))
+
+    def _whole(self, times: np.ndarray, lines: list[tuple], done: Callable) -> np.ndarray:
+        """From `times` (where the micro-batches, run fluidly, are done) on to the next
+        time a fixed pipeline completes one while the whole micro-batches those finish,
+        plus what the open levels can add before that time, still fall short."""
+        for _ in range(int(self.m) + 1):
+            after = np.full(len(times), INF)
+            for n, b, c in lines:
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    k = np.floor((times - c) / b + 1e-9)
+                    after = np.minimum(after, np.where(
+                        (np.asarray(n) > 0) & np.isfinite(b),
+                        np.where(times >= c, c + (k + 1) * b, c), INF))
+            behind = np.isfinite(times) & np.isfinite(after) & (
+                done(times, np.where(np.isfinite(after), after, times), True) < self.m)
+            if not behind.any():
+                break
+            times = np.where(behind, after, times)
+        return times
 
     def __call__(self, fixed: Sequence[tuple[_Family, int]], open_levels: Sequence[int],
                  fewer: bool = False, at_least: float = 0.0) -> float:
         """The bound of one (partial) structure; `fewer` applies to its last class."""
         last = [fixed[-1]] if fixed else [(None, 0)]
         return float(self.many(fixed[:-1], last, open_levels, fewer, at_least)[0])
+
+
+def _finished(t: np.ndarray, total: np.ndarray | float, busy: np.ndarray | float
+              ) -> np.ndarray:
+    """Whole micro-batches a pipeline whose first takes `total` and every next one at
+    least `busy` can have finished by time t."""
+    with np.errstate(invalid="ignore"):
+        return np.where(t >= total, np.floor(1 + (t - total) / busy + 1e-9), 0.0)
+
+
+def _fluid(t: np.ndarray, total: np.ndarray | float, busy: np.ndarray | float
+           ) -> np.ndarray:
+    """`_finished` without rounding down to whole micro-batches."""
+    with np.errstate(invalid="ignore"):
+        return np.where(t >= total, 1 + (t - total) / busy, 0.0)
 
 
 def _first_enough(short: Callable[[np.ndarray], np.ndarray], start: np.ndarray,
@@ -490,10 +551,14 @@ class _Search:
         return [(index[t], n) for t, n in zip(node.chosen, node.counts, strict=True)]
 
     def settle(self, node: _Node) -> bool:
-        """Price the node's families exactly; False if that raised its bound."""
+        """Price exactly the node's families and, on each open homogeneous level, the
+        family that gives that level's device slots their value in the node's bound
+        (the most micro-batches per slot by then); False if that raised its bound."""
         levels, bound, _ = self.state[node.config]
         fixed = self.fixed(node)
-        loose = [f for f, _ in fixed if not f.tight]
+        loose = [f for f, _ in fixed if not f.tight] + [
+            f for level in levels[node.level:] if (f := _best_per_slot(level, node.bound))
+            and not f.tight]
         if not loose:
             return True
         for f in loose:
@@ -628,7 +693,12 @@ class _Search:
         return node.level == len(self.state[node.config][0])
 
     def dive(self, node: _Node) -> None:
-        """Follow the best child down to a leaf: a good plan early prunes the rest."""
+        """Follow one path down the tree, pricing on the way the structure each level's
+        pick would be if nothing more were added: a good plan early prunes the rest.
+        At each level the children with the best bounds get their families priced,
+        and the one whose classes alone would finish soonest is picked (a bound that
+        leaves room for more classes says little about the plan they make)."""
+        levels, bound, _ = self.state[node.config]
         while True:
             while not self.settle(node):
                 pass
@@ -639,13 +709,49 @@ class _Search:
                 return
             children = self.children(node)
             heapq.heapify(children)
-            for _ in range(_DIVE_TRIES):  # the best child once its families are priced
-                if not children or self.settle(children[0]):
+            settled = []
+            for _ in range(_DIVE_TRIES):
+                if not children or children[0].bound >= self.threshold() * (1 - self.gap):
                     break
-                heapq.heapreplace(children, children[0])
-            if not children or children[0].bound == float("inf"):
+                child = heapq.heappop(children)
+                if self.settle(child):
+                    settled.append(child)
+                else:
+                    heapq.heappush(children, child)
+            closed = [(bound(self.fixed(c), ()), c.order, c) for c in settled if c.chosen]
+            if closed:
+                _, _, node = min(closed)
+                self.leaf(_Node(0.0, next(self.counter), node.config, len(levels),
+                                node.chosen, node.counts))
+            elif children and children[0].bound < self.threshold() * (1 - self.gap):
+                node = children[0]  # settled on the next round
+            else:
                 return
-            node = children[0]
+
+    def transfer(self) -> None:
+        """The best structure so far, tried in every other configuration (the same
+        classes, their pipeline counts scaled to the tensor-parallel degree): a
+        structure that wins in one configuration often wins in a neighbouring one,
+        which dives, confined to the most promising configurations, may not visit."""
+        if not self.best:
+            return
+        model = self.best[0]
+        for config, (levels, bound, index) in self.state.items():
+            if config == model.config or not all(s.types in index for s in model.shapes):
+                continue
+            fixed = [(index[s.types], min(index[s.types].n_max,
+                                          max(1, s.n * model.config.tp // config.tp)))
+                     for s in model.shapes]
+            used = {k: sum(n * f.types.count(k) for f, n in fixed) for k in bound.slots}
+            if sum(n for _, n in fixed) > bound.m or any(
+                    used[k] > bound.slots[k] for k in used):
+                continue
+            node = _Node(0.0, next(self.counter), config, len(levels),
+                         tuple(f.types for f, _ in fixed), tuple(n for _, n in fixed))
+            self.settle(node)
+            node.bound = bound(fixed, ())
+            if node.bound < self.threshold() * (1 - self.gap):
+                self.leaf(node)
 
     def step(self) -> bool:
         """Expand the most promising node; False when the search is over."""
@@ -700,6 +806,7 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
         if len(table.types) > 1:
             run.greedy(root.config)
         run.dive(dataclasses.replace(root, order=next(run.counter)))
+    run.transfer()
     status = "optimal"
     while run.step():
         if progress:
