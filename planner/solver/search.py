@@ -456,12 +456,14 @@ def _fluid(t: np.ndarray, total: np.ndarray | float, busy: np.ndarray | float
 def _first_enough(short: Callable[[np.ndarray], np.ndarray], start: np.ndarray,
                   guess: np.ndarray) -> np.ndarray:
     """Per element, a t at which `short` (non-increasing in t) is still positive,
-    within 0.01% of where it reaches 0: the bracket [start, guess or beyond] shrinks by
-    regula falsi (Illinois). Infinite where it never reaches 0 or start is infinite."""
-    low = start.astype(float)
+    within 0.01% of where it reaches 0, or the larger of start and guess if it is no
+    longer positive there (the caller knows a bound of guess already): the bracket
+    [that, beyond] shrinks by regula falsi (Illinois). Infinite where it never
+    reaches 0 or start is infinite."""
+    low = np.where(np.isfinite(start), np.maximum(start, guess), start)
     short_low = short(np.where(np.isfinite(low), low, 0.0))
     answer = np.where(~np.isfinite(low) | (short_low <= 0), low, np.nan)
-    high = np.maximum.reduce([guess, low * 1.01, np.full(len(low), 1e-9)])
+    high = np.maximum(low * 1.01, 1e-9)
     short_high = short(np.where(np.isfinite(high), high, 0.0))
     while True:  # widen until the bracket holds the answer
         grow = np.isnan(answer) & (short_high > 0)
