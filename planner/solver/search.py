@@ -14,14 +14,15 @@ and ZeRO choices optimal (`partition`), micro-batches shared optimally
 A node of the search tree fixes the mixed class (first level), then the homogeneous
 class of one type per level, fastest type first; a node's last class stands for
 1..n pipelines (fewer are its lazy siblings). Its bound (`_Bound`) is the time the
-global batch needs if the fixed classes ran at their lower bounds and the open
-levels' pipelines packed the device slots left at the best per-slot rates any of
-their families could reach (an LP dual: no assignment of slots does better).
-Nodes are expanded in order of bound, so when the queue's best bound reaches the
-k-th best plan found, no unexplored structure can beat it: the search is optimal.
-Before that, a greedy plan (one homogeneous class per type, fastest first) and
-dives down the tree give it a good plan to prune with. A time limit stops the
-search early and reports the queue's best bound.
+global batch needs if the fixed classes ran at their lower bounds, in whole
+micro-batches, and the open levels' pipelines packed the device slots left at the
+best per-slot rates any of their families could reach (an LP dual: no assignment
+of slots does better). Nodes are expanded in order of bound, so when the queue's
+best bound reaches the k-th best plan found, no unexplored structure can beat it:
+the search is optimal. Before that, a greedy plan (one homogeneous class per
+type, fastest first), dives down the tree and the best structure so far tried in
+every other configuration give it a good plan to prune with. A time limit stops
+the search early and reports the queue's best bound.
 """
 
 from __future__ import annotations
