@@ -265,9 +265,10 @@ def _best_per_slot(level: list[_Family], t: float) -> _Family | None:
 class _Bound:
     """Lower bounds on the step time of (partial) structures of one config.
 
-    A pipeline of family f finishes c_f(t) = 1 + (t - total_f) / min_busy_f
-    micro-batches by time t at most (none before total_f). Fixed classes finish
-    n_f c_f(t). Pipelines of the open levels, on the device slots the fixed
+    A pipeline of family f finishes c_f(t) = 1 + floor((t - total_f) / min_busy_f)
+    micro-batches by time t at most (none before total_f; without the floor, run
+    fluidly, to find where to start). Fixed classes finish n_f c_f(t). Pipelines of
+    the open levels, on the device slots the fixed
     classes left (free_k of type k), finish at most free . y(t) for any per-slot
     values y >= 0 that cover every open family (sum_k count_fk y_k >= c_f(t): LP
     duality for the fractional packing of pipelines into slots). Three such y are
@@ -276,8 +277,10 @@ class _Bound:
     its types; the same raised to the fluid rate t / W_k scaled by the best mixed
     family's share of it; and the homogeneous values scaled up until they cover the
     mixed families. The bound is the smallest t at which fixed and open pipelines
-    can have finished the global number of micro-batches, plus the optimizer step of
-    the fixed classes (some stage holds 1/S of the parameters).
+    can have finished the global number of micro-batches (found fluidly, then walked
+    on to the next time a fixed pipeline completes one while even the open levels'
+    count by then falls short), plus the optimizer step of the fixed classes (some
+    stage holds 1/S of the parameters).
 
     `fewer`: the last fixed class stands for 1..n pipelines (its smaller counts
     are searched later); its slots then go to the open levels, and since the
@@ -325,16 +328,19 @@ class _Bound:
     def _counts(self, f: _Family | None) -> np.ndarray:
         return np.array([f.types.count(k) if f else 0 for k in self.kinds], dtype=float)
 
-    def _slot_values(self, t: np.ndarray, open_levels: Sequence[int]
+    def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool
                      ) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """Per-slot values y (one row per t) that cover every open family at time t, and
-        where each is valid (None: everywhere); see the class."""
+        """Per-slot values y (one row per t) that cover every open family at time t (the
+        micro-batches its pipelines finish, whole ones if `whole`), and where each is
+        valid (None: everywhere); see the class."""
         y = np.zeros((len(t), len(self.kinds)))
         mixed = None
         for level in open_levels:
             counts, inv_size, holding, inv_fluid, home, inv_busy, total = self._level(level)
             with np.errstate(invalid="ignore"):  # (t - inf) * 0 where no family can run
-                done = np.where(t[:, None] >= total, 1 + (t[:, None] - total) * inv_busy, 0.0)
+                done = 1 + (t[:, None] - total) * inv_busy
+                done = np.where(t[:, None] >= total, np.floor(done + 1e-9) if whole else done,
+                                0.0)
             if home >= 0:
                 y[:, home] = np.maximum(y[:, home], (done * inv_size).max(axis=1))
             else:
@@ -388,7 +394,7 @@ class _Bound:
                     for n, b, c in lines]
             value = sum(n * one for (n, _, _), one in zip(lines, ones, strict=True))
             best = value if not open_levels else np.full(len(t_fixed), INF)
-            for y, valid in self._slot_values(t_open, open_levels) if open_levels else ():
+            for y, valid in self._slot_values(t_open, open_levels, whole) if open_levels else ():
                 more = value + (free * y).sum(axis=1)
                 if fewer:
                     freed = (counts * y).sum(axis=1)
@@ -559,13 +565,15 @@ class _Search:
         (the most micro-batches per slot by then); False if that raised its bound."""
         levels, bound, _ = self.state[node.config]
         fixed = self.fixed(node)
-        loose = [f for f, _ in fixed if not f.tight] + [
-            f for level in levels[node.level:] if (f := _best_per_slot(level, node.bound))
-            and not f.tight]
-        if not loose:
-            return True
+        loose = [f for f, _ in fixed if not f.tight]
         for f in loose:
             _tighten(self.table, node.config, self.space, f)
+        for level in levels[node.level:]:  # pricing one may make another the best
+            while (f := _best_per_slot(level, node.bound)) is not None and not f.tight:
+                _tighten(self.table, node.config, self.space, f)
+                loose.append(f)
+        if not loose:
+            return True
         bound.invalidate()
         node.bound = bound(fixed, range(node.level, len(levels)), self.shrinks(node),
                            node.bound)
