@@ -731,9 +731,10 @@ class _Search:
                     heapq.heappush(children, child)
             closed = [(bound(self.fixed(c), ()), c.order, c) for c in settled if c.chosen]
             if closed:
-                _, _, node = min(closed)
-                self.leaf(_Node(0.0, next(self.counter), node.config, len(levels),
-                                node.chosen, node.counts))
+                alone, _, node = min(closed)
+                if alone < self.threshold() * (1 - self.gap):
+                    self.leaf(_Node(alone, next(self.counter), node.config, len(levels),
+                                    node.chosen, node.counts))
             elif children and children[0].bound < self.threshold() * (1 - self.gap):
                 node = children[0]  # settled on the next round
             else:
