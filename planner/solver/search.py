@@ -28,6 +28,7 @@ the search early and reports the queue's best bound.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import time
@@ -157,55 +158,60 @@ def _families(table: CostTable, config: Config, limits: Limits, space: Space
     held = np.concatenate([[0.0], np.cumsum(table.params)]) / config.tp
     rooms = {t.name: t.memory - t.reserve for t in table.types}
 
+    @functools.cache
     def state_bytes(n: int) -> float:
         """Fewest bytes per parameter a device can keep, with ZeRO over n pipelines."""
         shard = n if n > 1 else 1
-        best = float("inf")
-        for z in space.zeros:
-            best = min(best, table.weight_bytes / (shard if z >= 3 else 1)
-                       + table.grad_bytes / (shard if z >= 2 else 1)
-                       + table.state_bytes / (shard if z >= 1 else 1))
-        return best
+        return min(table.weight_bytes / (shard if z >= 3 else 1)
+                   + table.grad_bytes / (shard if z >= 2 else 1)
+                   + table.state_bytes / (shard if z >= 1 else 1) for z in space.zeros)
 
-    def family(blocks: list[tuple[str, int]]) -> _Family | None:
+    def fits(blocks: list[tuple[str, int]]) -> tuple[tuple[str, ...], int] | None:
+        """The family's stage types and most pipelines, or None if the stage pins rule
+        it out or its devices cannot hold the states however the layers are split."""
         types = tuple(k for k, c in blocks for _ in range(c))
         if not limits.allows(types):
             return None
         n_max = min(capacity(table, config.tp, k, c) for k, c in blocks)
-        if n_max < 1:
+        if n_max < 1 or sum(c * rooms[k] for k, c in blocks) < params * state_bytes(n_max):
             return None
-        if sum(c * rooms[k] for k, c in blocks) < params * state_bytes(n_max):
-            return None
-        (a, ca), (b, cb) = blocks[0], blocks[-1]
-        if len(blocks) == 1:
-            total, busiest = work[a], work[a] / ca
-        else:
-            cuts = slice(ca, table.num_layers - cb + 1)
-            need = held * state_bytes(n_max)  # parameter states of layers [0, j)
-            fits = (need[cuts] <= ca * rooms[a]) & (need[-1] - need[cuts] <= cb * rooms[b])
-            if not fits.any():
-                return None
-            head, tail = prefix[a][cuts][fits], (work[b] - prefix[b][cuts])[fits]
-            total = float((head + tail).min())
-            busiest = float(np.maximum(head / ca, tail / cb).min())
-        return _Family(types=types, n_max=n_max, total=total,
-                       min_busy=max(busiest, largest_layer[a, b]))
+        return types, n_max
+
+    def homogeneous(kind: str) -> list[_Family]:
+        return [_Family(types=found[0], n_max=found[1], total=work[kind],
+                        min_busy=max(work[kind] / s, largest_layer[kind, kind]))
+                for s in lengths() if s <= slots[kind] and (found := fits([(kind, s)]))]
+
+    def mixed(a: str, b: str) -> list[_Family]:
+        """All families of a block of type a then one of type b at once: a row per
+        family, a column per split point j."""
+        kept = [(found, ca, total - ca) for total in lengths()
+                for ca in range(1, min(total, slots[a] + 1)) if 1 <= total - ca <= slots[b]
+                and (found := fits([(a, ca), (b, total - ca)]))]
+        if not kept:
+            return []
+        ca = np.array([float(ca) for _, ca, _ in kept])[:, None]
+        cb = np.array([float(cb) for _, _, cb in kept])[:, None]
+        need = held[None, :] * np.array([state_bytes(found[1]) for found, _, _ in kept])[:, None]
+        j = np.arange(table.num_layers + 1)[None, :]
+        ok = ((j >= ca) & (j <= table.num_layers - cb) & (need <= ca * rooms[a])
+              & (need[:, -1:] - need <= cb * rooms[b]))
+        head, tail = prefix[a][None, :], (work[b] - prefix[b])[None, :]
+        total = np.where(ok, head + tail, INF).min(axis=1)
+        busiest = np.where(ok, np.maximum(head / ca, tail / cb), INF).min(axis=1)
+        return [_Family(types=found[0], n_max=found[1], total=float(t),
+                        min_busy=max(float(m), largest_layer[a, b]))
+                for (found, _, _), t, m, live in zip(kept, total, busiest, ok.any(axis=1),
+                                                     strict=True) if live]
 
     def lengths() -> range:
         return range(limits.pp, limits.pp + 1) if limits.pp else range(1, longest + 1)
 
     kinds = sorted(work, key=lambda k: (work[k], k))
-    levels = [[f for s in lengths() if s <= slots[k] and (f := family([(k, s)])) is not None]
-              for k in kinds]
+    levels = [homogeneous(k) for k in kinds]
     if limits.mixed and len(table.types) > 1:
-        mixed = []
-        for a, b in itertools.permutations(sorted(work), 2):
-            for total in lengths():
-                for ca in range(1, min(total, slots[a] + 1)):
-                    cb = total - ca
-                    if 1 <= cb <= slots[b] and (f := family([(a, ca), (b, cb)])) is not None:
-                        mixed.append(f)
-        levels.insert(0, mixed)
+        levels.insert(0, [f for a, b in itertools.permutations(sorted(work), 2)
+                          for f in mixed(a, b)])
     return levels
 
 
