@@ -568,7 +568,8 @@ class _Search:
     def settle(self, node: _Node) -> bool:
         """Price exactly the node's families and, on each open homogeneous level, the
         family that gives that level's device slots their value in the node's bound
-        (the most micro-batches per slot by then); False if that raised its bound."""
+        (the most micro-batches per slot by then; pricing it may hand that role to
+        another, priced in turn); False if anything was priced (the bound may rise)."""
         levels, bound, _ = self.state[node.config]
         fixed = self.fixed(node)
         loose = [f for f, _ in fixed if not f.tight]
