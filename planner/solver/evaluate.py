@@ -15,6 +15,7 @@ The optimizer step updates each device's share of its stage's parameters.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -166,28 +167,33 @@ def shares(lines: Sequence[tuple[int, float, float]], total: int) -> list[int] |
             for i in range(n)]
 
 
-def _holder_nodes(placement: Placement, splits: Sequence[Split], layer: int) -> list[str]:
-    nodes = []
-    for slots, split in zip(placement, splits, strict=True):
-        stage = next(s for s in range(len(split.bounds) - 1)
-                     if split.bounds[s] <= layer < split.bounds[s + 1])
-        nodes.extend(p[stage].node for p in slots)
-    return nodes
+def _holders(placement: Placement, splits: Sequence[Split], layer: int,
+             groups: dict) -> CommGroup:
+    """The nodes of every pipeline's stage that holds `layer` (`groups` remembers them
+    for one placement, by which stage of each class that is)."""
+    stages = tuple(bisect.bisect_right(split.bounds, layer) - 1 for split in splits)
+    if stages not in groups:
+        groups[stages] = CommGroup.of([p[stage].node for slots, stage in zip(
+            placement, stages, strict=True) for p in slots])
+    return groups[stages]
 
 
 def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassShape],
-                       placement: Placement, splits: Sequence[Split]) -> tuple[float, float]:
+                       placement: Placement, splits: Sequence[Split],
+                       groups: dict | None = None) -> tuple[float, float]:
+    """Gradient sync (the slowest group's all-reduce) and optimizer step (the slowest
+    stage's); `groups` may carry sync groups between splits of one placement."""
+    groups = {} if groups is None else groups
     sync = opt = 0.0
     for shape, split in zip(shapes, splits, strict=True):
         for s in range(shape.stages):
             a, b = split.bounds[s], split.bounds[s + 1]
             params = float(table.params[a:b].sum())
             zero = split.options[s].zero
-            holders = _holder_nodes(placement, splits, a)
-            if zero < 3 or len(holders) > shape.n:  # ZeRO-3: each shard across classes
+            holders = _holders(placement, splits, a, groups)
+            if zero < 3 or holders.size > shape.n:  # ZeRO-3: each shard across classes
                 volume = params * table.grad_bytes / (shape.n if zero == 3 else 1)
-                sync = max(sync, table.collective(Collective.ALL_REDUCE, volume,
-                                                  CommGroup.of(holders)))
+                sync = max(sync, table.collective(Collective.ALL_REDUCE, volume, holders))
             local = params / config.tp / (shape.n if zero >= 1 else 1)
             opt = max(opt, table.optimizer_time(shape.types[s], local))
     return sync, opt
@@ -195,9 +201,9 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
 
 def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
              placement: Placement, splits: Sequence[Split], microbatches: int,
-             beat: float = float("inf")) -> Evaluation | None:
+             beat: float = float("inf"), groups: dict | None = None) -> Evaluation | None:
     """Price a structure whose classes use the given splits (None if its pipelines alone
-    take `beat` or longer)."""
+    take `beat` or longer); `groups` as for `sync_and_optimizer`."""
     counts = shares([(shape.n, split.bottleneck, split.total) for shape, split in zip(
         shapes, splits, strict=True)], microbatches)
     if counts is None:
@@ -208,7 +214,7 @@ def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
                                                                         strict=True))
     if max(map(max, times)) >= beat:
         return None
-    sync, opt = sync_and_optimizer(table, config, shapes, placement, splits)
+    sync, opt = sync_and_optimizer(table, config, shapes, placement, splits, groups)
     return Evaluation(config=config, shapes=shapes, placement=placement, splits=tuple(splits),
                       microbatches=per_class, pipeline_times=times, sync=sync, optimizer=opt)
 
@@ -279,9 +285,10 @@ def refine(table: CostTable, priced: Priced, microbatches: int,
     (None if none is faster than `beat`)."""
     fronts = [_frontier(table, r) for r in priced.results]
     best = priced.upper if priced.upper.step_time < beat else None
+    groups: dict = {}
     for combo in itertools.product(*fronts):
         candidate = evaluate(table, priced.config, priced.shapes, priced.placement, combo,
-                             microbatches, best.step_time if best else beat)
+                             microbatches, best.step_time if best else beat, groups)
         if candidate is not None and candidate.step_time < (best.step_time if best else beat):
             best = candidate
     return best
