@@ -4,7 +4,7 @@ import dataclasses
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cost_models.comm import Collective, CommGroup
@@ -180,6 +180,7 @@ def _consistent(shapes, node, levels, shrinks: bool) -> bool:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
+@example(1393)  # layer times not proportional across types broke the fluid family bound
 def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
     """The branch and bound's bounds, before and after pricing a node's classes, for every
     node of the tree (a child stands for 1..n pipelines of its last class)."""
