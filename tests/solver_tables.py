@@ -10,8 +10,9 @@ import numpy as np
 
 from cost_models.comm import Collective, CommGroup
 from planner.solver.evaluate import Config, Space, class_links, sync_and_optimizer, zero_gathers
+from planner.solver.limits import Limits
 from planner.solver.partition import class_costs
-from planner.solver.search import Limits, configs
+from planner.solver.search import configs
 from planner.solver.structure import ClassShape, capacity, place
 from planner.solver.table import POLICIES, CostTable, LayerCosts, TypeInfo
 from planner.types import LinkSpec

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from cost_models.comm import Collective, CommGroup
 from planner.errors import PlannerError
 from planner.solver.evaluate import Space
-from planner.solver.search import Limits, search
+from planner.solver.limits import Limits
+from planner.solver.search import search
 from tests.solver_tables import (
     GIB,
     brute_force,

@@ -23,7 +23,8 @@ from planner.solver.bounds import lower_bound
 from planner.solver.build import from_evaluation
 from planner.solver.diagnose import diagnose
 from planner.solver.evaluate import Space
-from planner.solver.search import SEARCH_SPACE, Limits, SearchResult, search
+from planner.solver.limits import Limits
+from planner.solver.search import SEARCH_SPACE, SearchResult, search
 from planner.solver.table import CostTable, build_table
 from planner.types import ClusterSpec, ModelGraph, Plan, SolverReport, TrainingSpec
 

@@ -1,0 +1,429 @@
+"""Lower bounds for the search: the pipeline families of a configuration, bounded
+first from per-layer times alone and then (`tighten`) by their exact split on
+optimistic terms, and `Bound`, which bounds a partial structure whose open levels
+may still add pipelines of any family on the device slots left."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.solver.evaluate import Config, Space
+from planner.solver.limits import Limits
+from planner.solver.partition import INF, ZERO_GATHER_REF, class_costs, optimize
+from planner.solver.structure import capacity
+from planner.solver.table import CostTable
+from planner.types import LinkSpec
+
+
+@dataclass
+class Family:
+    """Pipelines of one stage pattern, before choosing how many.
+
+    min_busy and total start as bounds from per-layer times alone; `tight` marks
+    that they were replaced by the class's exact first bottleneck and floor (at
+    n_max pipelines, whose ZeRO sharding makes every split of fewer pipelines no
+    faster)."""
+
+    types: tuple[str, ...]
+    n_max: int
+    min_busy: float  # no split has a bottleneck below this
+    total: float  # no split has a total below this
+    tight: bool = False
+
+
+
+def families(table: CostTable, config: Config, limits: Limits, space: Space
+              ) -> list[list[Family]]:
+    """The level of mixed patterns first (absent with `mixed` off or a single type),
+    then one level of homogeneous patterns per device type, fastest type first.
+
+    Each family starts with bounds from per-layer times alone. A split puts layers
+    [0, j) on the c_a stages of type a and [j, L) on the c_b stages of type b (one
+    block for a homogeneous family), so its total is at least the smallest
+    prefix_a(j) + suffix_b(j) and its bottleneck at least the smallest
+    max(prefix_a(j) / c_a, suffix_b(j) / c_b) over the j that leave every stage a
+    layer, and at least the largest layer's time on its faster type. (Layer times
+    are not proportional across types, so the plain fluid bound 1 / sum_k c_k / W_k
+    is not one.) A family whose devices cannot hold the parameter states even fully
+    sharded by ZeRO over its pipelines is dropped."""
+    busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, config.tp, config.mb))
+            for t in table.types}
+    work = {k: float(v.sum()) for k, v in busy.items()}
+    prefix = {k: np.concatenate([[0.0], np.cumsum(v)]) for k, v in busy.items()}
+    slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
+    longest = min(limits.max_stages, table.num_layers)
+    params = float(table.params.sum()) / config.tp
+    largest_layer = {(a, b): float(np.minimum(busy[a], busy[b]).max())
+                     for a in busy for b in busy}
+
+    held = np.concatenate([[0.0], np.cumsum(table.params)]) / config.tp
+    rooms = {t.name: t.memory - t.reserve for t in table.types}
+
+    @functools.cache
+    def state_bytes(n: int) -> float:
+        """Fewest bytes per parameter a device can keep, with ZeRO over n pipelines."""
+        shard = n if n > 1 else 1
+        return min(table.weight_bytes / (shard if z >= 3 else 1)
+                   + table.grad_bytes / (shard if z >= 2 else 1)
+                   + table.state_bytes / (shard if z >= 1 else 1) for z in space.zeros)
+
+    def fits(blocks: list[tuple[str, int]]) -> tuple[tuple[str, ...], int] | None:
+        """The family's stage types and most pipelines, or None if the stage pins rule
+        it out or its devices cannot hold the states however the layers are split."""
+        types = tuple(k for k, c in blocks for _ in range(c))
+        if not limits.allows(types):
+            return None
+        n_max = min(capacity(table, config.tp, k, c) for k, c in blocks)
+        if n_max < 1 or sum(c * rooms[k] for k, c in blocks) < params * state_bytes(n_max):
+            return None
+        return types, n_max
+
+    def homogeneous(kind: str) -> list[Family]:
+        return [Family(types=found[0], n_max=found[1], total=work[kind],
+                        min_busy=max(work[kind] / s, largest_layer[kind, kind]))
+                for s in lengths() if s <= slots[kind] and (found := fits([(kind, s)]))]
+
+    def mixed(a: str, b: str) -> list[Family]:
+        """All families of a block of type a then one of type b at once: a row per
+        family, a column per split point j."""
+        kept = [(found, ca, total - ca) for total in lengths()
+                for ca in range(1, min(total, slots[a] + 1)) if 1 <= total - ca <= slots[b]
+                and (found := fits([(a, ca), (b, total - ca)]))]
+        if not kept:
+            return []
+        ca = np.array([float(ca) for _, ca, _ in kept])[:, None]
+        cb = np.array([float(cb) for _, _, cb in kept])[:, None]
+        need = held[None, :] * np.array([state_bytes(found[1]) for found, _, _ in kept])[:, None]
+        j = np.arange(table.num_layers + 1)[None, :]
+        ok = ((j >= ca) & (j <= table.num_layers - cb) & (need <= ca * rooms[a])
+              & (need[:, -1:] - need <= cb * rooms[b]))
+        head, tail = prefix[a][None, :], (work[b] - prefix[b])[None, :]
+        total = np.where(ok, head + tail, INF).min(axis=1)
+        busiest = np.where(ok, np.maximum(head / ca, tail / cb), INF).min(axis=1)
+        return [Family(types=found[0], n_max=found[1], total=float(t),
+                        min_busy=max(float(m), largest_layer[a, b]))
+                for (found, _, _), t, m, live in zip(kept, total, busiest, ok.any(axis=1),
+                                                     strict=True) if live]
+
+    def lengths() -> range:
+        return range(limits.pp, limits.pp + 1) if limits.pp else range(1, longest + 1)
+
+    kinds = sorted(work, key=lambda k: (work[k], k))
+    levels = [homogeneous(k) for k in kinds]
+    if limits.mixed and len(table.types) > 1:
+        levels.insert(0, [f for a, b in itertools.permutations(sorted(work), 2)
+                          for f in mixed(a, b)])
+    return levels
+
+
+def _best_link(table: CostTable, a: str, b: str) -> LinkSpec:
+    """The fastest link any stage of type a could have to a next stage of type b."""
+    key = ("best link", a, b)
+    if key not in table.cache:
+        nodes_a, nodes_b = table.type(a).nodes, table.type(b).nodes
+        links = [table.link(x, y) for x in nodes_a for y in nodes_b]
+        fastest = max(links, key=lambda link: link.bandwidth)
+        table.cache[key] = LinkSpec(name=fastest.name, bandwidth=fastest.bandwidth,
+                                    latency=min(link.latency for link in links))
+    return table.cache[key]
+
+
+def cheapest_gather(table: CostTable, kind: str) -> tuple[float, float]:
+    """A ZeRO-3 all-gather no group of type-`kind` replicas beats: two ranks (the
+    smallest group, moving half the bytes) over the fastest link of that type."""
+    link = _best_link(table, kind, kind)
+    intra = table.link(table.type(kind).nodes[0], table.type(kind).nodes[0])
+    bandwidth = max(link.bandwidth, intra.bandwidth)
+    latency = min(link.latency, intra.latency)
+    return latency, latency + ZERO_GATHER_REF / (2 * bandwidth)
+
+
+def tighten(table: CostTable, config: Config, space: Space, family: Family) -> None:
+    """Replace the family's bounds by its exact split on optimistic terms, which no
+    placement and no smaller count of its pipelines beats: ZeRO sharded over n_max
+    pipelines (the most memory relief), the fastest links any placement could give,
+    and the cheapest ZeRO-3 gathers any group could have."""
+    key = ("tight", family.types, family.n_max, config, space)
+    if key not in table.cache:
+        pairs = zip(family.types, family.types[1:], strict=False)
+        links = [_best_link(table, a, b) for a, b in pairs]
+        table.cache[key] = optimize(class_costs(
+            table, family.types, tp=config.tp, mb=config.mb, n=family.n_max, links=links,
+            gathers=[cheapest_gather(table, kind) for kind in family.types],
+            schedule=config.schedule, policies=space.policies, zeros=space.zeros))
+    result = table.cache[key]
+    family.tight = True
+    if result is None:
+        family.min_busy = family.total = float("inf")
+    else:
+        family.min_busy = max(family.min_busy, result.min_period)
+        family.total = max(family.total, result.floor)
+
+
+def best_per_slot(level: list[Family], t: float) -> Family | None:
+    """The family of a homogeneous level whose pipelines finish the most micro-batches
+    per device slot by time t (None for the mixed level or an empty one)."""
+    if not level or len(set(level[0].types)) > 1 or not np.isfinite(t):
+        return None
+    return max(level, key=lambda f: (1 + (t - f.total) / f.min_busy) / len(f.types)
+               if t >= f.total and np.isfinite(f.min_busy) else 0.0)
+
+
+class Bound:
+    """Lower bounds on the step time of (partial) structures of one config.
+
+    A pipeline of family f finishes c_f(t) = 1 + floor((t - total_f) / min_busy_f)
+    micro-batches by time t at most (none before total_f; without the floor, run
+    fluidly, to find where to start). Fixed classes finish n_f c_f(t). Pipelines of
+    the open levels, on the device slots the fixed
+    classes left (free_k of type k), finish at most free . y(t) for any per-slot
+    values y >= 0 that cover every open family (sum_k count_fk y_k >= c_f(t): LP
+    duality for the fractional packing of pipelines into slots). Three such y are
+    tried and the smallest result kept: each open homogeneous level's best
+    c_f / S_f on its own type raised to every mixed family's c_f / |f| on each of
+    its types; the same raised to the fluid rate t / W_k scaled by the best mixed
+    family's share of it; and the homogeneous values scaled up until they cover the
+    mixed families. The bound is the smallest t at which fixed and open pipelines
+    can have finished the global number of micro-batches (found fluidly, then walked
+    on to the next time a fixed pipeline completes one while even the open levels'
+    count by then falls short), plus the optimizer step of the fixed classes (some
+    stage holds 1/S of the parameters).
+
+    `fewer`: the last fixed class stands for 1..n pipelines (its smaller counts
+    are searched later); its slots then go to the open levels, and since the
+    capacity is linear in its count, the larger of the two ends bounds them all.
+    """
+
+    def __init__(self, levels: list[list[Family]], microbatches: int,
+                 slots: dict[str, int], work: dict[str, float],
+                 optimizer: Callable[[Family, int], float]) -> None:
+        self.m, self.levels, self.slots, self.optimizer = microbatches, levels, slots, optimizer
+        self.kinds = sorted(slots)
+        self.work = np.array([work[k] for k in self.kinds])
+        self._static: dict[int, tuple] = {}
+        self._bounds: dict[int, tuple] = {}
+
+    def _level(self, level: int) -> tuple:
+        """Per family of a level: stages per type, 1 / min_busy, total (infinite for a
+        family that cannot run), 1 / stage count, the families holding each type, 1 /
+        sum_k count_k / W_k, and the level's own type (-1 for mixed patterns). The
+        bounds part is dropped by `invalidate` when families were tightened."""
+        static = self._static.get(level)
+        if static is None:
+            families = self.levels[level]
+            counts = np.array([[f.types.count(k) for k in self.kinds] for f in families],
+                              dtype=float).reshape(len(families), len(self.kinds))
+            kinds = {k for f in families for k in f.types}
+            home = self.kinds.index(kinds.pop()) if len(kinds) == 1 else -1
+            holding = [np.flatnonzero(counts[:, i]) for i in range(len(self.kinds))]
+            static = (counts, 1 / counts.sum(axis=1).clip(1), holding,
+                      1 / counts.dot(1 / self.work).clip(1e-300), home)
+            self._static[level] = static
+        bounds = self._bounds.get(level)
+        if bounds is None:
+            live = [np.isfinite(f.min_busy) for f in self.levels[level]]
+            bounds = (np.array([1 / f.min_busy if ok else 0.0
+                                for f, ok in zip(self.levels[level], live, strict=True)]),
+                      np.array([f.total if ok else INF
+                                for f, ok in zip(self.levels[level], live, strict=True)]))
+            self._bounds[level] = bounds
+        return (*static, *bounds)
+
+    def invalidate(self) -> None:
+        self._bounds.clear()
+
+    def _counts(self, f: Family | None) -> np.ndarray:
+        return np.array([f.types.count(k) if f else 0 for k in self.kinds], dtype=float)
+
+    def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool
+                     ) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Per-slot values y (one row per t) that cover every open family at time t (the
+        micro-batches its pipelines finish, whole ones if `whole`), and where each is
+        valid (None: everywhere); see the class."""
+        y = np.zeros((len(t), len(self.kinds)))
+        mixed = None
+        for level in open_levels:
+            counts, inv_size, holding, inv_fluid, home, inv_busy, total = self._level(level)
+            with np.errstate(invalid="ignore"):  # (t - inf) * 0 where no family can run
+                done = 1 + (t[:, None] - total) * inv_busy
+                done = np.where(t[:, None] >= total, np.floor(done + 1e-9) if whole else done,
+                                0.0)
+            if home >= 0:
+                y[:, home] = np.maximum(y[:, home], (done * inv_size).max(axis=1))
+            else:
+                mixed = (counts, inv_size, holding, inv_fluid, done)
+        if mixed is None:
+            return [(y, None)]
+        counts, inv_size, holding, inv_fluid, done = mixed
+        per_slot = done * inv_size
+        raised = np.maximum(y, np.stack([
+            per_slot[:, held].max(axis=1) if len(held) else np.zeros(len(t))
+            for held in holding], axis=1))
+        # t / W_k per slot covers every family, tightened or not (see `families`); scaled
+        # down to what the best mixed family reaches of it
+        fluid = (done * inv_fluid).max(axis=1)[:, None] / self.work[None, :]
+        covered = y.dot(counts.T)
+        live = done > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(live, done / covered, 0.0).max(axis=1)
+        valid = ~(live & (covered <= 0)).any(axis=1)
+        return [(raised, None), (np.maximum(y, fluid), None),
+                (y * np.where(valid, np.maximum(1.0, scale), 1.0)[:, None], valid)]
+
+    def many(self, fixed: Sequence[tuple[Family, int]],
+             candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
+             fewer: bool = False, at_least: float = 0.0) -> np.ndarray:
+        """The bound of `fixed` plus each candidate class (f, n) (None: no class), all at
+        once; with `fewer`, a candidate stands for 1..n pipelines. `at_least` is a bound
+        already known for all of them (e.g. the parent's)."""
+        dead = any(f.min_busy == INF for f, _ in fixed)
+        free = np.array([float(self.slots[k]) for k in self.kinds])
+        for f, n in fixed:
+            free -= n * self._counts(f)
+        pipelines = sum(n for _, n in fixed)
+        counts = np.array([self._counts(f) for f, _ in candidates]).reshape(-1, len(self.kinds))
+        n_c = np.array([float(n) if f else 0.0 for f, n in candidates])
+        busy = np.array([f.min_busy if f else INF for f, _ in candidates])
+        total = np.array([f.total if f else -INF for f, _ in candidates])
+        dead = dead | (pipelines + n_c > self.m) | (n_c > 0) & (busy == INF)
+        free = free[None, :] - n_c[:, None] * counts
+        optimizer = np.maximum(max((self.optimizer(f, n) for f, n in fixed), default=0.0),
+                               [self.optimizer(f, n) if f else 0.0 for f, n in candidates])
+        start = np.maximum(max((f.total for f, _ in fixed), default=0.0), total)
+        open_levels = [level for level in open_levels if self.levels[level]]
+        lines = [(float(n), f.min_busy, f.total) for f, n in fixed] + [(n_c, busy, total)]
+
+        def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
+            """Micro-batches finished: by the fixed classes and the candidates at t_fixed
+            (whole ones or run fluidly), by the open levels at t_open."""
+            count = _finished if whole else _fluid
+            ones = [np.where(np.asarray(n) > 0, count(t_fixed, c, b), 0.0)
+                    for n, b, c in lines]
+            value = sum(n * one for (n, _, _), one in zip(lines, ones, strict=True))
+            best = value if not open_levels else np.full(len(t_fixed), INF)
+            for y, valid in self._slot_values(t_open, open_levels, whole) if open_levels else ():
+                more = value + (free * y).sum(axis=1)
+                if fewer:
+                    freed = (counts * y).sum(axis=1)
+                    more = np.maximum(more, more + (n_c - 1) * (freed - ones[-1]))
+                best = np.minimum(best, more if valid is None else np.where(valid, more, INF))
+            return best
+
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if not open_levels:  # every pipeline is busy from `start` on: a line in t
+                rate = sum(n / b for n, b, _ in lines[:-1]) + np.where(
+                    n_c > 0, n_c / busy, 0.0)
+                offset = sum(n * (1 - c / b) for n, b, c in lines[:-1]) + np.where(
+                    n_c > 0, n_c * (1 - total / busy), 0.0)
+                times = np.where(rate > 0, np.maximum(start, (self.m - offset) / rate), INF)
+            else:
+                if not fixed:
+                    first = min(float(self._level(level)[-1].min()) for level in open_levels)
+                    start = np.where(n_c > 0, start, first)
+                times = _first_enough(lambda t: self.m - done(t, t, False),
+                                      np.where(np.isfinite(start), start, INF),
+                                      at_least - optimizer)
+            times = self._whole(times, lines, done)
+        return np.where(dead, INF, np.maximum(at_least, times + optimizer))
+
+    def _whole(self, times: np.ndarray, lines: list[tuple], done: Callable) -> np.ndarray:
+        """From `times` (where the micro-batches, run fluidly, are done) on to the next
+        time a fixed pipeline completes one while the whole micro-batches those finish,
+        plus what the open levels can add before that time, still fall short."""
+        for _ in range(int(self.m) + 1):
+            after = np.full(len(times), INF)
+            for n, b, c in lines:
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    k = np.floor((times - c) / b + 1e-9)
+                    after = np.minimum(after, np.where(
+                        (np.asarray(n) > 0) & np.isfinite(b),
+                        np.where(times >= c, c + (k + 1) * b, c), INF))
+            behind = np.isfinite(times) & np.isfinite(after) & (
+                done(times, np.where(np.isfinite(after), after, times), True) < self.m)
+            if not behind.any():
+                break
+            times = np.where(behind, after, times)
+        return times
+
+    def __call__(self, fixed: Sequence[tuple[Family, int]], open_levels: Sequence[int],
+                 fewer: bool = False, at_least: float = 0.0) -> float:
+        """The bound of one (partial) structure; `fewer` applies to its last class."""
+        last = [fixed[-1]] if fixed else [(None, 0)]
+        return float(self.many(fixed[:-1], last, open_levels, fewer, at_least)[0])
+
+
+def _finished(t: np.ndarray, total: np.ndarray | float, busy: np.ndarray | float
+              ) -> np.ndarray:
+    """Whole micro-batches a pipeline whose first takes `total` and every next one at
+    least `busy` can have finished by time t."""
+    with np.errstate(invalid="ignore"):
+        return np.where(t >= total, np.floor(1 + (t - total) / busy + 1e-9), 0.0)
+
+
+def _fluid(t: np.ndarray, total: np.ndarray | float, busy: np.ndarray | float
+           ) -> np.ndarray:
+    """`_finished` without rounding down to whole micro-batches."""
+    with np.errstate(invalid="ignore"):
+        return np.where(t >= total, 1 + (t - total) / busy, 0.0)
+
+
+def _first_enough(short: Callable[[np.ndarray], np.ndarray], start: np.ndarray,
+                  guess: np.ndarray) -> np.ndarray:
+    """Per element, a t at which `short` (non-increasing in t) is still positive,
+    within 0.01% of where it reaches 0, or the larger of start and guess if it is no
+    longer positive there (the caller knows a bound of guess already): the bracket
+    [that, beyond] shrinks by regula falsi (Illinois). Infinite where it never
+    reaches 0 or start is infinite."""
+    low = np.where(np.isfinite(start), np.maximum(start, guess), start)
+    short_low = short(np.where(np.isfinite(low), low, 0.0))
+    answer = np.where(~np.isfinite(low) | (short_low <= 0), low, np.nan)
+    high = np.maximum(low * 1.01, 1e-9)
+    short_high = short(np.where(np.isfinite(high), high, 0.0))
+    while True:  # widen until the bracket holds the answer
+        grow = np.isnan(answer) & (short_high > 0)
+        if not grow.any():
+            break
+        answer = np.where(grow & (high > 1e12), INF, answer)
+        grow &= high <= 1e12
+        low, short_low = np.where(grow, high, low), np.where(grow, short_high, short_low)
+        high = np.where(grow, 2 * high, high)
+        short_high = np.where(grow, short(high), short_high)
+    side = np.zeros(len(low))
+    while True:
+        active = np.isnan(answer) & (high - low > 1e-4 * high)
+        if not active.any():
+            break
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = high - short_high * (high - low) / (short_high - short_low)
+        t = np.clip(np.nan_to_num(t, nan=0.0), low + 0.01 * (high - low),
+                    high - 0.01 * (high - low))
+        value = short(np.where(active, t, low))
+        up = active & (value > 0)
+        down = active & (value <= 0)
+        short_high = np.where(up & (side == 1), short_high / 2, short_high)
+        short_low = np.where(down & (side == -1), short_low / 2, short_low)
+        low, short_low = np.where(up, t, low), np.where(up, value, short_low)
+        high, short_high = np.where(down, t, high), np.where(down, value, short_high)
+        side = np.where(up, 1, np.where(down, -1, side))
+    return np.where(np.isnan(answer), low, answer)
+
+
+def optimizer_bound(table: CostTable, params: float, space: Space, tp: int
+                     ) -> Callable[[Family, int], float]:
+    """The optimizer step n pipelines of family f pay at least: some stage holds 1/S of
+    the parameters, sharded by ZeRO over the n pipelines if ZeRO is allowed."""
+    memo: dict[tuple, float] = {}
+
+    def bound(f: Family, n: int) -> float:
+        key = (f.types, n)
+        if key not in memo:
+            shard = tp * len(f.types) * (n if max(space.zeros) >= 1 else 1)
+            memo[key] = min(table.optimizer_time(k, params / shard) for k in set(f.types))
+        return memo[key]
+
+    return bound

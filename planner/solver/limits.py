@@ -1,0 +1,26 @@
+"""What the user fixes or bounds in the search space."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the user fixes or bounds (None: free)."""
+
+    tp: int | None = None
+    max_tp: int | None = None
+    pp: int | None = None  # stages per pipeline
+    dp: int | None = None  # number of pipelines
+    micro_batch: int | None = None
+    max_stages: int = 16
+    max_micro_batch: int = 16
+    mixed: bool = True
+    first_stage: str | None = None  # device type of every pipeline's first stage
+    last_stage: str | None = None  # ... and of its last stage
+
+    def allows(self, types: tuple[str, ...]) -> bool:
+        """Whether a pipeline of these stage device types obeys the stage pins."""
+        return ((self.first_stage is None or types[0] == self.first_stage)
+                and (self.last_stage is None or types[-1] == self.last_stage))
