@@ -36,9 +36,8 @@ class Family:
     tight: bool = False
 
 
-
 def families(table: CostTable, config: Config, limits: Limits, space: Space
-              ) -> list[list[Family]]:
+             ) -> list[list[Family]]:
     """The level of mixed patterns first (absent with `mixed` off or a single type),
     then one level of homogeneous patterns per device type, fastest type first.
 
@@ -47,10 +46,11 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
     block for a homogeneous family), so its total is at least the smallest
     prefix_a(j) + suffix_b(j) and its bottleneck at least the smallest
     max(prefix_a(j) / c_a, suffix_b(j) / c_b) over the j that leave every stage a
-    layer, and at least the largest layer's time on its faster type. (Layer times
-    are not proportional across types, so the plain fluid bound 1 / sum_k c_k / W_k
-    is not one.) A family whose devices cannot hold the parameter states even fully
-    sharded by ZeRO over its pipelines is dropped."""
+    layer and each block room for its layers' parameter states (ZeRO-sharded over
+    the most pipelines), and at least the largest layer's time on its faster type.
+    (Layer times are not proportional across types, so the plain fluid bound
+    1 / sum_k c_k / W_k is not one.) A family whose devices cannot hold the states
+    however the layers are split is dropped."""
     busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, config.tp, config.mb))
             for t in table.types}
     work = {k: float(v.sum()) for k, v in busy.items()}
@@ -414,7 +414,7 @@ def _first_enough(short: Callable[[np.ndarray], np.ndarray], start: np.ndarray,
 
 
 def optimizer_bound(table: CostTable, params: float, space: Space, tp: int
-                     ) -> Callable[[Family, int], float]:
+                    ) -> Callable[[Family, int], float]:
     """The optimizer step n pipelines of family f pay at least: some stage holds 1/S of
     the parameters, sharded by ZeRO over the n pipelines if ZeRO is allowed."""
     memo: dict[tuple, float] = {}

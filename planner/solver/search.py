@@ -115,7 +115,7 @@ class _Search:
             costs = {t.name: table.costs(t.name, config.tp, config.mb) for t in table.types}
             work = {k: float(c.fwd.sum() + c.bwd.sum()) for k, c in costs.items()}
             bound = Bound(levels, batch // config.mb, slots, work,
-                           optimizer_bound(table, params, space, config.tp))
+                          optimizer_bound(table, params, space, config.tp))
             self.state[config] = (levels, bound, {f.types: f for lv in levels for f in lv})
             root = _Node(bound([], range(len(levels))), next(self.counter), config, 0, (), ())
             heapq.heappush(self.heap, root)
