@@ -17,7 +17,9 @@ from planner.solver.limits import Limits
 from planner.solver.partition import INF, ZERO_GATHER_REF, class_costs, optimize
 from planner.solver.structure import capacity
 from planner.solver.table import CostTable
+from planner.solver.timing import in_flight
 from planner.types import LinkSpec
+from planner.types.training import Recompute
 
 
 @dataclass
@@ -49,8 +51,11 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
     layer and each block room for its layers' parameter states (ZeRO-sharded over
     the most pipelines), and at least the largest layer's time on its faster type.
     (Layer times are not proportional across types, so the plain fluid bound
-    1 / sum_k c_k / W_k is not one.) A family whose devices cannot hold the states
-    however the layers are split is dropped."""
+    1 / sum_k c_k / W_k is not one.) Where a block's states and kept activations
+    (at least the fewest micro-batches any of its stages holds) overflow its
+    devices, the recompute that frees the bytes over, at the cheapest rate any layer
+    and policy frees them, is added to its time. A family whose devices cannot hold
+    the states however the layers are split is dropped."""
     busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, config.tp, config.mb))
             for t in table.types}
     work = {k: float(v.sum()) for k, v in busy.items()}
@@ -63,6 +68,18 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
 
     held = np.concatenate([[0.0], np.cumsum(table.params)]) / config.tp
     rooms = {t.name: t.memory - t.reserve for t in table.types}
+    kept_acts = np.concatenate([[0.0], np.cumsum(table.activations(Recompute.NONE, config.tp))]
+                               ) * config.mb
+    per_byte = {t.name: _recompute_per_byte(table, t.name, config, space) for t in table.types}
+
+    def recompute(kind: str, states: np.ndarray, acts: np.ndarray, stages: np.ndarray,
+                  flight: np.ndarray) -> np.ndarray:
+        """Recompute time a block must add at least where its parameter states and the
+        activations it keeps, at least `flight` micro-batches per stage, overflow its
+        memory: summed over its stages, the bytes over are what recompute must free."""
+        over = states + flight * acts - stages * rooms[kind]
+        with np.errstate(invalid="ignore"):  # 0 * inf where nothing can free any bytes
+            return np.where(over > 0, over / flight * per_byte[kind], 0.0)
 
     @functools.cache
     def state_bytes(n: int) -> float:
@@ -84,9 +101,15 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
         return types, n_max
 
     def homogeneous(kind: str) -> list[Family]:
-        return [Family(types=found[0], n_max=found[1], total=work[kind],
-                        min_busy=max(work[kind] / s, largest_layer[kind, kind]))
-                for s in lengths() if s <= slots[kind] and (found := fits([(kind, s)]))]
+        out = []
+        for s in lengths():
+            if s <= slots[kind] and (found := fits([(kind, s)])):
+                total = work[kind] + float(recompute(
+                    kind, held[-1] * state_bytes(found[1]), kept_acts[-1], np.array(s),
+                    np.array(in_flight(s - 1, s, 10**9, config.schedule))))
+                out.append(Family(types=found[0], n_max=found[1], total=total,
+                                  min_busy=max(total / s, largest_layer[kind, kind])))
+        return out
 
     def mixed(a: str, b: str) -> list[Family]:
         """All families of a block of type a then one of type b at once: a row per
@@ -102,7 +125,13 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
         j = np.arange(table.num_layers + 1)[None, :]
         ok = ((j >= ca) & (j <= table.num_layers - cb) & (need <= ca * rooms[a])
               & (need[:, -1:] - need <= cb * rooms[b]))
-        head, tail = prefix[a][None, :], (work[b] - prefix[b])[None, :]
+        first = np.array([float(in_flight(int(c) - 1, int(c + d), 10**9, config.schedule))
+                          for c, d in zip(ca[:, 0], cb[:, 0], strict=True)])[:, None]
+        last = np.array([float(in_flight(int(c + d) - 1, int(c + d), 10**9, config.schedule))
+                         for c, d in zip(ca[:, 0], cb[:, 0], strict=True)])[:, None]
+        head = prefix[a][None, :] + recompute(a, need, kept_acts[None, :], ca, first)
+        tail = (work[b] - prefix[b])[None, :] + recompute(
+            b, need[:, -1:] - need, kept_acts[-1] - kept_acts[None, :], cb, last)
         total = np.where(ok, head + tail, INF).min(axis=1)
         busiest = np.where(ok, np.maximum(head / ca, tail / cb), INF).min(axis=1)
         return [Family(types=found[0], n_max=found[1], total=float(t),
@@ -119,6 +148,23 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
         levels.insert(0, [f for a, b in itertools.permutations(sorted(work), 2)
                           for f in mixed(a, b)])
     return levels
+
+
+def _recompute_per_byte(table: CostTable, kind: str, config: Config, space: Space) -> float:
+    """Fewest seconds of recompute per byte of activations it frees (per micro-batch
+    in flight), over every layer and allowed policy on this type; 0 if keeping all
+    activations is not allowed (then the policies' times are not extra)."""
+    if Recompute.NONE not in space.policies:
+        return 0.0
+    costs = table.costs(kind, config.tp, config.mb)
+    kept = table.activations(Recompute.NONE, config.tp) * config.mb
+    best = INF
+    for policy in space.policies:
+        freed = kept - table.activations(policy, config.tp) * config.mb
+        useful = freed > 0
+        if useful.any():
+            best = min(best, float((costs.recompute[policy][useful] / freed[useful]).min()))
+    return best
 
 
 def _best_link(table: CostTable, a: str, b: str) -> LinkSpec:
