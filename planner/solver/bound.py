@@ -62,7 +62,6 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
     prefix = {k: np.concatenate([[0.0], np.cumsum(v)]) for k, v in busy.items()}
     slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
     longest = min(limits.max_stages, table.num_layers)
-    params = float(table.params.sum()) / config.tp
     largest_layer = {(a, b): float(np.minimum(busy[a], busy[b]).max())
                      for a in busy for b in busy}
 
@@ -96,7 +95,7 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
         if not limits.allows(types):
             return None
         n_max = min(capacity(table, config.tp, k, c) for k, c in blocks)
-        if n_max < 1 or sum(c * rooms[k] for k, c in blocks) < params * state_bytes(n_max):
+        if n_max < 1 or sum(c * rooms[k] for k, c in blocks) < held[-1] * state_bytes(n_max):
             return None
         return types, n_max
 

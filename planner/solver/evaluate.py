@@ -287,9 +287,10 @@ def refine(table: CostTable, priced: Priced, microbatches: int,
     best = priced.upper if priced.upper.step_time < beat else None
     groups: dict = {}
     for combo in itertools.product(*fronts):
+        bar = best.step_time if best else beat
         candidate = evaluate(table, priced.config, priced.shapes, priced.placement, combo,
-                             microbatches, best.step_time if best else beat, groups)
-        if candidate is not None and candidate.step_time < (best.step_time if best else beat):
+                             microbatches, bar, groups)
+        if candidate is not None and candidate.step_time < bar:
             best = candidate
     return best
 

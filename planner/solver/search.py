@@ -124,8 +124,12 @@ class _Search:
         return self.best[self.top_k - 1].step_time if len(self.best) >= self.top_k else \
             float("inf")
 
+    def promising(self, b: float) -> bool:
+        """Whether a bound leaves room to beat the k-th best plan by more than `gap`."""
+        return b < self.threshold() * (1 - self.gap)
+
     def keep(self, b: float) -> bool:
-        if b < self.threshold() * (1 - self.gap):
+        if self.promising(b):
             return True
         if b < self.threshold():
             self.given_up = min(self.given_up, b)
@@ -300,7 +304,7 @@ class _Search:
             heapq.heapify(children)
             settled = []
             for _ in range(_DIVE_TRIES):
-                if not children or children[0].bound >= self.threshold() * (1 - self.gap):
+                if not children or not self.promising(children[0].bound):
                     break
                 child = heapq.heappop(children)
                 if self.settle(child):
@@ -310,10 +314,10 @@ class _Search:
             closed = [(bound(self.fixed(c), ()), c.order, c) for c in settled if c.chosen]
             if closed:
                 alone, _, node = min(closed)
-                if alone < self.threshold() * (1 - self.gap):
+                if self.promising(alone):
                     self.leaf(_Node(alone, next(self.counter), node.config, len(levels),
                                     node.chosen, node.counts))
-            elif children and children[0].bound < self.threshold() * (1 - self.gap):
+            elif children and self.promising(children[0].bound):
                 node = children[0]  # settled on the next round
             else:
                 return
@@ -340,7 +344,7 @@ class _Search:
                          tuple(f.types for f, _ in fixed), tuple(n for _, n in fixed))
             self.settle(node)
             node.bound = bound(fixed, ())
-            if node.bound < self.threshold() * (1 - self.gap):
+            if self.promising(node.bound):
                 self.leaf(node)
 
     def step(self) -> bool:
