@@ -182,9 +182,12 @@ def _consistent(shapes, node, levels, shrinks: bool) -> bool:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 @example(1393)  # layer times not proportional across types broke the fluid family bound
+@example(12)  # a sync floor added to a bound that already held one
+@example(33)  # a class escapes its sync floor through ZeRO-3
 def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
     """The branch and bound's bounds, before and after pricing a node's classes, for every
-    node of the tree (a child stands for 1..n pipelines of its last class)."""
+    node of the tree (a child stands for 1..n pipelines of its last class), and a leaf's
+    bound with its first layer's sync."""
     from planner.solver.search import _Search
 
     table, batch, limits = random_instance(random.Random(seed))
@@ -205,7 +208,11 @@ def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
         while not run.settle(node):
             pass
         assert node.bound <= best * (1 + 1e-9)
-        if not run.is_leaf(node):
+        if run.is_leaf(node):  # what decides whether a leaf (its counts as they are) is priced
+            exact = min((v for config, shapes, v in values if config == node.config
+                         and _consistent(shapes, node, levels, False)), default=float("inf"))
+            assert run.sync_floor(node) <= exact * (1 + 1e-9)
+        else:
             stack.extend(run.children(node))
         sibling = run.sibling(node)
         if sibling is not None:

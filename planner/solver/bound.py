@@ -5,6 +5,7 @@ may still add pipelines of any family on the device slots left."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from planner.solver.evaluate import Config, Space
 from planner.solver.limits import Limits
 from planner.solver.partition import INF, ZERO_GATHER_REF, class_costs, optimize
 from planner.solver.structure import capacity
+from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
 from planner.solver.timing import in_flight
 from planner.types import LinkSpec
@@ -246,9 +248,11 @@ class Bound:
 
     def __init__(self, levels: list[list[Family]], microbatches: int,
                  slots: dict[str, int], work: dict[str, float],
-                 optimizer: Callable[[Family, int], float]) -> None:
+                 optimizer: Callable[[Family, int], float],
+                 sync: Callable[[Sequence[str]], SyncFloor] | None = None) -> None:
         self.m, self.levels, self.slots, self.optimizer = microbatches, levels, slots, optimizer
         self.kinds = sorted(slots)
+        self.sync = sync(self.kinds) if sync else None
         self.work = np.array([work[k] for k in self.kinds])
         self._static: dict[int, tuple] = {}
         self._bounds: dict[int, tuple] = {}
@@ -322,10 +326,77 @@ class Bound:
 
     def many(self, fixed: Sequence[tuple[Family, int]],
              candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-             fewer: bool = False, at_least: float = 0.0) -> np.ndarray:
+             fewer: bool = False, at_least: tuple[float, float] = (0.0, 0.0)
+             ) -> tuple[np.ndarray, np.ndarray]:
         """The bound of `fixed` plus each candidate class (f, n) (None: no class), all at
-        once; with `fewer`, a candidate stands for 1..n pipelines. `at_least` is a bound
-        already known for all of them (e.g. the parent's)."""
+        once, and the same without the fixed classes' sync floor (the base); with
+        `fewer`, a candidate stands for 1..n pipelines. `at_least`: a bound and base
+        already known for all of them (e.g. the parent's).
+
+        Sync is one term of the step, so each class's floor is added on its own: the
+        class pays its sync floor, or its largest stage is on ZeRO-3 and the bound
+        with its period raised pays the sharded floor (`sync_floor`); the bound is
+        the largest over the classes of the smaller of the two."""
+        base = self._core(fixed, candidates, open_levels, fewer, at_least[1])
+        full = np.maximum(base, at_least[0])
+        if self.sync is None:
+            return full, base
+        rows = len(candidates)
+        classes = [(np.broadcast_to(self._mask(f), (rows, len(self.kinds))),
+                    np.full(rows, float(len(f.types))), np.full(rows, float(n)),
+                    np.full(rows, float(n))) for f, n in fixed]
+        live = np.array([f is not None for f, _ in candidates])
+        if live.any():
+            classes.append((np.array([self._mask(f) for f, _ in candidates]),
+                            np.array([float(len(f.types)) if f else 1.0 for f, _ in candidates]),
+                            np.array([1.0 if fewer else float(n) for _, n in candidates]),
+                            np.array([float(max(n, 1)) for _, n in candidates])))
+        if len(classes) < 2 and not any(np.any(c[2] > 1) for c in classes):
+            return full, base
+        for c, (paid, sharded, period) in enumerate(self.sync.terms(classes)):
+            if c == len(fixed):
+                paid = np.where(live, paid, 0.0)
+                sharded = np.where(live, sharded, INF)
+            term = base + paid
+            cheaper = sharded < paid
+            if cheaper.any():
+                raised = self._raised(fixed, candidates, open_levels, fewer, at_least[1], c,
+                                      period, cheaper, base)
+                term = np.where(cheaper, np.minimum(term, raised + sharded), term)
+            full = np.maximum(full, term)
+        return full, base
+
+    def _mask(self, f: Family | None) -> np.ndarray:
+        return np.array([f is not None and k in f.types for k in self.kinds])
+
+    def _raised(self, fixed: Sequence[tuple[Family, int]],
+                candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
+                fewer: bool, at_least: float, c: int, period: np.ndarray,
+                rows: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """The base bound with class c (a fixed one, or the candidates' if c is past
+        them) at least `period` per micro-batch, on the given rows."""
+        def slower(f: Family, p: float) -> Family:
+            return dataclasses.replace(f, min_busy=max(f.min_busy, p),
+                                       total=max(f.total, p))
+
+        if c < len(fixed):
+            f, n = fixed[c]
+            if f.min_busy >= period[0]:
+                return base
+            fixed = [*fixed[:c], (slower(f, float(period[0])), n), *fixed[c + 1:]]
+        else:
+            rows = rows & np.array([f is not None and f.min_busy < p
+                              for (f, _), p in zip(candidates, period, strict=True)])
+            if not rows.any():
+                return base
+            candidates = [(slower(f, float(p)) if take else f, n) for (f, n), p, take
+                          in zip(candidates, period, rows, strict=True)]
+        return self._core(fixed, candidates, open_levels, fewer, at_least)
+
+    def _core(self, fixed: Sequence[tuple[Family, int]],
+              candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
+              fewer: bool, at_least: float) -> np.ndarray:
+        """`many`'s bound before sync."""
         dead = any(f.min_busy == INF for f, _ in fixed)
         free = np.array([float(self.slots[k]) for k in self.kinds])
         for f, n in fixed:
@@ -396,10 +467,13 @@ class Bound:
         return times
 
     def __call__(self, fixed: Sequence[tuple[Family, int]], open_levels: Sequence[int],
-                 fewer: bool = False, at_least: float = 0.0) -> float:
-        """The bound of one (partial) structure; `fewer` applies to its last class."""
+                 fewer: bool = False, at_least: tuple[float, float] = (0.0, 0.0)
+                 ) -> tuple[float, float]:
+        """The bound and base of one (partial) structure; `fewer` applies to its last
+        class."""
         last = [fixed[-1]] if fixed else [(None, 0)]
-        return float(self.many(fixed[:-1], last, open_levels, fewer, at_least)[0])
+        full, base = self.many(fixed[:-1], last, open_levels, fewer, at_least)
+        return float(full[0]), float(base[0])
 
 
 def _finished(t: np.ndarray, total: np.ndarray | float, busy: np.ndarray | float

@@ -28,6 +28,7 @@ the search early and reports the queue's best bound.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import time
@@ -49,6 +50,7 @@ from planner.solver.evaluate import Config, Evaluation, Space, price, refine
 from planner.solver.limits import Limits
 from planner.solver.partition import INF, optimize, zero3_first
 from planner.solver.structure import ClassShape, place
+from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
 
 SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
@@ -74,6 +76,7 @@ class _Node:
     bound: float
     order: int
     config: Config = field(compare=False)
+    base: float = field(compare=False)  # the bound before the fixed classes' sync floor
     level: int = field(compare=False)  # 0: mixed class, then one level per type
     chosen: tuple[tuple[str, ...], ...] = field(compare=False)  # shapes' stage types
     counts: tuple[int, ...] = field(compare=False)
@@ -114,10 +117,13 @@ class _Search:
 
             costs = {t.name: table.costs(t.name, config.tp, config.mb) for t in table.types}
             work = {k: float(c.fwd.sum() + c.bwd.sum()) for k, c in costs.items()}
+            gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
             bound = Bound(levels, batch // config.mb, slots, work,
-                          optimizer_bound(table, params, space, config.tp))
+                          optimizer_bound(table, params, space, config.tp),
+                          functools.partial(SyncFloor, table, config, space, gathers=gathers))
             self.state[config] = (levels, bound, {f.types: f for lv in levels for f in lv})
-            root = _Node(bound([], range(len(levels))), next(self.counter), config, 0, (), ())
+            root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
+            root.bound, root.base = bound([], range(len(levels)))
             heapq.heappush(self.heap, root)
 
     def threshold(self) -> float:
@@ -157,8 +163,8 @@ class _Search:
         if not loose:
             return True
         bound.invalidate()
-        node.bound = bound(fixed, range(node.level, len(levels)), self.shrinks(node),
-                           node.bound)
+        node.bound, node.base = bound(fixed, range(node.level, len(levels)),
+                                      self.shrinks(node), (node.bound, node.base))
         return False
 
     @staticmethod
@@ -186,12 +192,13 @@ class _Search:
                 options.append((f, n))
         if node.level == len(levels) - 1 and not node.chosen:
             options = options[1:]  # a structure needs at least one class
-        bounds = bound.many(fixed, options, range(node.level + 1, len(levels)), True,
-                            node.bound)
+        bounds, bases = bound.many(fixed, options, range(node.level + 1, len(levels)), True,
+                                   (node.bound, node.base))
         out = []
-        for (f, n), b in zip(options, bounds, strict=True):
+        for (f, n), b, base in zip(options, bounds, bases, strict=True):
             chosen = node.chosen + ((f.types,) if f else ())
-            out.append(_Node(float(b), next(self.counter), node.config, node.level + 1, chosen,
+            out.append(_Node(float(b), next(self.counter), node.config, float(base),
+                             node.level + 1, chosen,
                              node.counts + ((n,) if f else ()),
                              frozenset([f.types]) if f else frozenset()))
         return out
@@ -203,10 +210,10 @@ class _Search:
         levels, bound, _ = self.state[node.config]
         fixed = self.fixed(node)
         counts = (*node.counts[:-1], node.counts[-1] - 1)
-        b = bound([*fixed[:-1], (fixed[-1][0], counts[-1])], range(node.level, len(levels)),
-                  counts[-1] > 1, node.bound)
-        return _Node(b, next(self.counter), node.config, node.level, node.chosen, counts,
-                     node.fewer)
+        b, base = bound([*fixed[:-1], (fixed[-1][0], counts[-1])],
+                        range(node.level, len(levels)), counts[-1] > 1, (node.bound, node.base))
+        return _Node(b, next(self.counter), node.config, base, node.level, node.chosen,
+                     counts, node.fewer)
 
     def greedy(self, config: Config) -> None:
         """A first plan built one device type at a time, fastest first: each type adds
@@ -234,7 +241,7 @@ class _Search:
             if pick is not None:
                 chosen.append(pick)
         if chosen:
-            node = _Node(0.0, next(self.counter), config, len(levels),
+            node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
                          tuple(s.types for s in chosen), tuple(s.n for s in chosen))
             _leaf(self.table, node, self.batch, self.limits, self.space, self.best,
                   self.top_k)
@@ -257,14 +264,15 @@ class _Search:
             return float("inf")
         holders = CommGroup.of([p[0].node for slots in placement for p in slots])
         grads = float(table.params[0]) * table.grad_bytes
-        synced = node.bound + table.collective(Collective.ALL_REDUCE, grads, holders)
+        # sync is one term of the step: added to the base, the bound before sync floors
+        synced = node.base + table.collective(Collective.ALL_REDUCE, grads, holders)
         if 3 not in self.space.zeros or any(s.n == 1 for s in shapes):
-            return synced
+            return max(node.bound, synced)
         shards = max(table.collective(Collective.ALL_REDUCE, grads / s.n, holders)
                      for s in shapes) if len(shapes) > 1 else 0.0
         bound = self.state[config][1]
-        sharded = bound([(self.zero3(config, f), n) for f, n in self.fixed(node)], ())
-        return min(synced, max(node.bound, sharded) + shards)
+        sharded, base = bound([(self.zero3(config, f), n) for f, n in self.fixed(node)], ())
+        return max(node.bound, min(synced, max(sharded, base + shards)))
 
     def zero3(self, config: Config, family: Family) -> Family:
         """The (tightened) family with its first stage on ZeRO-3."""
@@ -313,9 +321,9 @@ class _Search:
                     heapq.heappush(children, child)
             closed = [(bound(self.fixed(c), ()), c.order, c) for c in settled if c.chosen]
             if closed:
-                alone, _, node = min(closed)
+                (alone, base), _, node = min(closed)
                 if self.promising(alone):
-                    self.leaf(_Node(alone, next(self.counter), node.config, len(levels),
+                    self.leaf(_Node(alone, next(self.counter), node.config, base, len(levels),
                                     node.chosen, node.counts))
             elif children and self.promising(children[0].bound):
                 node = children[0]  # settled on the next round
@@ -340,10 +348,10 @@ class _Search:
             if sum(n for _, n in fixed) > bound.m or any(
                     used[k] > bound.slots[k] for k in used):
                 continue
-            node = _Node(0.0, next(self.counter), config, len(levels),
+            node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
                          tuple(f.types for f, _ in fixed), tuple(n for _, n in fixed))
             self.settle(node)
-            node.bound = bound(fixed, ())
+            node.bound, node.base = bound(fixed, ())
             if self.promising(node.bound):
                 self.leaf(node)
 
@@ -391,7 +399,7 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
     run = _Search(table, batch, limits or Limits(), space or Space(), top_k, gap)
     for config, shapes in seeds:
         if config in run.state:
-            node = _Node(0.0, next(run.counter), config, len(run.state[config][0]),
+            node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
                          tuple(s.types for s in shapes), tuple(s.n for s in shapes))
             _leaf(table, node, batch, run.limits, run.space, run.best, top_k)
     for root in sorted(run.heap)[:dives]:

@@ -1,0 +1,160 @@
+"""The gradient sync a partial structure's fixed classes pay at least, for the bounds.
+
+Every pipeline holds every layer, so the stage of class c that holds the most
+parameters (x >= P / S_c, S_c its stages) is all-reduced among one stage of every
+pipeline of every class (`evaluate.sync_and_optimizer`). On the stage's type t its
+group spans at least k = ceil(n_c / (stages of t one node holds)) nodes, and for
+each other class d it holds a stage of one of d's types. A collective costs at least
+what it costs among a subset of its members (a ring over fewer ranks and links no
+slower), and one rank per node costs what the nodes' links allow: so where all
+nodes of a type are linked alike, the step pays at least the all-reduce of x's
+gradients over k of them (plus one node of d's type); elsewhere, over the cheapest
+pair of different nodes.
+
+Unless that stage is on ZeRO-3: then only each device's 1/n_c shard is all-reduced
+across classes, and nothing within c, but every micro-batch the stage computes its
+layers (at least the cheapest range holding x parameters) and gathers its weights
+three times (at least `partition`'s cheapest gather): a period the class's pipelines
+take at least. `Bound` takes, per class, the smaller of the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from cost_models.comm import Collective, CommGroup
+from planner.solver.evaluate import Config, Space
+from planner.solver.partition import INF, ZERO_GATHER_REF
+from planner.solver.table import CostTable
+
+_REF = 2.0**30  # bytes; an all-reduce among fixed ranks is affine in its bytes
+
+
+class SyncFloor:
+    """Per-class sync floors of (partial) structures of one configuration."""
+
+    def __init__(self, table: CostTable, config: Config, space: Space,
+                 kinds: Sequence[str], gathers: dict[str, tuple[float, float]]) -> None:
+        """gathers: per type, a ZeRO-3 all-gather of 1 byte and of ZERO_GATHER_REF bytes
+        that no group of its replicas beats."""
+        self.kinds = list(kinds)
+        size = len(self.kinds)
+        infos = [table.type(k) for k in self.kinds]
+        self.params = float(table.params.sum())
+        self.largest = float(table.params.max())
+        self.grad_bytes = table.grad_bytes
+        self.zero3 = 3 in space.zeros
+        self.per_node = np.array([max(1, *(d // config.tp for d in t.node_devices))
+                                  for t in infos], dtype=float)  # 0: no class uses the type
+        self.nodes = np.array([len(t.nodes) for t in infos])
+        # floor[:, t, k, u]: intercept and slope of the all-reduce among k nodes of type t
+        # and one of type u (u = size: none)
+        widest = int(self.nodes.max())
+        self.floor = np.zeros((2, size, widest + 1, size + 1))
+        for i, t in enumerate(infos):
+            for k in range(1, widest + 1):
+                alone = _floor(table, t.nodes, min(k, len(t.nodes)), ())
+                self.floor[:, i, k, size] = alone
+                for j, u in enumerate(infos):
+                    self.floor[:, i, k, j] = alone if i == j else np.maximum(
+                        alone, _floor(table, t.nodes, min(k, len(t.nodes)), u.nodes))
+        # period[t, s]: a stage of type t holding P / s parameters on ZeRO-3
+        layers = table.num_layers
+        held = np.concatenate([[0.0], np.cumsum(table.params)])
+        stages = np.arange(1, layers + 1)
+        need = np.maximum(self.params / stages, self.largest)
+        self.period = np.zeros((size, layers + 1))
+        for i, k in enumerate(self.kinds):
+            costs = table.costs(k, config.tp, config.mb)
+            work = np.concatenate([[0.0], np.cumsum(costs.fwd + costs.bwd)])
+            low, high = gathers[k]
+            gather = 3 * (low + (high - low) * need * table.weight_bytes / ZERO_GATHER_REF)
+            self.period[i, 1:] = gather + _least_work(held, work, need)
+
+    def terms(self, classes: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+              ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per class (a mask of its types, its stages, its fewest and most pipelines, a
+        row each): the sync it pays at least if its largest stage is not on ZeRO-3, if
+        it is (infinite where ZeRO-3 is not allowed), and the period its pipelines
+        then take at least."""
+        out = []
+        for c, (mask, stages, fewest, most) in enumerate(classes):
+            volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
+            partners = [m for d, (m, _, _, _) in enumerate(classes) if d != c]
+            spread = np.ceil(fewest[:, None] / self.per_node[None, :]).astype(int)
+            full = self._least(mask, volume, partners, spread)
+            if self.zero3:
+                spread = np.ceil(most[:, None] / self.per_node[None, :]).astype(int)
+                sharded = np.where(most > 1, self._least(
+                    mask, volume / np.maximum(most, 1), partners, spread, alone=0.0), INF)
+                steps = np.clip(stages.astype(int), 1, self.period.shape[1] - 1)
+                period = np.where(mask, self.period[:, steps].T, INF).min(axis=1)
+            else:
+                sharded, period = np.full(len(volume), INF), np.zeros(len(volume))
+            out.append((full, sharded, period))
+        return out
+
+    def _least(self, mask: np.ndarray, volume: np.ndarray, partners: list[np.ndarray],
+               spread: np.ndarray, alone: float | None = None) -> np.ndarray:
+        """The smallest, over the stage's type t, of the largest all-reduce floor its
+        group must hold: k of t's nodes (`spread`), with one of some type of every
+        partner class; `alone`: the value without partners (None: the k nodes')."""
+        rows, size = mask.shape
+        k = np.minimum(spread, self.nodes[None, :])
+        t = np.arange(size)[None, :]
+        price = self.floor[0][t, k, :] + self.floor[1][t, k, :] * volume[:, None, None]
+        value = price[:, :, size] if alone is None else np.full((rows, size), alone)
+        for partner in partners:
+            present = partner.any(axis=1)[:, None]
+            held = np.where(partner[:, None, :], price[:, :, :size], INF).min(axis=2)
+            value = np.maximum(value, np.where(present, held, 0.0))
+        return np.where(mask, value, INF).min(axis=1)
+
+
+def _least_work(held: np.ndarray, work: np.ndarray, need: np.ndarray) -> np.ndarray:
+    """Per entry of `need`, the least work of a contiguous layer range holding at least
+    that many parameters (prefix sums `held` and `work`)."""
+    out = np.full(len(need), INF)
+    for a in range(len(held) - 1):
+        b = np.searchsorted(held, held[a] + need * (1 - 1e-12), side="left")
+        ok = b < len(held)
+        out = np.where(ok, np.minimum(out, work[np.minimum(b, len(held) - 1)] - work[a]), out)
+    return out
+
+
+def _floor(table: CostTable, nodes: Sequence[str], k: int, others: Sequence[str]
+           ) -> np.ndarray:
+    """(intercept, slope in bytes) no all-reduce among k different nodes of `nodes`
+    (and one of `others`, if given) beats. Where the nodes and their links to `others`
+    are all alike, that group priced on one rank per node; else the cheapest pair of
+    different nodes among them. Cached in the table."""
+    if k + (1 if others else 0) < 2:
+        return np.zeros(2)
+    alike, pairs = _links(table, tuple(nodes), tuple(others))
+    key = ("sync floor", tuple(nodes), k if alike else 2, tuple(others))
+    if key not in table.cache:
+        table.cache[key] = _affine(table, [[*nodes[:k], *others[:1]]] if alike else pairs)
+    return table.cache[key]
+
+
+def _links(table: CostTable, nodes: tuple[str, ...], others: tuple[str, ...]
+           ) -> tuple[bool, list[list[str]]]:
+    """Whether all nodes are linked alike (to each other and to `others`), and one pair
+    of different nodes per distinct link (between `nodes` and `others` if given)."""
+    key = ("sync floor links", nodes, others)
+    if key not in table.cache:
+        inner = {table.link(a, b): [a, b] for a in nodes for b in nodes if a != b}
+        cross = {table.link(a, b): [a, b] for a in nodes for b in others}
+        table.cache[key] = (len(inner) <= 1 and len(cross) <= 1,
+                            list((cross if others else inner).values()))
+    return table.cache[key]
+
+
+def _affine(table: CostTable, groups: list[list[str]]) -> np.ndarray:
+    """(intercept, slope) below the all-reduce of every group (one rank per node)."""
+    ends = np.array([[table.collective(Collective.ALL_REDUCE, size, CommGroup.of(group))
+                      for size in (1.0, _REF)] for group in groups])
+    slope = (ends[:, 1] - ends[:, 0]) / (_REF - 1)
+    return np.array([max(0.0, float((ends[:, 0] - slope).min())), max(0.0, float(slope.min()))])
