@@ -59,8 +59,9 @@ LastStage = Annotated[str | None, _constraint(
 Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Constraints",
                                      help="Allow pipelines that mix two device types.")]
 TimeLimit = Annotated[float | None, typer.Option(
-    "--time-limit", help="Seconds per search; return the best plan found by then (the "
-    "report says how far from optimal it may be).")]
+    "--time-limit", help="Seconds for the search (the fastest type alone gets at most a "
+    "quarter, the whole cluster the rest); return the best plan found by then (the report "
+    "says how far from optimal it may be). Baselines and predictions come after it.")]
 
 
 def overrides(*, layers: int | None = None, hidden: int | None = None,

@@ -13,6 +13,7 @@ same job costs without heterogeneity-aware planning.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -170,14 +171,19 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     alone_cluster = _fastest_only(used, training.dtype)
     alone: list[Plan] = []
     seeds: tuple = ()
+    start = time.perf_counter()
     if len(alone_cluster.nodes) < len(used.nodes):
-        try:
-            _, result = _search(model, alone_cluster, training,
-                                dataclasses.replace(options, top_k=1), costs)
+        try:  # a quarter of the time limit at most: the full search is what counts
+            _, result = _search(model, alone_cluster, training, dataclasses.replace(
+                options, top_k=1, time_limit=options.time_limit and options.time_limit / 4),
+                costs)
             alone = _plans(result, 0.0, model, alone_cluster, training, costs)
             seeds = tuple((e.config, e.shapes) for e in result.best)
         except PlannerError:
             pass
+    if options.time_limit is not None:  # the searches share the limit
+        options = dataclasses.replace(options, time_limit=max(
+            options.time_limit / 2, options.time_limit - (time.perf_counter() - start)))
     table, result = _search(model, used, training, options, costs, seeds, progress)
     plans = _plans(result, lower_bound(table, training.global_batch), model, cluster,
                    training, costs)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from cost_models.model import CostModel
 from planner.errors import PlannerError
 from planner.solver.build import FIXED, assemble
-from planner.solver.uniform import fits, uniform_pipelines
+from planner.solver.uniform import uniform_pipelines
 from planner.types import (
     Baseline,
     ClusterSpec,
@@ -33,7 +33,7 @@ _SAVERS = [(Recompute.NONE, 0), (Recompute.NONE, 1), (Recompute.NONE, 2),
            (Recompute.SELECTIVE, 2), (Recompute.FULL, 2), (Recompute.FULL, 3)]
 
 
-def _best(candidates: Sequence[Callable[[Recompute, int], list[PipelinePlan]]],
+def _best(candidates: Sequence[Callable[[Recompute, int], list[PipelinePlan] | None]],
           common: dict) -> Plan | None:
     """The fastest plan over candidates, each with the cheapest memory saver that fits
     (only the pipelines that fit are priced)."""
@@ -44,7 +44,7 @@ def _best(candidates: Sequence[Callable[[Recompute, int], list[PipelinePlan]]],
                 pipelines = make(recompute, zero)
             except PlannerError:
                 break
-            if not fits(pipelines, common["cluster"]):
+            if pipelines is None:  # does not fit
                 continue
             plan = assemble(pipelines=pipelines, solver=FIXED, **common)
             if best is None or plan.prediction.step_time < best.prediction.step_time:
@@ -66,14 +66,15 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
     out = []
     dp_plan = _best([
         (lambda r, z, mb=mb: uniform_pipelines(**common, tp=1, pp=1, dp=cluster.num_devices,
-                                               micro_batch=mb, recompute=r, zero=z))
+                                               micro_batch=mb, recompute=r, zero=z,
+                                               must_fit=True))
         for mb in micro], whole)
     out.append(_baseline("data-parallel", "every device a replica, even batch shares", dp_plan,
                          "the model does not fit one device of every type"))
     biggest = max(n.devices for n in cluster.nodes)
     uniform = _best([
         (lambda r, z, tp=tp, pp=pp, mb=mb: uniform_pipelines(
-            **common, tp=tp, pp=pp, micro_batch=mb, recompute=r, zero=z))
+            **common, tp=tp, pp=pp, micro_batch=mb, recompute=r, zero=z, must_fit=True))
         for tp, pp, mb in itertools.product(_powers(biggest), _powers(min(len(layers), 64)),
                                             micro[:3])], whole)
     out.append(_baseline("uniform", "best Megatron-style TP x PP x DP recipe: even layers, "

@@ -56,26 +56,24 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
     groups = _Groups(plan)
     out = []
     compute: dict[tuple, tuple[float, float, float, float]] = {}  # stages repeat across replicas
+    gathers: dict[tuple, float] = {}  # one ZeRO-3 group's gather
     for pipeline in plan.pipelines:
         mb, timings = pipeline.micro_batch, []
         for i, stage in enumerate(pipeline.stages):
             node = cluster.node(stage.devices.node)
-            chunk_layers = [layer for a, b in stage.chunks for layer in layers[a:b]]
             # a stage's tensor-parallel group lies inside its node: nodes with the same
             # device and intra-node link price it alike
             key = (stage.chunks, id(node.device), node.intra_link, stage.tp, mb,
                    stage.recompute)
             if key not in compute:
+                chunk_layers = [layer for a, b in stage.chunks for layer in layers[a:b]]
                 compute[key] = _compute(chunk_layers, node, stage, mb, dtype, costs)
             fwd, bwd, tp_fwd, recompute = compute[key]
             if stage.zero == 3:
-                zero_group = CommGroup.of(groups.of(stage))
-                weight = sum(layer.params for layer in chunk_layers) * plan_weight_bytes(plan)
-                g0 = costs.collective_time(Collective.ALL_GATHER, 1.0, zero_group)
-                g1 = costs.collective_time(Collective.ALL_GATHER, ZERO_GATHER_REF, zero_group)
-                gather = (g0 + (g1 - g0) * weight / ZERO_GATHER_REF) if weight else 0.0
-                fwd += gather
-                bwd += 2 * gather
+                if (zero := (groups.key(stage), stage.chunks)) not in gathers:
+                    gathers[zero] = _gather(plan, layers, stage, groups, costs)
+                fwd += gathers[zero]
+                bwd += 2 * gathers[zero]
             send = 0.0
             if i < len(pipeline.stages) - 1:
                 last = layers[stage.layers[1] - 1]
@@ -85,6 +83,17 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
                                        recompute=recompute, send=send))
         out.append(timings)
     return out
+
+
+def _gather(plan: Plan, layers: Sequence[Layer], stage: StagePlan, groups: _Groups,
+            costs: CostModel) -> float:
+    """Seconds of one ZeRO-3 all-gather of a stage's weights among its replicas."""
+    group = CommGroup.of(groups.of(stage))
+    weight = sum(layer.params for a, b in stage.chunks for layer in layers[a:b]
+                 ) * plan_weight_bytes(plan)
+    g0 = costs.collective_time(Collective.ALL_GATHER, 1.0, group)
+    g1 = costs.collective_time(Collective.ALL_GATHER, ZERO_GATHER_REF, group)
+    return (g0 + (g1 - g0) * weight / ZERO_GATHER_REF) if weight else 0.0
 
 
 def _compute(chunk_layers: Sequence[Layer], node: NodeSpec, stage: StagePlan, mb: int,
@@ -115,6 +124,7 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
     grad = plan.training.optimizer.grad_bytes or plan_weight_bytes(plan)
     groups = _Groups(plan)
     seen: set[tuple] = set()
+    synced: dict[tuple[int, float], float] = {}
     sync = opt = 0.0
     for pipeline in plan.pipelines:
         for stage in pipeline.stages:
@@ -127,8 +137,10 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
             holders = groups.holders(stage.layers[0])
             if stage.zero < 3 or len(holders) > shard:  # ZeRO-3: each shard across classes
                 volume = params * grad / (shard if stage.zero == 3 else 1)
-                sync = max(sync, costs.collective_time(Collective.ALL_REDUCE, volume,
-                                                       CommGroup.of(holders)))
+                if (stage.layers[0], volume) not in synced:  # the same group on every node
+                    synced[stage.layers[0], volume] = costs.collective_time(
+                        Collective.ALL_REDUCE, volume, CommGroup.of(holders))
+                sync = max(sync, synced[stage.layers[0], volume])
             device = costs.cluster.node(stage.devices.node).device
             opt = max(opt, costs.optimizer_time(params / stage.tp / shard, device,
                                                 plan.training))

@@ -16,11 +16,13 @@ from planner.errors import PlannerError
 from planner.solver.build import FIXED, assemble, stage_plan
 from planner.types import (
     ClusterSpec,
+    DeviceGroup,
     Layer,
     ModelSpec,
     PipelinePlan,
     Plan,
     Schedule,
+    StagePlan,
     TrainingSpec,
 )
 from planner.types.training import Recompute
@@ -57,9 +59,10 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                       training: TrainingSpec, costs: CostModel, tp: int, pp: int,
                       dp: int | None = None, micro_batch: int = 1,
                       recompute: Recompute = Recompute.NONE, zero: int = 0,
-                      schedule: Schedule = Schedule.ONE_F_ONE_B, interleave: int = 1
-                      ) -> list[PipelinePlan]:
-    """The uniform recipe's pipelines, stage memory included but not yet priced."""
+                      schedule: Schedule = Schedule.ONE_F_ONE_B, interleave: int = 1,
+                      must_fit: bool = False) -> list[PipelinePlan] | None:
+    """The uniform recipe's pipelines, stage memory included but not yet priced (None
+    with `must_fit` if a device's memory overflows)."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--micro-batch", micro_batch),
                         ("--interleave", interleave)):
         if value < 1:
@@ -97,17 +100,24 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                            f"micro-batch count to be a multiple of --pp {pp}.",
                            ["change the global batch, --micro-batch or --dp"])
     pipelines = []
+    alike: dict[tuple, StagePlan] = {}  # stages differ only in their devices
     for p, m in enumerate(_even(total, dp)):
         stages = []
         for s in range(pp):
             node, slot, kind = slots[p * pp + s]
-            held = tuple(chunks[j * pp + s] for j in range(interleave))
-            stages.append(stage_plan(
-                index=s, layers=layers, bounds=(held[0][0], held[-1][1]), chunks=held,
-                node=node, slot=slot, device_type=kind, tp=tp, recompute=recompute,
-                zero=zero, replicas=dp, micro_batch=micro_batch, microbatches=m, stages=pp,
-                schedule=schedule, interleave=interleave, training=training, cluster=cluster,
-                costs=costs))
+            key = (s, m, id(cluster.node(node).device))
+            if key not in alike:
+                held = tuple(chunks[j * pp + s] for j in range(interleave))
+                alike[key] = stage_plan(
+                    index=s, layers=layers, bounds=(held[0][0], held[-1][1]), chunks=held,
+                    node=node, slot=slot, device_type=kind, tp=tp, recompute=recompute,
+                    zero=zero, replicas=dp, micro_batch=micro_batch, microbatches=m,
+                    stages=pp, schedule=schedule, interleave=interleave, training=training,
+                    cluster=cluster, costs=costs)
+                if must_fit and alike[key].memory.total > cluster.node(node).device.memory:
+                    return None
+            stages.append(_moved(alike[key], DeviceGroup(
+                node=node, devices=tuple(range(slot * tp, (slot + 1) * tp)))))
         pipelines.append(PipelinePlan(index=p, stages=tuple(stages),
                                       batch_share=m * micro_batch, micro_batch=micro_batch,
                                       num_microbatches=m, schedule=schedule,
@@ -115,14 +125,16 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
     return pipelines
 
 
+def _moved(stage: StagePlan, devices: DeviceGroup) -> StagePlan:
+    """The stage on other devices (`dataclasses.replace`, without its cost)."""
+    return StagePlan(index=stage.index, layers=stage.layers, chunks=stage.chunks,
+                     modules=stage.modules, device_type=stage.device_type, devices=devices,
+                     tp=stage.tp, recompute=stage.recompute, zero=stage.zero,
+                     memory=stage.memory)
+
+
 def _even(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
-
-
-def fits(pipelines: Sequence[PipelinePlan], cluster: ClusterSpec) -> bool:
-    """Whether every device's predicted memory is within its capacity."""
-    return all(s.memory.total <= cluster.node(s.devices.node).device.memory
-               for p in pipelines for s in p.stages)
 
 
 def overflows(pipelines: Sequence[PipelinePlan], cluster: ClusterSpec) -> list[str]:
