@@ -1,7 +1,8 @@
 """Lower bounds for the search: the pipeline families of a configuration, bounded
 first from per-layer times alone and then (`tighten`) by their exact split on
 optimistic terms, and `Bound`, which bounds a partial structure whose open levels
-may still add pipelines of any family on the device slots left."""
+may still add pipelines of any family on the device slots left (with the sync its
+fixed classes pay at least, from `sync_floor`)."""
 
 from __future__ import annotations
 
@@ -239,7 +240,7 @@ class Bound:
     can have finished the global number of micro-batches (found fluidly, then walked
     on to the next time a fixed pipeline completes one while even the open levels'
     count by then falls short), plus the optimizer step of the fixed classes (some
-    stage holds 1/S of the parameters).
+    stage holds 1/S of the parameters) and, per fixed class, its sync floor (`many`).
 
     `fewer`: the last fixed class stands for 1..n pipelines (its smaller counts
     are searched later); its slots then go to the open levels, and since the

@@ -17,7 +17,8 @@ class of one type per level, fastest type first; a node's last class stands for
 global batch needs if the fixed classes ran at their lower bounds, in whole
 micro-batches, and the open levels' pipelines packed the device slots left at the
 best per-slot rates any of their families could reach (an LP dual: no assignment
-of slots does better). Nodes are expanded in order of bound, so when the queue's
+of slots does better), plus the gradient sync its fixed classes pay at least
+(`sync_floor`). Nodes are expanded in order of bound, so when the queue's
 best bound reaches the k-th best plan found, no unexplored structure can beat it:
 the search is optimal. Before that, a greedy plan (one homogeneous class per
 type, fastest first), dives down the tree and the best structure so far tried in
