@@ -249,11 +249,12 @@ class Bound:
 
     def __init__(self, levels: list[list[Family]], microbatches: int,
                  slots: dict[str, int], work: dict[str, float],
-                 optimizer: Callable[[Family, int], float],
-                 sync: Callable[[Sequence[str]], SyncFloor] | None = None) -> None:
+                 optimizer: Callable[[Family, int], float], sync: SyncFloor) -> None:
+        """sync: the floors, its kinds the slots' in sorted order."""
         self.m, self.levels, self.slots, self.optimizer = microbatches, levels, slots, optimizer
         self.kinds = sorted(slots)
-        self.sync = sync(self.kinds) if sync else None
+        assert sync.kinds == self.kinds
+        self.sync = sync
         self.work = np.array([work[k] for k in self.kinds])
         self._static: dict[int, tuple] = {}
         self._bounds: dict[int, tuple] = {}
@@ -340,8 +341,6 @@ class Bound:
         the largest over the classes of the smaller of the two."""
         base = self._core(fixed, candidates, open_levels, fewer, at_least[1])
         full = np.maximum(base, at_least[0])
-        if self.sync is None:
-            return full, base
         rows = len(candidates)
         classes = [(np.broadcast_to(self._mask(f), (rows, len(self.kinds))),
                     np.full(rows, float(len(f.types))), np.full(rows, float(n)),
@@ -386,8 +385,8 @@ class Bound:
                 return base
             fixed = [*fixed[:c], (slower(f, float(period[0])), n), *fixed[c + 1:]]
         else:
-            rows = rows & np.array([f is not None and f.min_busy < p
-                              for (f, _), p in zip(candidates, period, strict=True)])
+            rows = rows & np.array([f is not None and f.min_busy < p for (f, _), p
+                                    in zip(candidates, period, strict=True)])
             if not rows.any():
                 return base
             candidates = [(slower(f, float(p)) if take else f, n) for (f, n), p, take

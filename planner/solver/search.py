@@ -29,7 +29,6 @@ the search early and reports the queue's best bound.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 import time
@@ -121,7 +120,7 @@ class _Search:
             gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
             bound = Bound(levels, batch // config.mb, slots, work,
                           optimizer_bound(table, params, space, config.tp),
-                          functools.partial(SyncFloor, table, config, space, gathers=gathers))
+                          SyncFloor(table, config, space, sorted(slots), gathers))
             self.state[config] = (levels, bound, {f.types: f for lv in levels for f in lv})
             root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
             root.bound, root.base = bound([], range(len(levels)))
