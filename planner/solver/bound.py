@@ -258,6 +258,7 @@ class Bound:
         self.work = np.array([work[k] for k in self.kinds])
         self._static: dict[int, tuple] = {}
         self._bounds: dict[int, tuple] = {}
+        self._masks: dict[tuple[str, ...], np.ndarray] = {}
 
     def _level(self, level: int) -> tuple:
         """Per family of a level: stages per type, 1 / min_busy, total (infinite for a
@@ -367,7 +368,11 @@ class Bound:
         return full, base
 
     def _mask(self, f: Family | None) -> np.ndarray:
-        return np.array([f is not None and k in f.types for k in self.kinds])
+        """Which types the family's stages use (none for no family)."""
+        key = f.types if f else ()
+        if key not in self._masks:
+            self._masks[key] = np.array([k in key for k in self.kinds])
+        return self._masks[key]
 
     def _raised(self, fixed: Sequence[tuple[Family, int]],
                 candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],

@@ -20,6 +20,7 @@ take at least. `Bound` takes, per class, the smaller of the two.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,7 +41,6 @@ class SyncFloor:
         """gathers: per type, a ZeRO-3 all-gather of 1 byte and of ZERO_GATHER_REF bytes
         that no group of its replicas beats."""
         self.kinds = list(kinds)
-        size = len(self.kinds)
         infos = [table.type(k) for k in self.kinds]
         self.params = float(table.params.sum())
         self.largest = float(table.params.max())
@@ -49,29 +49,41 @@ class SyncFloor:
         self.per_node = np.array([max(1, *(d // config.tp for d in t.node_devices))
                                   for t in infos], dtype=float)  # 0: no class uses the type
         self.nodes = np.array([len(t.nodes) for t in infos])
-        # floor[:, t, k, u]: intercept and slope of the all-reduce among k nodes of type t
-        # and one of type u (u = size: none)
+        self._table, self._config, self._gathers = table, config, gathers
+
+    @functools.cached_property
+    def floor(self) -> np.ndarray:
+        """[:, t, k, u]: intercept and slope of the all-reduce among k nodes of type t and
+        one of type u (u = the number of types: none). Built when first needed (most
+        configurations are never searched deep enough to fix a class)."""
+        infos = [self._table.type(k) for k in self.kinds]
+        size = len(infos)
         widest = int(self.nodes.max())
-        self.floor = np.zeros((2, size, widest + 1, size + 1))
+        floor = np.zeros((2, size, widest + 1, size + 1))
         for i, t in enumerate(infos):
             for k in range(1, widest + 1):
-                alone = _floor(table, t.nodes, min(k, len(t.nodes)), ())
-                self.floor[:, i, k, size] = alone
+                alone = _floor(self._table, t.nodes, min(k, len(t.nodes)), ())
+                floor[:, i, k, size] = alone
                 for j, u in enumerate(infos):
-                    self.floor[:, i, k, j] = alone if i == j else np.maximum(
-                        alone, _floor(table, t.nodes, min(k, len(t.nodes)), u.nodes))
-        # period[t, s]: a stage of type t holding P / s parameters on ZeRO-3
+                    floor[:, i, k, j] = alone if i == j else np.maximum(
+                        alone, _floor(self._table, t.nodes, min(k, len(t.nodes)), u.nodes))
+        return floor
+
+    @functools.cached_property
+    def period(self) -> np.ndarray:
+        """[t, s]: the period of a stage of type t holding P / s parameters on ZeRO-3."""
+        table, config = self._table, self._config
         layers = table.num_layers
         held = np.concatenate([[0.0], np.cumsum(table.params)])
-        stages = np.arange(1, layers + 1)
-        need = np.maximum(self.params / stages, self.largest)
-        self.period = np.zeros((size, layers + 1))
+        need = np.maximum(self.params / np.arange(1, layers + 1), self.largest)
+        period = np.zeros((len(self.kinds), layers + 1))
         for i, k in enumerate(self.kinds):
             costs = table.costs(k, config.tp, config.mb)
             work = np.concatenate([[0.0], np.cumsum(costs.fwd + costs.bwd)])
-            low, high = gathers[k]
+            low, high = self._gathers[k]
             gather = 3 * (low + (high - low) * need * table.weight_bytes / ZERO_GATHER_REF)
-            self.period[i, 1:] = gather + _least_work(held, work, need)
+            period[i, 1:] = gather + _least_work(held, work, need)
+        return period
 
     def terms(self, classes: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -116,12 +128,10 @@ class SyncFloor:
 def _least_work(held: np.ndarray, work: np.ndarray, need: np.ndarray) -> np.ndarray:
     """Per entry of `need`, the least work of a contiguous layer range holding at least
     that many parameters (prefix sums `held` and `work`)."""
-    out = np.full(len(need), INF)
-    for a in range(len(held) - 1):
-        b = np.searchsorted(held, held[a] + need * (1 - 1e-12), side="left")
-        ok = b < len(held)
-        out = np.where(ok, np.minimum(out, work[np.minimum(b, len(held) - 1)] - work[a]), out)
-    return out
+    ends = np.searchsorted(held, held[:, None] + need[None, :] * (1 - 1e-12), side="left")
+    inside = ends < len(held)
+    spans = work[np.minimum(ends, len(held) - 1)] - work[:, None]
+    return np.where(inside, spans, INF).min(axis=0)
 
 
 def _floor(table: CostTable, nodes: Sequence[str], k: int, others: Sequence[str]
