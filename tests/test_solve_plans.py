@@ -61,6 +61,20 @@ def test_solver_report_and_baselines(setup):
             assert b.prediction.step_time >= plan.prediction.step_time * (1 - 1e-9)
 
 
+def test_fastest_type_baseline_says_when_the_time_limit_stopped_it(setup):
+    from planner.solver.baselines import baselines
+
+    graph, cluster, training, plan = setup
+    stopped = dataclasses.replace(plan, solver=dataclasses.replace(
+        plan.solver, status="feasible", gap=0.123))
+    costs = AnalyticalCostModel(cluster)
+    for alone, words in ((plan, "the best plan on"), (stopped, "within 12.3% of")):
+        fastest = baselines(layers=graph.layers, model=graph.spec, cluster=cluster,
+                            training=training, costs=costs, fastest_alone=lambda _, a=alone: a
+                            )[-1]
+        assert fastest.name == "fastest-type" and words in fastest.description
+
+
 def test_simulator_agrees_with_the_closed_form(setup):
     graph, cluster, _, plan = setup
     costs = AnalyticalCostModel(cluster)
