@@ -111,13 +111,13 @@ class _Search:
         self.explored = self.pruned = 0
         self.given_up = float("inf")  # smallest bound pruned only because of `gap`
         params = float(table.params.sum())
+        gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
         for config in configs(table, batch, limits):
             levels = families(table, config, limits, space)
             slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
 
             costs = {t.name: table.costs(t.name, config.tp, config.mb) for t in table.types}
             work = {k: float(c.fwd.sum() + c.bwd.sum()) for k, c in costs.items()}
-            gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
             bound = Bound(levels, batch // config.mb, slots, work,
                           optimizer_bound(table, params, space, config.tp),
                           SyncFloor(table, config, space, sorted(slots), gathers))

@@ -41,7 +41,7 @@ class SyncFloor:
         """gathers: per type, a ZeRO-3 all-gather of 1 byte and of ZERO_GATHER_REF bytes
         that no group of its replicas beats."""
         self.kinds = list(kinds)
-        infos = [table.type(k) for k in self.kinds]
+        self._infos = infos = [table.type(k) for k in self.kinds]
         self.params = float(table.params.sum())
         self.largest = float(table.params.max())
         self.grad_bytes = table.grad_bytes
@@ -56,7 +56,7 @@ class SyncFloor:
         """[:, t, k, u]: intercept and slope of the all-reduce among k nodes of type t and
         one of type u (u = the number of types: none). Built when first needed (most
         configurations are never searched deep enough to fix a class)."""
-        infos = [self._table.type(k) for k in self.kinds]
+        infos = self._infos
         size = len(infos)
         widest = int(self.nodes.max())
         floor = np.zeros((2, size, widest + 1, size + 1))
