@@ -269,12 +269,13 @@ class Bound:
     the open levels, on the device slots the fixed
     classes left (free_k of type k), finish at most free . y(t) for any per-slot
     values y >= 0 that cover every open family (sum_k count_fk y_k >= c_f(t): LP
-    duality for the fractional packing of pipelines into slots). Three such y are
+    duality for the fractional packing of pipelines into slots). Four such y are
     tried and the smallest result kept: each open homogeneous level's best
     c_f / S_f on its own type raised to every mixed family's c_f / |f| on each of
     its types; the same raised to the fluid rate t / W_k scaled by the best mixed
-    family's share of it; and the homogeneous values scaled up until they cover the
-    mixed families. The bound is the smallest t at which fixed and open pipelines
+    family's share of it; the homogeneous values scaled up until they cover the
+    mixed families; and the homogeneous values alone, with the one mixed class's
+    pipelines (at most n_max) each adding what c_f exceeds its slots' worth by. The bound is the smallest t at which fixed and open pipelines
     can have finished the global number of micro-batches (found fluidly, then walked
     on to the next time a fixed pipeline completes one while even the open levels'
     count by then falls short), plus the optimizer step of the fixed classes (some
@@ -295,6 +296,7 @@ class Bound:
         self.sync = sync
         self.work = np.array([work[k] for k in self.kinds])
         self._static: dict[int, tuple] = {}
+        self._n_maxes: dict[int, np.ndarray] = {}
         self._bounds: dict[int, tuple] = {}
         self._masks: dict[tuple[str, ...], np.ndarray] = {}
 
@@ -331,10 +333,11 @@ class Bound:
         return np.array([f.types.count(k) if f else 0 for k in self.kinds], dtype=float)
 
     def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool
-                     ) -> list[tuple[np.ndarray, np.ndarray | None]]:
+                     ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | float]]:
         """Per-slot values y (one row per t) that cover every open family at time t (the
-        micro-batches its pipelines finish, whole ones if `whole`), and where each is
-        valid (None: everywhere); see the class."""
+        micro-batches its pipelines finish, whole ones if `whole`), where each is valid
+        (None: everywhere), and what the open levels finish beyond their slots' worth at
+        y; see the class."""
         y = np.zeros((len(t), len(self.kinds)))
         mixed = None
         for level in open_levels:
@@ -346,10 +349,10 @@ class Bound:
             if home >= 0:
                 y[:, home] = np.maximum(y[:, home], (done * inv_size).max(axis=1))
             else:
-                mixed = (counts, inv_size, holding, inv_fluid, done)
+                mixed = (level, counts, inv_size, holding, inv_fluid, done)
         if mixed is None:
-            return [(y, None)]
-        counts, inv_size, holding, inv_fluid, done = mixed
+            return [(y, None, 0.0)]
+        level, counts, inv_size, holding, inv_fluid, done = mixed
         per_slot = done * inv_size
         raised = np.maximum(y, np.stack([
             per_slot[:, held].max(axis=1) if len(held) else np.zeros(len(t))
@@ -362,8 +365,18 @@ class Bound:
         with np.errstate(divide="ignore", invalid="ignore"):
             scale = np.where(live, done / covered, 0.0).max(axis=1)
         valid = ~(live & (covered <= 0)).any(axis=1)
-        return [(raised, None), (np.maximum(y, fluid), None),
-                (y * np.where(valid, np.maximum(1.0, scale), 1.0)[:, None], valid)]
+        # or y left as it is: the one mixed class holds at most n_max pipelines, each
+        # finishing what its slots are worth at y plus what it exceeds that by
+        beyond = (self._n_max(level) * np.maximum(0.0, done - y.dot(counts.T))).max(axis=1)
+        return [(raised, None, 0.0), (np.maximum(y, fluid), None, 0.0),
+                (y * np.where(valid, np.maximum(1.0, scale), 1.0)[:, None], valid, 0.0),
+                (y, None, beyond)]
+
+    def _n_max(self, level: int) -> np.ndarray:
+        """The most pipelines of each family of a level."""
+        if level not in self._n_maxes:
+            self._n_maxes[level] = np.array([float(f.n_max) for f in self.levels[level]])
+        return self._n_maxes[level]
 
     def many(self, fixed: Sequence[tuple[Family, int]],
              candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
@@ -465,8 +478,9 @@ class Bound:
                     for n, b, c in lines]
             value = sum(n * one for (n, _, _), one in zip(lines, ones, strict=True))
             best = value if not open_levels else np.full(len(t_fixed), INF)
-            for y, valid in self._slot_values(t_open, open_levels, whole) if open_levels else ():
-                more = value + (free * y).sum(axis=1)
+            for y, valid, beyond in self._slot_values(t_open, open_levels, whole
+                                                      ) if open_levels else ():
+                more = value + (free * y).sum(axis=1) + beyond
                 if fewer:
                     freed = (counts * y).sum(axis=1)
                     more = np.maximum(more, more + (n_c - 1) * (freed - ones[-1]))
