@@ -185,7 +185,6 @@ def _consistent(shapes, node, levels, shrinks: bool) -> bool:
 @example(1393)  # layer times not proportional across types broke the fluid family bound
 @example(12)  # a sync floor added to a bound that already held one
 @example(33)  # a class escapes its sync floor through ZeRO-3
-@example(17)  # a family's gathers priced between nodes at counts one node holds
 @example(5)  # the one mixed class counted with fewer pipelines than it may hold
 def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
     """The branch and bound's bounds, before and after pricing a node's classes, for every
