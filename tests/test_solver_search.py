@@ -11,7 +11,6 @@ from cost_models.comm import Collective, CommGroup
 from planner.errors import PlannerError
 from planner.solver.evaluate import Space
 from planner.solver.limits import Limits
-from planner.solver.partition import ZERO_GATHER_REF
 from planner.solver.search import search
 from tests.solver_tables import (
     GIB,
@@ -219,25 +218,3 @@ def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
         sibling = run.sibling(node)
         if sibling is not None:
             stack.append(sibling)
-
-
-def test_family_bounds_price_gathers_by_the_reach_of_their_pipeline_counts():
-    """A family stands for 1..n_max pipelines: counts one node holds may gather ZeRO-3
-    weights inside it, larger ones must gather between nodes, with more sharding."""
-    from planner.solver.bound import cheapest_gather, count_ranges
-
-    table = random_table(5, layers=3, types=[("t0", [1, 1]), ("t1", [2])], link_speed=0.1)
-    net = table.link("t0-0", "t0-1")
-    intra = table.link("t0-0", "t0-0")
-    assert net.bandwidth < intra.bandwidth
-    low, high = cheapest_gather(table, "t0", across=True)
-    assert high - low == pytest.approx(ZERO_GATHER_REF / (2 * net.bandwidth))
-    low, high = cheapest_gather(table, "t0", across=False)
-    assert high - low == pytest.approx(ZERO_GATHER_REF / (2 * intra.bandwidth))
-    assert cheapest_gather(table, "t0") == cheapest_gather(table, "t0", across=False)
-    assert cheapest_gather(table, "t1", across=True)[1] == float("inf")  # one node only
-
-    assert count_ranges(table, ("t0",), 2, 1, Space()) == [(1, (False,)), (2, (True,))]
-    assert count_ranges(table, ("t1", "t0"), 2, 1, Space()) == [(1, (False, False)),
-                                                                 (2, (False, True))]
-    assert count_ranges(table, ("t0",), 2, 1, Space(zeros=(0, 1, 2))) == [(2, (False,))]

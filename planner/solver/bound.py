@@ -16,7 +16,7 @@ import numpy as np
 
 from planner.solver.evaluate import Config, Space
 from planner.solver.limits import Limits
-from planner.solver.partition import INF, ZERO_GATHER_REF, ClassResult, class_costs, optimize
+from planner.solver.partition import INF, ZERO_GATHER_REF, class_costs, optimize
 from planner.solver.structure import capacity
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
@@ -30,10 +30,9 @@ class Family:
     """Pipelines of one stage pattern, before choosing how many.
 
     min_busy and total start as bounds from per-layer times alone; `tight` marks
-    that they were replaced by the class's exact first bottleneck and floor on
-    optimistic terms, the smallest over ranges of pipeline counts (`tight_results`:
-    the most ZeRO sharding in each range, with gathers inside a node only where its
-    counts fit on one)."""
+    that they were replaced by the class's exact first bottleneck and floor (at
+    n_max pipelines, whose ZeRO sharding makes every split of fewer pipelines no
+    faster)."""
 
     types: tuple[str, ...]
     n_max: int
@@ -182,73 +181,36 @@ def _best_link(table: CostTable, a: str, b: str) -> LinkSpec:
     return table.cache[key]
 
 
-def cheapest_gather(table: CostTable, kind: str, across: bool | None = None
-                    ) -> tuple[float, float]:
+def cheapest_gather(table: CostTable, kind: str) -> tuple[float, float]:
     """A ZeRO-3 all-gather no group of type-`kind` replicas beats: two ranks (the
-    smallest group, moving half the bytes) over the fastest link they could share:
-    between two of the type's nodes (`across`), inside one (not `across`), or
-    either (None). A group that spans nodes moves at least half the bytes over a
-    link between two of them (`comm.collective_time`)."""
-    key = ("cheapest gather", kind, across)
-    if key not in table.cache:
-        nodes = table.type(kind).nodes
-        links = []
-        if across is not False:
-            links += [table.link(x, y) for x in nodes for y in nodes if x != y]
-        if not across:
-            links += [table.link(x, x) for x in nodes]
-        if not links:  # a single node cannot hold a group that spans nodes
-            table.cache[key] = (INF, INF)
-        else:
-            bandwidth = max(link.bandwidth for link in links)
-            latency = min(link.latency for link in links)
-            table.cache[key] = (latency, latency + ZERO_GATHER_REF / (2 * bandwidth))
-    return table.cache[key]
-
-
-def count_ranges(table: CostTable, types: Sequence[str], n_max: int, tp: int,
-                 space: Space) -> list[tuple[int, tuple[bool, ...]]]:
-    """Ranges of pipeline counts 1..n_max that bound a family separately: per range,
-    its largest count (the most ZeRO sharding in it) and, per stage, whether the
-    stage's ZeRO-3 group must span nodes for every count in it (more copies than one
-    node of its type holds). One range where ZeRO-3 is not allowed."""
-    if 3 not in space.zeros:
-        return [(n_max, tuple(False for _ in types))]
-    per_node = {k: max(d // tp for d in table.type(k).node_devices) for k in set(types)}
-    ends = sorted({p for p in per_node.values() if 1 <= p < n_max} | {n_max})
-    return [(end, tuple(per_node[k] < end for k in types)) for end in ends]
-
-
-def tight_results(table: CostTable, config: Config, space: Space, types: tuple[str, ...],
-                  n_max: int) -> list[tuple[tuple[bool, ...], ClassResult | None]]:
-    """Per range of pipeline counts (`count_ranges`): whether each stage's gathers span
-    nodes, and the family's exact split on optimistic terms, which no placement of
-    that many pipelines beats: ZeRO sharded over the range's largest count (the most
-    memory relief), the fastest links any placement could give, and the cheapest
-    ZeRO-3 gathers a group of that reach could have. Cached in the table."""
-    key = ("tight", types, n_max, config, space)
-    if key not in table.cache:
-        links = [_best_link(table, a, b) for a, b in zip(types, types[1:], strict=False)]
-        table.cache[key] = [(across, optimize(class_costs(
-            table, types, tp=config.tp, mb=config.mb, n=end, links=links,
-            gathers=[cheapest_gather(table, kind, spans)
-                     for kind, spans in zip(types, across, strict=True)],
-            schedule=config.schedule, policies=space.policies, zeros=space.zeros)))
-            for end, across in count_ranges(table, types, n_max, config.tp, space)]
-    return table.cache[key]
+    smallest group, moving half the bytes) over the fastest link of that type."""
+    link = _best_link(table, kind, kind)
+    intra = table.link(table.type(kind).nodes[0], table.type(kind).nodes[0])
+    bandwidth = max(link.bandwidth, intra.bandwidth)
+    latency = min(link.latency, intra.latency)
+    return latency, latency + ZERO_GATHER_REF / (2 * bandwidth)
 
 
 def tighten(table: CostTable, config: Config, space: Space, family: Family) -> None:
-    """Replace the family's bounds by the smallest over its ranges of pipeline counts
-    of their exact splits on optimistic terms (`tight_results`)."""
-    results = [r for _, r in tight_results(table, config, space, family.types,
-                                           family.n_max) if r is not None]
+    """Replace the family's bounds by its exact split on optimistic terms, which no
+    placement and no smaller count of its pipelines beats: ZeRO sharded over n_max
+    pipelines (the most memory relief), the fastest links any placement could give,
+    and the cheapest ZeRO-3 gathers any group could have."""
+    key = ("tight", family.types, family.n_max, config, space)
+    if key not in table.cache:
+        pairs = zip(family.types, family.types[1:], strict=False)
+        links = [_best_link(table, a, b) for a, b in pairs]
+        table.cache[key] = optimize(class_costs(
+            table, family.types, tp=config.tp, mb=config.mb, n=family.n_max, links=links,
+            gathers=[cheapest_gather(table, kind) for kind in family.types],
+            schedule=config.schedule, policies=space.policies, zeros=space.zeros))
+    result = table.cache[key]
     family.tight = True
-    if not results:
+    if result is None:
         family.min_busy = family.total = float("inf")
     else:
-        family.min_busy = max(family.min_busy, min(r.min_period for r in results))
-        family.total = max(family.total, min(r.floor for r in results))
+        family.min_busy = max(family.min_busy, result.min_period)
+        family.total = max(family.total, result.floor)
 
 
 def best_per_slot(level: list[Family], t: float) -> Family | None:

@@ -44,7 +44,6 @@ from planner.solver.bound import (
     cheapest_gather,
     families,
     optimizer_bound,
-    tight_results,
     tighten,
 )
 from planner.solver.evaluate import Config, Evaluation, Space, price, refine
@@ -279,16 +278,16 @@ class _Search:
         """The (tightened) family with its first stage on ZeRO-3."""
         key = ("zero3 family", family.types, family.n_max, config, self.space)
         if key not in self.table.cache:
+            result = self.table.cache[("tight", family.types, family.n_max, config,
+                                       self.space)]
             kind = family.types[0]
-            forced = [f for across, result in tight_results(
-                self.table, config, self.space, family.types, family.n_max)
-                if result is not None and (f := optimize(zero3_first(
-                    self.table, result.costs, kind, tp=config.tp, mb=config.mb,
-                    gather=cheapest_gather(self.table, kind, across[0])))) is not None]
+            forced = result and optimize(zero3_first(
+                self.table, result.costs, kind, tp=config.tp, mb=config.mb,
+                gather=cheapest_gather(self.table, kind)))
             self.table.cache[key] = Family(
                 types=family.types, n_max=family.n_max, tight=True,
-                min_busy=min((f.min_period for f in forced), default=INF),
-                total=min((f.floor for f in forced), default=INF))
+                min_busy=forced.min_period if forced else INF,
+                total=forced.floor if forced else INF)
         return self.table.cache[key]
 
     def is_leaf(self, node: _Node) -> bool:
