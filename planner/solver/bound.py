@@ -228,20 +228,21 @@ class Bound:
     A pipeline of family f finishes c_f(t) = 1 + floor((t - total_f) / min_busy_f)
     micro-batches by time t at most (none before total_f; without the floor, run
     fluidly, to find where to start). Fixed classes finish n_f c_f(t). Pipelines of
-    the open levels, on the device slots the fixed
-    classes left (free_k of type k), finish at most free . y(t) for any per-slot
-    values y >= 0 that cover every open family (sum_k count_fk y_k >= c_f(t): LP
-    duality for the fractional packing of pipelines into slots). Four such y are
-    tried and the smallest result kept: each open homogeneous level's best
-    c_f / S_f on its own type raised to every mixed family's c_f / |f| on each of
-    its types; the same raised to the fluid rate t / W_k scaled by the best mixed
-    family's share of it; the homogeneous values scaled up until they cover the
-    mixed families; and the homogeneous values alone, with the one mixed class's
-    pipelines (at most n_max) each adding what c_f exceeds its slots' worth by. The bound is the smallest t at which fixed and open pipelines
-    can have finished the global number of micro-batches (found fluidly, then walked
-    on to the next time a fixed pipeline completes one while even the open levels'
-    count by then falls short), plus the optimizer step of the fixed classes (some
-    stage holds 1/S of the parameters) and, per fixed class, its sync floor (`many`).
+    the open levels, on the device slots the fixed classes left (free_k of type k),
+    finish at most free . y(t) for any per-slot values y >= 0 that cover every open
+    family (sum_k count_fk y_k >= c_f(t): LP duality for the fractional packing of
+    pipelines into slots). Four such y are tried and the smallest result kept: each
+    open homogeneous level's best c_f / S_f on its own type raised to every mixed
+    family's c_f / |f| on each of its types; the same raised to the fluid rate
+    t / W_k scaled by the best mixed family's share of it; the homogeneous values
+    scaled up until they cover the mixed families; and the homogeneous values alone,
+    with each of the one mixed class's pipelines (at most n_max) adding what its c_f
+    exceeds its slots' worth by. The bound is the smallest t at which fixed and open
+    pipelines can have finished the global number of micro-batches (found fluidly,
+    then walked on to the next time a fixed pipeline completes one while even the
+    open levels' count by then falls short), plus the optimizer step of the fixed
+    classes (some stage holds 1/S of the parameters) and, per fixed class, its sync
+    floor (`many`).
 
     `fewer`: the last fixed class stands for 1..n pipelines (its smaller counts
     are searched later); its slots then go to the open levels, and since the
