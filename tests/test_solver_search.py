@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cost_models.comm import Collective, CommGroup
 from planner.errors import PlannerError
-from planner.solver.evaluate import Space
+from planner.solver.evaluate import Space, price, refine
 from planner.solver.limits import Limits
 from planner.solver.search import search
 from tests.solver_tables import (
@@ -67,6 +67,27 @@ def test_search_equals_brute_force_with_pinned_stages(seed):
     names = [t.name for t in table.types]
     assert_equals_brute_force(table, batch, dataclasses.replace(
         limits, first_stage=rng.choice([None, *names]), last_stage=rng.choice([None, *names])))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+@example(581)  # a step that cannot win whose later steps can
+def test_refine_keeps_every_staircase_step_that_can_beat_the_bar(seed):
+    """refine walks each class's staircase only as far as a step may still beat the bar;
+    it finds every structure's brute-force best, or None when that does not beat it."""
+    rng = random.Random(seed)
+    table, batch, limits = random_instance(rng)
+    for config, shapes, expected in every_structure(table, batch, limits, Space()):
+        priced = price(table, config, Space(), shapes, batch // config.mb)
+        if priced is None:
+            assert expected == float("inf")
+            continue
+        bar = expected * rng.choice([float("inf"), 1.02, 1.0, 0.99])
+        got = refine(table, priced, batch // config.mb, bar)
+        if expected < bar:
+            assert got is not None and got.step_time == pytest.approx(expected, rel=1e-9)
+        else:
+            assert got is None or got.step_time < bar
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -27,8 +27,8 @@ from planner.solver.partition import (
     ZERO_GATHER_REF,
     ClassResult,
     Split,
+    Staircase,
     class_costs,
-    frontier,
     optimize,
 )
 from planner.solver.structure import ClassShape, Placement, Slot, place
@@ -229,6 +229,7 @@ class Priced:
     results: tuple[ClassResult, ...]
     upper: Evaluation
     lower: float  # no choice of splits makes this structure faster
+    extra: float  # no choice of splits pays less for gradient sync and optimizer
 
 
 def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassShape, ...],
@@ -249,12 +250,12 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
         return None
     counts = shares([(shape.n, r.min_period, r.floor) for shape, r in zip(
         shapes, results, strict=True)], microbatches)
+    extra = _sync_and_optimizer_floor(table, config, space, shapes, placement)
     lower = max(r.lower(m) for r, m in zip(
         [r for shape, r in zip(shapes, results, strict=True) for _ in range(shape.n)],
-        counts, strict=True)) + _sync_and_optimizer_floor(table, config, space, shapes,
-                                                          placement)
+        counts, strict=True)) + extra
     return Priced(config=config, shapes=shapes, placement=placement, results=tuple(results),
-                  upper=upper, lower=lower)
+                  upper=upper, lower=lower, extra=extra)
 
 
 def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
@@ -281,10 +282,12 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
 
 def refine(table: CostTable, priced: Priced, microbatches: int,
            beat: float = float("inf")) -> Evaluation | None:
-    """The structure's exact best: every combination of each class's frontier splits
-    (None if none is faster than `beat`)."""
-    fronts = [_frontier(table, r) for r in priced.results]
+    """The structure's exact best: every combination of each class's staircase splits
+    that may beat the best so far (None if none is faster than `beat`)."""
     best = priced.upper if priced.upper.step_time < beat else None
+    bar = best.step_time if best else beat
+    fronts = [_useful_steps(table, priced, c, microbatches, bar)
+              for c in range(len(priced.results))]
     groups: dict = {}
     for combo in itertools.product(*fronts):
         bar = best.step_time if best else beat
@@ -295,9 +298,38 @@ def refine(table: CostTable, priced: Priced, microbatches: int,
     return best
 
 
-def _frontier(table: CostTable, result: ClassResult) -> list[Split]:
-    """`frontier`, once per class result (results live in the table's cache)."""
-    memo = table.cache.setdefault("frontiers", {})
+def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: int,
+                  bar: float) -> list[Split]:
+    """Class `index`'s staircase up to the first step from which on no split can beat
+    `bar`: the steps after it have no smaller largest stage (nor a smaller total than
+    the floor), and the other classes run at best at their own bounds."""
+    result = priced.results[index]
+    stair = _staircase(table, result)
+    lines = [(shape.n, r.min_period, r.floor) for shape, r in zip(
+        priced.shapes, priced.results, strict=True)]
+    count = 1  # the first step (the upper plan's)
+    while count < len(stair.points) or stair.extend():
+        point = stair.points[count]
+        lines[index] = (lines[index][0], max(point.largest_h, result.floor / len(
+            point.stages)), result.floor)
+        if _fastest(lines, microbatches) + priced.extra >= bar:
+            break
+        count += 1
+    return stair.points[:count]
+
+
+def _fastest(lines: Sequence[tuple[int, float, float]], microbatches: int) -> float:
+    """The slowest pipeline's time under the best shares of `shares`' lines."""
+    counts = shares(lines, microbatches)
+    if counts is None:
+        return float("inf")
+    it = iter(counts)
+    return max((next(it) - 1) * b + c for n, b, c in lines for _ in range(n))
+
+
+def _staircase(table: CostTable, result: ClassResult) -> Staircase:
+    """A class result's `Staircase`, kept as long as the result (in the table's cache)."""
+    memo = table.cache.setdefault("staircases", {})
     if id(result) not in memo:
-        memo[id(result)] = (result, frontier(result))
+        memo[id(result)] = (result, Staircase(result))
     return memo[id(result)][1]

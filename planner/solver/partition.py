@@ -13,7 +13,7 @@ is a dynamic program over (stage, boundary) [Alpa, Metis]; G is a
 non-increasing step function of M, and T(m) is the lower envelope of
 (m - 1) * max(M, G(M) / S) + G(M) over its steps. `optimize` finds the first
 step (the smallest feasible bottleneck M0) and G's floor G(inf), which bound
-T(m) from both sides; `frontier` lists every step, which makes T(m) exact.
+T(m) from both sides; `Staircase` lists the steps, which makes T(m) exact.
 
 The search space uses exactly these splits for a class: the steps of G, the
 splits with no other split both faster in bottleneck and in total. Gradient
@@ -105,6 +105,16 @@ class ClassCosts:
             choices.append(arg)
         return float(g[-1]), choices
 
+    def cost(self, bound: float) -> float:
+        """G(bound) alone (`solve` without the argmin tables)."""
+        size = self.busy[0].shape[0]
+        g = np.full(size, INF)
+        g[0] = 0.0
+        for s in range(self.stages):
+            h, w = self.h_w(s)
+            g = (g[:, None] + np.where(h <= bound, w, INF)).min(axis=0)
+        return float(g[-1])
+
     def min_bottleneck(self) -> float:
         """The smallest achievable max_s h_s (a min-max dynamic program)."""
         size = self.busy[0].shape[0]
@@ -175,18 +185,42 @@ def _options(n: int, policies: Sequence[Recompute], zeros: Sequence[int]) -> tup
     return tuple(Option(p, z) for p in policies for z in levels)
 
 
-def _memory_terms(table: CostTable, tp: int, mb: int, n: int, zeros: Sequence[int]) -> tuple:
-    """[a, b) range matrices: parameters per device, states per ZeRO level, activations
-    per policy (per micro-batch in flight), and the largest single layer's activations."""
-    key = ("memory", tp, mb, n, tuple(zeros))
+def _capacity(table: CostTable, kind: str, tp: int, mb: int, n: int,
+              options: Sequence[Option]) -> list[np.ndarray]:
+    """Per option, the most micro-batches in flight that fit in memory on a device of
+    type `kind` holding the layer range [a, b) (-inf: none, or not a range): states
+    sharded by ZeRO over n pipelines, activations per policy, and with full recompute
+    the largest single layer's activations (cached)."""
+    key = ("capacity", kind, tp, mb, n, options)
     if key not in table.cache:
-        size = table.num_layers + 1
         params = np.concatenate([[0.0], np.cumsum(table.params)]) / tp
         range_params = params[None, :] - params[:, None]
-        state = {z: range_params * (table.weight_bytes / (n if z >= 3 else 1)
+        acts, range_max, valid = _activation_ranges(table, tp, mb)
+        info = table.type(kind)
+        out = []
+        for option in options:
+            z = option.zero
+            state = range_params * (table.weight_bytes / (n if z >= 3 else 1)
                                     + table.grad_bytes / (n if z >= 2 else 1)
                                     + table.state_bytes / (n if z >= 1 else 1))
-                 for z in zeros if z == 0 or n > 1}
+            slack = info.memory - info.reserve - state
+            if option.recompute is Recompute.FULL:
+                slack = slack - range_max
+            act = acts[option.recompute]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                most = np.where(act > 0, slack / act, INF)
+            most[~valid | (slack < 0)] = -INF
+            out.append(most)
+        table.cache[key] = out
+    return table.cache[key]
+
+
+def _activation_ranges(table: CostTable, tp: int, mb: int) -> tuple:
+    """[a, b) range matrices of activation bytes per micro-batch per policy, of the
+    largest single layer's activations, and of which (a, b) are ranges (cached)."""
+    key = ("activation ranges", tp, mb)
+    if key not in table.cache:
+        size = table.num_layers + 1
         acts = {}
         for p in POLICIES:
             prefix = np.concatenate([[0.0], np.cumsum(table.activations(p, tp))]) * mb
@@ -195,8 +229,7 @@ def _memory_terms(table: CostTable, tp: int, mb: int, n: int, zeros: Sequence[in
         range_max = np.zeros((size, size))
         for a in range(size - 1):
             range_max[a, a + 1:] = np.maximum.accumulate(none_act[a:])
-        valid = np.triu(np.ones((size, size), dtype=bool), 1)
-        table.cache[key] = (range_params, state, acts, range_max, valid)
+        table.cache[key] = (acts, range_max, np.triu(np.ones((size, size), dtype=bool), 1))
     return table.cache[key]
 
 
@@ -233,9 +266,7 @@ def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: flo
            tuple(zeros))
     if key in table.cache:
         return table.cache[key]
-    info = table.type(kind)
     prefix, rec, rec_range, base = _prefixes(table, kind, tp, mb)
-    _, state, acts, range_max, valid = _memory_terms(table, tp, mb, n, zeros)
     options = _options(n, policies, zeros)
     gathers = _gathers(table, gather)
     times_key = ("stage times", kind, tp, mb, gather if n > 1 else None, options)
@@ -244,12 +275,9 @@ def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: flo
                                   + (3 * gathers if o.zero == 3 else 0.0) for o in options]
     busy = np.full(base.shape, INF)
     choice = np.zeros(base.shape, dtype=np.int16)
-    room = info.memory - info.reserve
-    for i, (option, t) in enumerate(zip(options, table.cache[times_key], strict=True)):
-        memory = state[option.zero] + acts[option.recompute] * flight
-        if option.recompute is Recompute.FULL:
-            memory = memory + range_max
-        better = valid & (memory <= room) & (t < busy)
+    capacity = _capacity(table, kind, tp, mb, n, options)
+    for i, (most, t) in enumerate(zip(capacity, table.cache[times_key], strict=True)):
+        better = (most >= flight) & (t < busy)
         busy = np.where(better, t, busy)
         choice[better] = i
 
@@ -313,37 +341,52 @@ def optimize(costs: ClassCosts) -> ClassResult | None:
     bottleneck = costs.min_bottleneck()
     if not np.isfinite(bottleneck):
         return None
-    floor, _ = costs.solve(INF)
+    floor = costs.cost(INF)
     return ClassResult(costs=costs, floor=floor, smallest_max=bottleneck)
 
 
-def frontier(result: ClassResult) -> list[Split]:
-    """Every step of G: the splits whose (bottleneck, total) make T(m) exact for all m."""
-    costs = result.costs
-    hs = [costs.h_w(s)[0] for s in range(costs.stages)]
-    cands = np.unique(np.concatenate([h[np.isfinite(h)] for h in hs]))
-    points = [result.first]
-    largest_h = result.smallest_max
-    while points[-1].total > result.floor + 1e-12:
-        current = points[-1]
-        lo = bisect.bisect_right(cands, largest_h)
+class Staircase:
+    """The steps of G in order of their largest stage time, found as they are asked
+    for (`extend`): the splits whose (bottleneck, total) make T(m) exact for all m."""
+
+    def __init__(self, result: ClassResult) -> None:
+        self.result = result
+        self.points = [result.first]
+        self.complete = result.first.total <= result.floor + 1e-12
+        self._largest_h = result.smallest_max
+        self._cands: np.ndarray | None = None
+
+    def extend(self) -> bool:
+        """Append the next step; False (and nothing appended) once there is none."""
+        if self.complete:
+            return False
+        costs = self.result.costs
+        if self._cands is None:
+            hs = [costs.h_w(s)[0] for s in range(costs.stages)]
+            self._cands = np.unique(np.concatenate([h[np.isfinite(h)] for h in hs]))
+        cands, current = self._cands, self.points[-1]
+        lo = bisect.bisect_right(cands, self._largest_h)
         hi = len(cands) - 1
         if lo > hi:
-            break
+            self.complete = True
+            return False
         while lo < hi:  # smallest bound whose G is below the current total
             mid = (lo + hi) // 2
-            if costs.solve(float(cands[mid]))[0] < current.total - 1e-12:
+            if costs.cost(float(cands[mid])) < current.total - 1e-12:
                 hi = mid
             else:
                 lo = mid + 1
-        largest_h = float(cands[lo])
-        g, choices = costs.solve(largest_h)
+        self._largest_h = float(cands[lo])
+        g, choices = costs.solve(self._largest_h)
         if not g < current.total - 1e-12:
-            break
-        points.append(costs.split(choices))
-    return points
+            self.complete = True
+            return False
+        self.points.append(costs.split(choices))
+        self.complete = self.points[-1].total <= self.result.floor + 1e-12
+        return True
 
-
-def best_time(points: Sequence[Split], m: int) -> tuple[float, Split]:
-    split = min(points, key=lambda p: p.time(m))
-    return split.time(m), split
+    def all(self) -> list[Split]:
+        """Every step."""
+        while self.extend():
+            pass
+        return self.points
