@@ -280,13 +280,13 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
     stages = [s for p in plan.pipelines for s in p.stages]
     for s in stages:
         holders.setdefault(s.layers[0], [x.devices.node for x in stages
-                                          if x.layers[0] <= s.layers[0] < x.layers[1]])
+                                          if x.holds(s.layers[0])])
     for s in stages:
         key = (s.layers, s.device_type, s.tp, s.zero)
         if key in seen:
             continue
         seen.add(key)
-        params = sum(layer.params for layer in layers[s.layers[0]:s.layers[1]])
+        params = sum(layers[i].params for i in s.held())
         replicas = [x.devices.node for x in stages
                     if (x.layers, x.device_type, x.tp) == (s.layers, s.device_type, s.tp)]
         layer_text = f"layers {s.layers[0]}-{s.layers[1] - 1} ({s.device_type})"

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from cost_models.cluster import load_cluster
+from cost_models.comm import Collective, CommGroup
 from cost_models.model import AnalyticalCostModel
 from planner.errors import PlannerError
 from planner.models import model_spec
@@ -125,6 +126,26 @@ def test_estimate_prices_a_fixed_recipe(setup):
     assert len(fixed.pipelines) == 2 and all(len(p.stages) == 2 for p in fixed.pipelines)
     assert fixed.pipelines[0].stages[0].chunks == ((0, 2), (3, 4))  # 6 layers, 4 chunks
     assert fixed.prediction.step_time >= plan.prediction.step_time * (1 - 1e-9)
+
+
+def test_interleaved_stages_sync_and_update_only_the_layers_they_hold(setup):
+    """An interleaved stage's span covers other stages' chunks: its gradient all-reduce
+    and optimizer step cover its own chunks, among the stages that hold them."""
+    graph, cluster, training, _ = setup
+    costs = AnalyticalCostModel(cluster)
+    plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                        training=training, costs=costs, tp=1, pp=2, dp=2, micro_batch=2,
+                        interleave=2)
+    grad = plan.training.optimizer.grad_bytes or 2
+    sync = opt = 0.0
+    for s in (p.stages[i] for p in plan.pipelines for i in range(2)):
+        params = sum(graph.layers[i].params for a, b in s.chunks for i in range(a, b))
+        peers = [p.stages[s.index].devices.node for p in plan.pipelines]
+        sync = max(sync, costs.collective_time(Collective.ALL_REDUCE, params * grad,
+                                               CommGroup.of(peers)))
+        opt = max(opt, costs.optimizer_time(params, cluster.node(s.devices.node).device,
+                                            training))
+    assert sync_and_optimizer(plan, graph.layers, costs) == pytest.approx((sync, opt))
 
 
 def test_infeasible_model_names_the_device_and_term():

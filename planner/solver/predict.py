@@ -44,8 +44,7 @@ class _Groups:
 
     def holders(self, layer: int) -> list[str]:
         if layer not in self._holders:
-            self._holders[layer] = [s.devices.node for s in self.stages
-                                    if s.layers[0] <= layer < s.layers[1]]
+            self._holders[layer] = [s.devices.node for s in self.stages if s.holds(layer)]
         return self._holders[layer]
 
 
@@ -132,7 +131,7 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
             if key in seen:  # a replica on the same node costs the same
                 continue
             seen.add(key)
-            params = sum(layer.params for layer in layers[stage.layers[0]:stage.layers[1]])
+            params = sum(layers[i].params for i in stage.held())
             shard = len(groups.of(stage)) if stage.zero >= 1 else 1
             holders = groups.holders(stage.layers[0])
             if stage.zero < 3 or len(holders) > shard:  # ZeRO-3: each shard across classes
