@@ -305,10 +305,7 @@ class Bound:
         mixed = None
         for level in open_levels:
             counts, inv_size, holding, inv_fluid, home, inv_busy, total = self._level(level)
-            with np.errstate(invalid="ignore"):  # (t - inf) * 0 where no family can run
-                done = 1 + (t[:, None] - total) * inv_busy
-                done = np.where(t[:, None] >= total, np.floor(done + 1e-9) if whole else done,
-                                0.0)
+            done = _done(t[:, None], total, inv_busy, whole)
             if home >= 0:
                 y[:, home] = np.maximum(y[:, home], (done * inv_size).max(axis=1))
             else:
@@ -431,15 +428,22 @@ class Bound:
                                [self.optimizer(f, n) if f else 0.0 for f, n in candidates])
         start = np.maximum(max((f.total for f, _ in fixed), default=0.0), total)
         open_levels = [level for level in open_levels if self.levels[level]]
-        lines = [(float(n), f.min_busy, f.total) for f, n in fixed] + [(n_c, busy, total)]
+        rows = len(candidates)
+        # a line per class (the fixed ones, then the candidates'), a column per candidate
+        def stacked(values: list, last: np.ndarray) -> np.ndarray:
+            return np.array([np.full(rows, float(x)) for x in values] + [last])
+
+        lines = (stacked([n for _, n in fixed], n_c),
+                 stacked([f.min_busy for f, _ in fixed], busy),
+                 stacked([f.total for f, _ in fixed], total))
+        pipes, _, _ = lines
+        live, inv_busy = pipes > 0, 1 / lines[1]
 
         def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
             """Micro-batches finished: by the fixed classes and the candidates at t_fixed
             (whole ones or run fluidly), by the open levels at t_open."""
-            count = _finished if whole else _fluid
-            ones = [np.where(np.asarray(n) > 0, count(t_fixed, c, b), 0.0)
-                    for n, b, c in lines]
-            value = sum(n * one for (n, _, _), one in zip(lines, ones, strict=True))
+            ones = np.where(live, _done(t_fixed, lines[2], inv_busy, whole), 0.0)
+            value = (pipes * ones).sum(axis=0)
             best = value if not open_levels else np.full(len(t_fixed), INF)
             for y, valid, beyond in self._slot_values(t_open, open_levels, whole
                                                       ) if open_levels else ():
@@ -452,10 +456,9 @@ class Bound:
 
         with np.errstate(divide="ignore", invalid="ignore"):
             if not open_levels:  # every pipeline is busy from `start` on: a line in t
-                rate = sum(n / b for n, b, _ in lines[:-1]) + np.where(
-                    n_c > 0, n_c / busy, 0.0)
-                offset = sum(n * (1 - c / b) for n, b, c in lines[:-1]) + np.where(
-                    n_c > 0, n_c * (1 - total / busy), 0.0)
+                _, b, c = lines
+                rate = np.where(live, pipes / b, 0.0).sum(axis=0)
+                offset = np.where(live, pipes * (1 - c / b), 0.0).sum(axis=0)
                 times = np.where(rate > 0, np.maximum(start, (self.m - offset) / rate), INF)
             else:
                 if not fixed:
@@ -467,18 +470,17 @@ class Bound:
             times = self._whole(times, lines, done)
         return np.where(dead, INF, np.maximum(at_least, times + optimizer))
 
-    def _whole(self, times: np.ndarray, lines: list[tuple], done: Callable) -> np.ndarray:
+    def _whole(self, times: np.ndarray, lines: tuple[np.ndarray, ...], done: Callable
+               ) -> np.ndarray:
         """From `times` (where the micro-batches, run fluidly, are done) on to the next
         time a fixed pipeline completes one while the whole micro-batches those finish,
         plus what the open levels can add before that time, still fall short."""
+        pipes, busy, total = lines
+        usable = (pipes > 0) & np.isfinite(busy)
         for _ in range(int(self.m) + 1):
-            after = np.full(len(times), INF)
-            for n, b, c in lines:
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    k = np.floor((times - c) / b + 1e-9)
-                    after = np.minimum(after, np.where(
-                        (np.asarray(n) > 0) & np.isfinite(b),
-                        np.where(times >= c, c + (k + 1) * b, c), INF))
+            k = np.floor((times - total) / busy + 1e-9)
+            after = np.where(usable, np.where(times >= total, total + (k + 1) * busy, total),
+                             INF).min(axis=0)
             behind = np.isfinite(times) & np.isfinite(after) & (
                 done(times, np.where(np.isfinite(after), after, times), True) < self.m)
             if not behind.any():
@@ -496,19 +498,13 @@ class Bound:
         return float(full[0]), float(base[0])
 
 
-def _finished(t: np.ndarray, total: np.ndarray | float, busy: np.ndarray | float
-              ) -> np.ndarray:
-    """Whole micro-batches a pipeline whose first takes `total` and every next one at
-    least `busy` can have finished by time t."""
-    with np.errstate(invalid="ignore"):
-        return np.where(t >= total, np.floor(1 + (t - total) / busy + 1e-9), 0.0)
-
-
-def _fluid(t: np.ndarray, total: np.ndarray | float, busy: np.ndarray | float
-           ) -> np.ndarray:
-    """`_finished` without rounding down to whole micro-batches."""
-    with np.errstate(invalid="ignore"):
-        return np.where(t >= total, 1 + (t - total) / busy, 0.0)
+def _done(t: np.ndarray, total: np.ndarray, inv_busy: np.ndarray, whole: bool
+          ) -> np.ndarray:
+    """Micro-batches a pipeline whose first takes `total` and every next one at least
+    1 / inv_busy can have finished by time t (whole ones if `whole`, else run fluidly)."""
+    with np.errstate(invalid="ignore", divide="ignore"):  # (t - inf) * 0: cannot run
+        done = 1 + (t - total) * inv_busy
+        return np.where(t >= total, np.floor(done + 1e-9) if whole else done, 0.0)
 
 
 def _first_enough(short: Callable[[np.ndarray], np.ndarray], start: np.ndarray,
