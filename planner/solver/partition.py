@@ -384,9 +384,3 @@ class Staircase:
         self.points.append(costs.split(choices))
         self.complete = self.points[-1].total <= self.result.floor + 1e-12
         return True
-
-    def all(self) -> list[Split]:
-        """Every step."""
-        while self.extend():
-            pass
-        return self.points
