@@ -248,7 +248,7 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
         mb, m, v = pipe.micro_batch, pipe.num_microbatches, max(1, pipe.interleave)
         for i, s in enumerate(pipe.stages):
             node = s.devices.node
-            held = [layer for a, b in s.chunks for layer in layers[a:b]]
+            held = [layers[j] for j in s.held()]
             if i < len(pipe.stages) - 1:
                 nxt = pipe.stages[i + 1].devices.node
                 nbytes = layers[s.layers[1] - 1].output_bytes * mb
@@ -353,7 +353,7 @@ def why_slower(best: CostBreakdown, other: CostBreakdown) -> str:
 def _memory_without(plan: Plan, pipe_index: int, stage: StagePlan, layers: Sequence[Layer],
                     costs: CostModel, **change: object) -> float:
     pipe = plan.pipelines[pipe_index]
-    held = [layer for a, b in stage.chunks for layer in layers[a:b]]
+    held = [layers[i] for i in stage.held()]
     replicas = sum(1 for p in plan.pipelines for s in p.stages
                    if (s.layers, s.device_type, s.tp) == (stage.layers, stage.device_type,
                                                           stage.tp))

@@ -429,20 +429,22 @@ class Bound:
         start = np.maximum(max((f.total for f, _ in fixed), default=0.0), total)
         open_levels = [level for level in open_levels if self.levels[level]]
         rows = len(candidates)
-        # a line per class (the fixed ones, then the candidates'), a column per candidate
+
         def stacked(values: list, last: np.ndarray) -> np.ndarray:
+            """A row per class (the fixed ones, then the candidates'), a column per
+            candidate."""
             return np.array([np.full(rows, float(x)) for x in values] + [last])
 
         lines = (stacked([n for _, n in fixed], n_c),
                  stacked([f.min_busy for f, _ in fixed], busy),
                  stacked([f.total for f, _ in fixed], total))
-        pipes, _, _ = lines
-        live, inv_busy = pipes > 0, 1 / lines[1]
+        pipes, periods, fills = lines
+        live, inv_busy = pipes > 0, 1 / periods
 
         def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
             """Micro-batches finished: by the fixed classes and the candidates at t_fixed
             (whole ones or run fluidly), by the open levels at t_open."""
-            ones = np.where(live, _done(t_fixed, lines[2], inv_busy, whole), 0.0)
+            ones = np.where(live, _done(t_fixed, fills, inv_busy, whole), 0.0)
             value = (pipes * ones).sum(axis=0)
             best = value if not open_levels else np.full(len(t_fixed), INF)
             for y, valid, beyond in self._slot_values(t_open, open_levels, whole
@@ -456,9 +458,8 @@ class Bound:
 
         with np.errstate(divide="ignore", invalid="ignore"):
             if not open_levels:  # every pipeline is busy from `start` on: a line in t
-                _, b, c = lines
-                rate = np.where(live, pipes / b, 0.0).sum(axis=0)
-                offset = np.where(live, pipes * (1 - c / b), 0.0).sum(axis=0)
+                rate = np.where(live, pipes / periods, 0.0).sum(axis=0)
+                offset = np.where(live, pipes * (1 - fills / periods), 0.0).sum(axis=0)
                 times = np.where(rate > 0, np.maximum(start, (self.m - offset) / rate), INF)
             else:
                 if not fixed:

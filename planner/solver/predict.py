@@ -65,7 +65,7 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
             key = (stage.chunks, id(node.device), node.intra_link, stage.tp, mb,
                    stage.recompute)
             if key not in compute:
-                chunk_layers = [layer for a, b in stage.chunks for layer in layers[a:b]]
+                chunk_layers = [layers[i] for i in stage.held()]
                 compute[key] = _compute(chunk_layers, node, stage, mb, dtype, costs)
             fwd, bwd, tp_fwd, recompute = compute[key]
             if stage.zero == 3:
@@ -88,8 +88,7 @@ def _gather(plan: Plan, layers: Sequence[Layer], stage: StagePlan, groups: _Grou
             costs: CostModel) -> float:
     """Seconds of one ZeRO-3 all-gather of a stage's weights among its replicas."""
     group = CommGroup.of(groups.of(stage))
-    weight = sum(layer.params for a, b in stage.chunks for layer in layers[a:b]
-                 ) * plan_weight_bytes(plan)
+    weight = sum(layers[i].params for i in stage.held()) * plan_weight_bytes(plan)
     g0 = costs.collective_time(Collective.ALL_GATHER, 1.0, group)
     g1 = costs.collective_time(Collective.ALL_GATHER, ZERO_GATHER_REF, group)
     return (g0 + (g1 - g0) * weight / ZERO_GATHER_REF) if weight else 0.0

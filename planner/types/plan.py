@@ -83,10 +83,8 @@ class StagePlan:
         """Whether one of the stage's chunks holds the layer (the span may not)."""
         return any(a <= layer < b for a, b in self.chunks)
 
-    def held(self) -> range | list[int]:
+    def held(self) -> list[int]:
         """The indices of the layers the stage holds, in order."""
-        if len(self.chunks) == 1:
-            return range(*self.chunks[0])
         return [i for a, b in self.chunks for i in range(a, b)]
 
 
