@@ -188,7 +188,7 @@ def estimate(
     """
     from cost_models.model import AnalyticalCostModel
     from planner.errors import PlannerError
-    from planner.solver.uniform import overflows, uniform_plan
+    from planner.solver.uniform import memory_remedies, overflows, uniform_plan
     from planner.types import Schedule
 
     if zero not in (0, 1, 2, 3):
@@ -210,8 +210,7 @@ def estimate(
     if problems:
         raise PlannerError("does-not-fit", "This configuration does not fit in memory: "
                            + "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "."),
-                           ["use more pipeline stages (--pp)", "--recompute full",
-                            "--zero 1 (or 2, 3)", "a smaller --micro-batch"])
+                           memory_remedies(plan.pipelines, plan.cluster))
 
 
 def register(app: typer.Typer) -> None:

@@ -16,11 +16,12 @@ from planner.errors import PlannerError
 from planner.models import model_spec
 from planner.planfile import plan_json, read_plan, write_plan
 from planner.simulate import simulate
-from planner.solver import Limits, SolveOptions, solve
+from planner.solver import Limits, SolveOptions, Space, solve
 from planner.solver.predict import stage_timings, sync_and_optimizer
-from planner.solver.uniform import uniform_plan
+from planner.solver.uniform import memory_remedies, uniform_plan
 from planner.trace import trace_model
 from planner.types import TrainingSpec
+from planner.types.training import Recompute
 
 CLUSTER = "1x4xA100-40G,1x4xV100-16G@100Gbps"
 runner = CliRunner()
@@ -155,6 +156,65 @@ def test_infeasible_model_names_the_device_and_term():
         solve(graph, cluster, TrainingSpec(global_batch=8, seq_len=2048, dtype="fp16"))
     assert "larger than the whole cluster's memory" in err.value.message
     assert err.value.remedies
+
+
+def test_infeasible_under_constraints_names_them_and_the_overflow():
+    """The leanest plan fits, so the constraints rule every plan out: each is named with
+    how to relax it, and the leanest recipe keeping them names the overflowing term."""
+    graph = trace_model(model_spec("llama3-8b", {"layers": 4}), seq_len=2048, dtype="fp16")
+    cluster = load_cluster("1x8xV100-16G")
+    training = TrainingSpec(global_batch=8, seq_len=2048, dtype="fp16")
+    options = SolveOptions(limits=Limits(tp=1, pp=1),
+                           space=Space(policies=(Recompute.NONE,), zeros=(0,)))
+    with pytest.raises(PlannerError) as err:
+        solve(graph, cluster, training, options)
+    message, remedies = err.value.message, err.value.remedies
+    assert "under the constraints given (--tp 1, --pp 1, --recompute none, --zero 0)" in message
+    assert "needing 9.9 GiB of its 16.0 GiB" in message  # the leanest plan fits
+    assert "With them, the leanest recipe (tp 1, pp 1, dp 1, recompute none" in message
+    assert "largest term: optimizer" in message
+    assert [r.split()[1] for r in remedies] == ["--tp", "--pp", "activation", "ZeRO"]
+    # without the constraints that rule it out, a plan is found
+    assert solve(graph, cluster, training, SolveOptions(limits=Limits(tp=1, pp=1)))
+
+
+def test_infeasible_even_for_the_leanest_plan_asks_for_devices():
+    # a 1M-token vocabulary: the embedding alone outgrows a 16 GB device
+    graph = trace_model(model_spec("llama3-8b", {"layers": 2, "vocab": 1_000_000}),
+                        seq_len=512, dtype="fp16")
+    cluster = load_cluster("2x8xV100-16G")
+    with pytest.raises(PlannerError) as err:
+        solve(graph, cluster, TrainingSpec(global_batch=8, seq_len=512, dtype="fp16"),
+              SolveOptions(limits=Limits(pp=4)))
+    assert "Even one pipeline over all 16 devices" in err.value.message
+    assert "(largest: optimizer)" in err.value.message or "largest:" in err.value.message
+    assert err.value.remedies[0] == "add devices, or devices with more memory"
+    assert not any(r.startswith("drop") for r in err.value.remedies)
+
+
+def test_estimate_remedies_leave_out_what_the_recipe_already_does(setup):
+    graph, cluster, training, _ = setup
+    costs = AnalyticalCostModel(cluster)
+    tiny = dataclasses.replace(cluster, nodes=tuple(
+        dataclasses.replace(n, device=dataclasses.replace(n.device, memory=2**30 + 2**24))
+        for n in cluster.nodes))  # 16 MiB beside the 1 GiB reserve: nothing fits
+    one = uniform_plan(layers=graph.layers, model=graph.spec, cluster=tiny, training=training,
+                       costs=costs, tp=4, pp=2, dp=1, recompute=Recompute.FULL)
+    remedies = memory_remedies(one.pipelines, tiny)
+    assert not any("--recompute" in r or "--zero" in r for r in remedies)
+    assert any("ZeRO shards over pipelines" in r for r in remedies)
+    assert not any("--tp" in r for r in remedies)  # tp 4 is the whole node already
+    two = uniform_plan(layers=graph.layers, model=graph.spec, cluster=tiny, training=training,
+                       costs=costs, tp=1, pp=2, dp=4, micro_batch=4)
+    states = {max((k for k in s.memory.terms() if k != "reserve"), key=s.memory.terms().get)
+              for p in two.pipelines for s in p.stages}
+    remedies = memory_remedies(two.pipelines, tiny)
+    assert ("activations" in states) == any("--recompute selective" in r for r in remedies)
+    assert ("activations" in states) == any("smaller --micro-batch than 4" in r
+                                            for r in remedies)
+    assert (states & {"optimizer", "gradients", "weights"} != set()) == any(
+        r.startswith("--zero") and "over the 4 pipelines" in r for r in remedies)
+    assert any("larger --tp than 1" in r for r in remedies)
 
 
 def test_contradicting_constraints():

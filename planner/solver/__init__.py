@@ -137,7 +137,8 @@ def _search(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     except PlannerError as exc:
         if exc.kind != "infeasible":
             raise
-        raise diagnose(model.layers, cluster, training, costs) from None
+        raise diagnose(model.layers, cluster, training, costs, options.limits,
+                       options.space, options.exclude) from None
     return table, result
 
 

@@ -1,4 +1,13 @@
-"""Why no plan fits: the device and memory term that cannot fit, and what to try."""
+"""Why no plan fits: the device and memory term that cannot fit, and what to try.
+
+Three cases, checked in order:
+  * the parameter states alone outgrow the whole cluster's memory;
+  * the leanest plan there is (one pipeline over every device, full recompute,
+    micro-batches of 1) overflows a device: more or bigger devices are needed;
+  * that plan fits, so the constraints the user gave rule every plan out: each is
+    named with how to relax it, and the leanest recipe that keeps them (as
+    `planner estimate` would lay it out) names the device and term that overflow.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +17,21 @@ from cost_models.memory import GIB, optimizer_state_bytes
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.errors import PlannerError
-from planner.solver.uniform import even_bounds
+from planner.solver.evaluate import Space
+from planner.solver.limits import Limits
+from planner.solver.uniform import even_bounds, overflows, uniform_pipelines
 from planner.types import ClusterSpec, Layer, TrainingSpec
 from planner.types.training import Recompute
 
-REMEDIES = ["allow more pipeline stages (raise --max-stages, or drop --pp)",
-            "enable activation recompute (drop --recompute none)",
-            "allow ZeRO sharding (drop --zero 0)",
-            "use a smaller --micro-batch",
-            "add devices, or devices with more memory"]
+MORE_DEVICES = "add devices, or devices with more memory"
 
 
 def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSpec,
-             costs: CostModel) -> PlannerError:
+             costs: CostModel, limits: Limits | None = None, space: Space | None = None,
+             excluded: Sequence[str] = ()) -> PlannerError:
+    limits, space = limits or Limits(), space or Space()
+    unexclude = ([f"use the nodes left out with --exclude ({', '.join(excluded)})"]
+                 if excluded else [])
     weight = float(dtype_bytes(training.dtype))
     per_param = weight + (training.optimizer.grad_bytes or weight) + optimizer_state_bytes(
         training)
@@ -34,22 +45,91 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
             f"parameters need {params * per_param / GIB:,.0f} GiB for weights, gradients and "
             f"optimizer states ({per_param:g} bytes each), and the {cluster.num_devices} "
             f"devices of cluster {cluster.name} have {room / GIB:,.0f} GiB after the framework "
-            "reserve.", [*REMEDIES[4:], "train in a smaller dtype or with a lighter optimizer"])
-    devices = [(n, i) for n in cluster.nodes for i in range(n.devices)]
+            "reserve.", [MORE_DEVICES, *unexclude,
+                         "train in a smaller dtype or with a lighter optimizer"])
+    devices = [n for n in cluster.nodes for _ in range(n.devices)]
     stages = min(len(layers), len(devices))
     worst = None
-    for (node, _), (a, b) in zip(devices, even_bounds(len(layers), stages), strict=False):
+    for node, (a, b) in zip(devices, even_bounds(len(layers), stages), strict=False):
         memory = costs.memory(layers[a:b], node.device, training, recompute=Recompute.FULL,
                               micro_batch=1, in_flight=stages)
         over = memory.total / node.device.memory
         if worst is None or over > worst[0]:
             worst = (over, node, memory, b - a)
-    _, node, memory, count = worst
+    over, node, memory, count = worst
     terms = ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in memory.terms().items())
+    leanest = (f"one pipeline over all {len(devices)} devices with full recompute and "
+               f"micro-batches of 1 puts {count} layer(s) on one device of node {node.name} "
+               f"({node.device.name}), needing {memory.total / GIB:.1f} GiB of its "
+               f"{node.device.memory / GIB:.1f} GiB ({terms}; largest: {memory.largest()})")
+    if over > 1:
+        return PlannerError(
+            "infeasible", f"No plan fits in device memory. Even {leanest}.",
+            [MORE_DEVICES, *unexclude, "train with a shorter --seq-len"])
+    given = constraints(limits, space, stages)
+    if not given:
+        return PlannerError(
+            "infeasible", f"No plan fits in device memory, although {leanest}: plans that "
+            "deep are outside the search space.",
+            ["report this with the command that produced it", MORE_DEVICES])
+    flags = ", ".join(flag for flag, _ in given)
+    binding = _leanest_kept(layers, cluster, training, costs, limits, space, stages)
     return PlannerError(
         "infeasible",
-        f"No plan fits in device memory. Even one pipeline over all {len(devices)} devices "
-        f"with full recompute and micro-batches of 1 puts {count} layer(s) on a "
-        f"{node.device.name} of node {node.name}, needing {memory.total / GIB:.1f} GiB of its "
-        f"{node.device.memory / GIB:.1f} GiB ({terms}; largest: {memory.largest()}).",
-        REMEDIES)
+        f"No plan fits in device memory under the constraints given ({flags}). Without "
+        f"them, {leanest}." + (f" With them, the leanest recipe ({binding})." if binding
+                               else ""),
+        [remedy for _, remedy in given])
+
+
+def constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, str]]:
+    """(flag as given, how to relax it) for every constraint that shrinks the search
+    space; `stages`: how many the leanest pipeline needs."""
+    out = []
+    for flag, value in (("--tp", limits.tp), ("--pp", limits.pp), ("--dp", limits.dp)):
+        if value is not None:
+            out.append((f"{flag} {value}", f"drop {flag} {value}, or pick another value"))
+    if limits.max_tp is not None:
+        out.append((f"--max-tp {limits.max_tp}", f"raise --max-tp {limits.max_tp}"))
+    if limits.max_stages < stages and limits.pp is None:
+        out.append((f"--max-stages {limits.max_stages}",
+                    f"raise --max-stages {limits.max_stages} (one pipeline over every device "
+                    f"has {stages} stages)"))
+    if limits.micro_batch is not None and limits.micro_batch > 1:
+        out.append((f"--micro-batch {limits.micro_batch}",
+                    f"use a smaller --micro-batch than {limits.micro_batch}"))
+    if Recompute.FULL not in space.policies:
+        given = "/".join(p.value for p in space.policies)
+        out.append((f"--recompute {given}",
+                    f"allow activation recompute: drop --recompute {given} (or pass full)"))
+    if 3 not in space.zeros:
+        given = "/".join(str(z) for z in space.zeros)
+        out.append((f"--zero {given}", f"allow ZeRO sharding: drop --zero {given}"))
+    for flag, value in (("--first-stage", limits.first_stage),
+                        ("--last-stage", limits.last_stage)):
+        if value is not None:
+            out.append((f"{flag} {value}", f"drop {flag} {value}"))
+    if not limits.mixed:
+        out.append(("--no-mixed", "drop --no-mixed (a pipeline may then span two device "
+                                  "types)"))
+    return out
+
+
+def _leanest_kept(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSpec,
+                  costs: CostModel, limits: Limits, space: Space, stages: int) -> str | None:
+    """The first overflow of the leanest uniform recipe within the constraints (one
+    pipeline unless --dp is fixed, the most stages allowed, the leanest recompute and
+    ZeRO allowed), or None if it cannot be laid out or fits."""
+    tp = limits.tp or 1
+    pp = limits.pp or min(limits.max_stages, stages // tp)
+    policy = max(space.policies, key=list(Recompute).index)
+    try:
+        pipelines = uniform_pipelines(
+            layers=layers, cluster=cluster, training=training, costs=costs, tp=tp, pp=max(1, pp),
+            dp=limits.dp or 1, micro_batch=limits.micro_batch or 1, recompute=policy,
+            zero=max(space.zeros) if (limits.dp or 1) > 1 else min(space.zeros))
+    except PlannerError:
+        return None
+    problems = overflows(pipelines or [], cluster)
+    return (f"tp {tp}, pp {max(1, pp)}, dp {limits.dp or 1}, recompute {policy.value}: "
+            + problems[0]) if problems else None

@@ -150,3 +150,52 @@ def overflows(pipelines: Sequence[PipelinePlan], cluster: ClusterSpec) -> list[s
                              f"{capacity / 2**30:.1f} GiB; largest term: {term} "
                              f"{s.memory.terms()[term] / 2**30:.1f} GiB")
     return lines
+
+
+def _largest_reducible(stage: StagePlan) -> str:
+    """The stage's largest memory term other than the framework's fixed reserve."""
+    terms = stage.memory.terms()
+    del terms["reserve"]
+    return max(terms, key=terms.__getitem__)
+
+
+_SHARDED_BY = {"optimizer": 1, "gradients": 2, "weights": 3}  # the ZeRO stage that shards it
+
+
+def memory_remedies(pipelines: Sequence[PipelinePlan], cluster: ClusterSpec) -> list[str]:
+    """What would shrink the overflowing terms of this recipe, most direct first: only
+    options it does not use already (no --recompute full if it has it, no ZeRO with one
+    pipeline to shard over)."""
+    first = pipelines[0]
+    stage = first.stages[0]
+    dp, pp, tp = len(pipelines), len(first.stages), stage.tp
+    terms = {_largest_reducible(s) for p in pipelines for s in p.stages
+             if s.memory.total > cluster.node(s.devices.node).device.memory}
+    out = []
+    states = sorted((t for t in terms if t in _SHARDED_BY), key=_SHARDED_BY.__getitem__)
+    if states:
+        needed = max(_SHARDED_BY[t] for t in states)
+        if dp > 1 and stage.zero < needed:
+            out.append(f"--zero {needed} (shards the {' and '.join(states)} over the {dp} "
+                       "pipelines)")
+        elif dp == 1:
+            out.append("more pipelines (--dp, on more devices): ZeRO shards over pipelines, "
+                       "and this recipe has one")
+    if "activations" in terms:
+        if first.schedule is Schedule.GPIPE:
+            out.append(f"--schedule 1f1b (GPipe keeps all {first.num_microbatches} "
+                       "micro-batches' activations)")
+        if stage.recompute is not Recompute.FULL:
+            out.append("--recompute full" if stage.recompute is Recompute.SELECTIVE
+                       else "--recompute selective (or full)")
+        if first.micro_batch > 1:
+            out.append(f"a smaller --micro-batch than {first.micro_batch}")
+        if first.interleave > 1:
+            out.append(f"fewer chunks than --interleave {first.interleave} (each keeps "
+                       "more micro-batches in flight)")
+    out.append(f"more pipeline stages than --pp {pp} (fewer layers per device)")
+    biggest = max(n.devices for n in cluster.nodes)
+    if tp < biggest:
+        out.append(f"a larger --tp than {tp} (splits every layer's weights)")
+    out.append("`planner solve`, which searches for a plan that fits")
+    return out
