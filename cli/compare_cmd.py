@@ -57,6 +57,14 @@ def compare(
                            f"{len(plans)}).", ["planner explain PLAN shows a single plan"])
     prices = parse_prices(price)
     loaded = [read_plan(p) for p in plans]
+    used = sorted({s.device_type for p in loaded for pipe in p.pipelines for s in pipe.stages})
+    if prices and (unknown := sorted(set(prices) - set(used))):
+        raise PlannerError("bad-option", f"--price names {', '.join(unknown)}, which none of "
+                           "the plans uses.", [f"price the types the plans use: "
+                                               f"{', '.join(used)}"])
+    if prices and (missing := [k for k in used if k not in prices]):
+        err_console.print(f"[yellow]note:[/] no --price for {', '.join(missing)}: plans that use "
+                      "them show no dollar cost.", soft_wrap=True)
     rows = compare_plans(loaded, prices)
     if only_differences:
         rows = [r for r in rows if r.differs or r.key in ("step_time", "samples_per_s")]
@@ -141,6 +149,7 @@ def what_if(
     from planner import whatif
     from planner.compare import diff, headline, parse_prices, rows_json
     from planner.errors import PlannerError
+    from planner.files import write_atomic
     from planner.planfile import plan_json, read_plan, to_jsonable
     from planner.session import (
         Constraints,
@@ -148,7 +157,6 @@ def what_if(
         parse_constraint,
         resolve_dtype,
         solve_plans,
-        write_atomic,
     )
 
     for path in (output, cluster_out):

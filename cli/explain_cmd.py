@@ -71,9 +71,18 @@ def explain(
         raise PlannerError("bad-option", f"--runners-up must be 0 or more (got {runners_up}).")
     if width is not None and width < 40:
         raise PlannerError("bad-option", f"--width must be at least 40 (got {width}).")
+    if html is not None and svg is not None and html.resolve() == svg.resolve():
+        raise PlannerError("bad-option", f"--html and --svg both name {str(html)!r}; give "
+                           "them different files.")
     _free(html, force)
     _free(svg, force)
     plan = read_plan(plan_file)
+    if runners_up and plan.solver.status == "fixed":
+        raise PlannerError(
+            "bad-option", "--runners-up says why the next-best plans of a search lose to the "
+            f"best; {str(plan_file)!r} is a configuration fixed with `planner estimate`, not "
+            "a search result.", ["solve the same model and cluster with `planner solve ... -o "
+                                 f"best.json`, then `planner compare {plan_file} best.json`"])
     with err_console.status(f"Tracing {plan.model.describe()}...", spinner="dots") as status:
         graph = retrace(plan)
         others = []
@@ -93,12 +102,12 @@ def explain(
         analysis = analyze(plan, graph.layers, AnalyticalCostModel(plan.cluster),
                            runners_up=others, group=not all_pipelines)
     if html is not None:
+        from planner.files import write_atomic
         from planner.report import report_html
-        from planner.session import write_atomic
 
         write_atomic(html, report_html(analysis), force=True)
     if svg is not None:
-        from planner.session import write_atomic
+        from planner.files import write_atomic
         from planner.timeline import to_svg
 
         write_atomic(svg, to_svg(analysis.timeline), force=True)

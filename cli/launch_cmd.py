@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from enum import Enum
 from pathlib import Path
@@ -85,11 +86,26 @@ def launch(
     from planner.errors import PlannerError
     from planner.launch import HostEntry, read_hosts, render_launch, write_launch
     from planner.planfile import read_plan
+    from planner.solver.uniform import overflows
 
     if out is None and not dry_run:
         raise PlannerError("bad-option", "Pass --out DIR (the folder for the scripts) or "
                            "--dry-run.")
     loaded = read_plan(plan)
+    problems = overflows(loaded.pipelines, loaded.cluster)
+    if problems:
+        raise PlannerError("does-not-fit", f"{str(plan)!r} does not fit in device memory, so its "
+                           "run would fail: " + "; ".join(problems[:3])
+                           + ("; ..." if len(problems) > 3 else "."),
+                           ["make a plan that fits with `planner solve` (it returns only "
+                            "such plans)", "or change the recipe with `planner estimate`"])
+    for flag, value in (("--steps", steps), ("--checkpoint-every", checkpoint_every)):
+        if value is not None and value < (1 if flag == "--steps" else 0):
+            raise PlannerError("bad-option", f"{flag} must be "
+                               f"{'positive' if flag == '--steps' else '0 or more'} "
+                               f"(got {value}).")
+    if not lr > 0 or lr == float("inf"):
+        raise PlannerError("bad-option", f"--lr must be a positive number (got {lr}).")
     entries = read_hosts(hosts) if hosts is not None else {}
     for node, cpu_list in _cpus(cpus).items():
         base = entries.get(node) or HostEntry(host=node)
@@ -122,9 +138,10 @@ def launch(
     write_launch(files, out, force=force)
     main_file = {"local": "run-local.sh", "slurm": "launch.sbatch"}.get(target.value)
     console.print(f"Wrote {len(files)} files to {out}: " + ", ".join(files), soft_wrap=True)
-    if main_file:
-        console.print(f"Run: {'bash' if target is Target.local else 'sbatch'} "
-                      f"{out / main_file}  (see {out / 'README.md'})", soft_wrap=True)
+    if main_file:  # sbatch from inside the folder: the job finds its scripts there
+        run = (f"bash {shlex.quote(str(out / main_file))}" if target is Target.local else
+               f"cd {shlex.quote(str(out))} && sbatch {main_file}")
+        console.print(f"Run: {run}  (see {out / 'README.md'})", soft_wrap=True)
     else:
         console.print(f"Run each node's script on its host (see {out / 'README.md'}).",
                       soft_wrap=True)

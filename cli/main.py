@@ -31,10 +31,8 @@ class _Group(TyperGroup):
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
         except Exception as exc:
-            from click.exceptions import ClickException
-
-            if isinstance(exc, ClickException) or ctx.params.get("debug"):
-                raise
+            if _usage_error(exc) or ctx.params.get("debug"):
+                raise  # typer prints usage errors itself (exit code 2)
             if isinstance(exc, PlannerError):
                 err_console.print(f"[bold red]error:[/] {escape(exc.message)}")
                 for i, remedy in enumerate(exc.remedies, 1):
@@ -45,6 +43,13 @@ class _Group(TyperGroup):
                               "This is a bug in planner; run again with --debug for the "
                               "traceback and report it.")
             raise typer.Exit(3) from None
+
+
+def _usage_error(exc: Exception) -> bool:
+    """A bad option, value or missing argument, as typer's click raises it (typer ships
+    its own click, so the class is recognised by what it can do)."""
+    return callable(getattr(exc, "show", None)) and isinstance(getattr(exc, "exit_code", None),
+                                                               int)
 
 
 app = typer.Typer(

@@ -117,12 +117,15 @@ def solve(
       planner solve llama2-70b --cluster lab.yaml --tp 8 --time-limit 30
     """
     from planner.errors import PlannerError
+    from planner.files import check_writable
     from planner.solver import Limits, SolveOptions, Space, solve
 
     if top_k < 1:
         raise PlannerError("bad-option", f"--top-k must be at least 1 (got {top_k}).")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise PlannerError("bad-option", f"--zero must be 0, 1, 2 or 3 (got {zero}).")
+    if output is not None:  # before the work, not after it
+        check_writable(output, force=force)
     shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                           ffn=ffn, vocab=vocab, settings=settings)
     graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape)
@@ -188,6 +191,7 @@ def estimate(
     """
     from cost_models.model import AnalyticalCostModel
     from planner.errors import PlannerError
+    from planner.files import check_writable
     from planner.solver.uniform import memory_remedies, overflows, uniform_plan
     from planner.types import Schedule
 
@@ -198,6 +202,8 @@ def estimate(
     except ValueError:
         raise PlannerError("bad-option", f"--schedule {schedule!r} is not one of "
                            f"{', '.join(s.value for s in Schedule)}.") from None
+    if output is not None:
+        check_writable(output, force=force)
     shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                           ffn=ffn, vocab=vocab, settings=settings)
     graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape)

@@ -20,7 +20,8 @@ def canonical_dtype(name: str) -> str:
     key = ALIASES.get(name.lower(), name.lower())
     if key not in DTYPES:
         raise PlannerError("bad-value", f"Unknown dtype {name!r}; use one of "
-                           f"{', '.join(DTYPES)}.", ["pass --dtype bf16 (the default)"])
+                           f"{', '.join(DTYPES)}.",
+                           ["bf16 where every device has fast bf16, else fp16"])
     return key
 
 

@@ -37,9 +37,10 @@ def closest(name: str, candidates: Sequence[str], n: int = 3) -> list[str]:
 
     lowered = {c.lower(): c for c in candidates}
     hits = difflib.get_close_matches(name.lower(), list(lowered), n=n, cutoff=0.4)
+    extends = [c for c in candidates if c.lower().startswith(name.lower())]  # A100 -> A100-40G
     prefix = [c for c in candidates if c.lower().startswith(name.lower()[:3])]
-    out = [lowered[h] for h in hits]
-    for c in prefix:
+    out: list[str] = []
+    for c in [*extends, *(lowered[h] for h in hits), *prefix]:
         if c not in out and len(out) < n:
             out.append(c)
     return out

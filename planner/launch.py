@@ -178,7 +178,7 @@ def _check_hosts(plan: Plan, layout: Layout, hosts: Mapping[str, HostEntry]) -> 
             hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
             unused = node in {n.name for n in plan.cluster.nodes}
             raise PlannerError(
-                "bad-hosts", f"The hosts file names node {node!r}, which "
+                "bad-hosts", f"--hosts/--cpus name node {node!r}, which "
                 + ("the plan does not use." if unused else "the plan's cluster does not have.")
                 + hint, [f"the plan's nodes are {', '.join(names)}"])
 
@@ -331,10 +331,17 @@ def _render_sbatch(setup: _Setup, sbatch: Sequence[str]) -> str:
             raise PlannerError("bad-hosts", f"Host {host!r} (node {node.name}) is not a name "
                                "SLURM can place a job on (letters, digits, '.', '_', '-').",
                                ["map the node to its SLURM node name with --hosts"])
+    planned = ("--job-name", "--nodes", "--nodelist", "--ntasks-per-node", "--exclusive",
+               "--gpus-per-node")  # what the script sets itself
     for line in sbatch:
-        if not line.startswith("--") or not _comment(line) == line:
+        if not line.startswith("--") or not _comment(line) == line or any(
+                c.isspace() for c in line):
             raise PlannerError("bad-option", f"--sbatch {line!r} must be one sbatch option "
-                               "starting with --, e.g. --partition=gpu.")
+                               "starting with --, without spaces, e.g. --partition=gpu.")
+        if line.split("=")[0] in planned:
+            raise PlannerError("bad-option", f"--sbatch {line!r}: the script sets "
+                               f"{line.split('=')[0]} itself, from the plan.",
+                               ["change the plan (or its hosts) instead"])
     groups = _slurm_groups(setup)
     lines = ["#!/usr/bin/env bash"]
     for g, nodes in enumerate(groups):
@@ -380,7 +387,7 @@ def _readme(setup: _Setup, target: str, files: Sequence[str]) -> str:
         "torchrun": ("Copy this folder to every host (or put it on a shared file system), "
                      "then on each host run its node's script; they find each other through "
                      f"a static rendezvous at {setup.master.address}:{setup.port} (node rank 0)."
-                     "\n\n" + "\n".join(f"    ssh {setup.host(n).host} bash "
+                     "\n\n" + "\n".join(f"    ssh {shlex.quote(setup.host(n).host)} bash "
                                         f"{shlex.quote(node_script(n))}  # from this folder"
                                         for n in layout.nodes)),
         "slurm": ("From this folder on the login node: `sbatch launch.sbatch`. It asks for "
@@ -452,13 +459,13 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
 
 def write_launch(files: Mapping[str, str], out: Path, *, force: bool = False) -> list[Path]:
     """Write the files into `out` (created); an existing `out` needs `force`."""
+    if out.exists() and not out.is_dir():
+        raise PlannerError("bad-path", f"{str(out)!r} is a file, not a folder.",
+                           ["choose another --out folder"])
     if out.exists() and not force:
         raise PlannerError("file-exists", f"{str(out)!r} already exists; it was left as it is.",
                            ["pass --force to overwrite the files in it",
                             "choose another --out folder"])
-    if out.exists() and not out.is_dir():
-        raise PlannerError("bad-path", f"{str(out)!r} is a file, not a folder.",
-                           ["choose another --out folder"])
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in files.items():

@@ -16,6 +16,7 @@ from typing import Any
 import pydantic
 
 from planner.errors import PlannerError
+from planner.files import write_atomic
 from planner.types import SCHEMA_VERSION, Plan
 
 
@@ -39,10 +40,7 @@ def plan_json(plan: Plan) -> str:
 
 
 def write_plan(plan: Plan, path: Path, *, force: bool = False) -> None:
-    if path.exists() and not force:
-        raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as it is.",
-                           ["pass --force to overwrite it", "choose another file name"])
-    path.write_text(plan_json(plan))
+    write_atomic(path, plan_json(plan), force=force)
 
 
 @lru_cache(maxsize=1)
@@ -71,10 +69,26 @@ def read_plan(path: Path) -> Plan:
                            ["regenerate the plan with this planner's `planner solve`"])
     data.pop("kind")
     try:
-        return _adapter().validate_python(data)
+        plan = _adapter().validate_python(data)
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise PlannerError("bad-plan", f"{str(path)!r} is not a valid plan: field {where}: "
                            f"{first['msg']} ({exc.error_count()} problem(s) in all).",
                            ["regenerate it with `planner solve`"]) from exc
+    return check_plan(plan, str(path))
+
+
+def check_plan(plan: Plan, source: str) -> Plan:
+    """The plan if it is one the runtime can run as written (every layer placed once,
+    shares summing to the global batch, each device used once, devices and types that
+    match its cluster, a known dtype); else an error naming the first problem."""
+    from planner.dtypes import canonical_dtype
+    from planner.runtime.layout import rank_layout
+
+    try:
+        canonical_dtype(plan.training.dtype)
+        rank_layout(plan)
+    except PlannerError as exc:
+        raise PlannerError("bad-plan", f"{source}: {exc.message}", exc.remedies) from None
+    return plan

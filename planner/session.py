@@ -22,15 +22,14 @@ length, dtype), analyses per plan. Library code only: no printing, no prompts.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shlex
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from planner.errors import PlannerError, closest
+from planner.files import write_atomic
 from planner.types import ClusterSpec, ModelGraph, ModelSpec, Plan, TrainingSpec
 
 DEFAULT_TIME_LIMIT = 10.0
@@ -318,27 +317,6 @@ def parse_options(tokens: Sequence[str], *, values: Sequence[str] = (),
             positional.append(token)
         i += 1
     return positional, found
-
-
-def write_atomic(path: Path, text: str, *, force: bool) -> None:
-    """Write all of `text` or nothing (a Ctrl-C never leaves half a file)."""
-    if path.exists() and not force:
-        raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as it is.",
-                           ["add --force to overwrite it", "choose another file name"])
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise PlannerError("bad-path", f"Folder {str(folder)!r} does not exist.")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def resolve_dtype(dtype: str, cluster: ClusterSpec) -> str:

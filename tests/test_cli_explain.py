@@ -178,3 +178,18 @@ def test_terminal_survives_a_bug_and_ctrl_c(monkeypatch):
     monkeypatch.setattr(session, "run", interrupted)
     assert terminal._interruptible("solve") is False
     assert "Interrupted; nothing changed" in console.export_text()
+
+
+def test_explain_and_compare_refuse_options_that_cannot_apply(plans, tmp_path):
+    same = tmp_path / "same.html"
+    result = run("explain", plans / "base.json", "--html", same, "--svg", same)
+    assert result.exit_code == 1 and "give them different files" in result.stderr
+    fixed = tmp_path / "fixed.json"
+    made = run("estimate", "gpt-tiny", "--cluster", "1x4xA100-40G", "-B", "8", "--pp", "2",
+               "-o", fixed)
+    assert made.exit_code == 0, made.output
+    result = run("explain", fixed, "--runners-up", "1")
+    assert result.exit_code == 1 and "not a search result" in result.stderr
+    result = run("compare", plans / "base.json", plans / "tp2-slow-net.json", "--price",
+                 "H100=3")
+    assert result.exit_code == 1 and "which none of the plans uses" in result.stderr

@@ -131,6 +131,7 @@ def test_bad_files_name_file_line_and_field(tmp_path, text, needle):
     ("2x0xA100-80G", "zero nodes or devices"),
     ("2x8xA999", "Unknown device"),
     ("dgx-a100-pd", "Did you mean 'dgx-a100-pod'"),
+    ("1x8xA100", "Did you mean 'A100-40G-SXM', 'A100-80G-SXM'"),  # the names it begins
     ("missing.yaml", "does not exist"),
     ("2x8xA100-80G@fast", "Cannot read 'fast' as a bandwidth"),
 ])

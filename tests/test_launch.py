@@ -1,7 +1,9 @@
 """`planner launch`: the rendered scripts (bash -n, ShellCheck, quoting), per-node
 settings from the plan, the hosts file, and the CLI."""
 
+import dataclasses
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,6 +15,7 @@ from cli.main import app
 from planner.errors import PlannerError
 from planner.launch import parse_hosts, render_launch, write_launch
 from planner.planfile import write_plan
+from planner.types import DeviceGroup
 from tests.runtime_helpers import tiny_plan
 
 runner = CliRunner()
@@ -100,6 +103,10 @@ def test_a_host_name_with_shell_metacharacters_is_quoted_not_executed(tmp_path, 
     # in comments the line break becomes "?": "reboot" stays in the comment
     assert "# Run it on host gpu-a1$(touch pwned);`touch pwned2` 'x' \"y\"?reboot;" in files[
         "node-0-a100-80g-sxm-0.sh"]
+    # the README's ssh line quotes it too: copied into a shell, it runs nothing
+    readme = files["README.md"]
+    ssh = readme[readme.index("    ssh "):].split("  # from this folder")[0]
+    assert shlex.split(ssh) == ["ssh", EVIL, "bash", "node-0-a100-80g-sxm-0.sh"]
     # run the script with a stand-in python that records its arguments
     fake = tmp_path / "fake-python"
     fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGS_FILE"\n')
@@ -155,3 +162,48 @@ def test_the_plan_copy_is_the_plan(tmp_path, hetero_plan):
 
     out = _check_shell(tmp_path, render_launch(hetero_plan, target="torchrun"))
     assert read_plan(Path(out / "plan.json")) == hetero_plan
+
+
+def _edited(plan, **stage0):
+    """The plan with its first pipeline's first stage changed."""
+    first = plan.pipelines[0]
+    stage = dataclasses.replace(first.stages[0], **stage0)
+    pipeline = dataclasses.replace(first, stages=(stage, *first.stages[1:]))
+    return dataclasses.replace(plan, pipelines=(pipeline, *plan.pipelines[1:]))
+
+
+def test_launch_refuses_plans_that_cannot_run(tmp_path, hetero_plan):
+    """A plan predicted to overflow memory, and bad runtime options, stop before any file is
+    written; sbatch options the script sets itself, or with spaces, are refused."""
+    small = dataclasses.replace(hetero_plan.pipelines[0].stages[0].memory, optimizer=2.0**40)
+    plan = tmp_path / "plan.json"
+    write_plan(_edited(hetero_plan, memory=small), plan)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["launch", str(plan), "--out", str(out)])
+    assert result.exit_code == 1 and "does not fit in device memory" in result.stderr
+    assert not out.exists()
+    write_plan(hetero_plan, plan, force=True)
+    for bad, needle in ((["--steps", "-3"], "--steps must be positive"),
+                        (["--lr", "nan"], "--lr must be a positive number")):
+        result = runner.invoke(app, ["launch", str(plan), "--out", str(out), *bad])
+        assert result.exit_code == 1 and needle in result.stderr, result.output
+    for sbatch, needle in (("--partition=gpu queue", "without spaces"),
+                           ("--nodes=4", "sets --nodes itself")):
+        with pytest.raises(PlannerError, match=needle):
+            render_launch(hetero_plan, target="slurm", sbatch=[sbatch])
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(device_type="H100-SXM"), "says it runs on H100-SXM, but node"),
+    (dict(devices=DeviceGroup(node="a100-80g-sxm-0", devices=(0, 7))), "uses device 7"),
+])
+def test_every_command_reads_only_plans_the_runtime_can_run(tmp_path, hetero_plan, change,
+                                                            needle):
+    from planner.planfile import read_plan
+
+    plan = tmp_path / "plan.json"
+    write_plan(_edited(hetero_plan, **change), plan)
+    with pytest.raises(PlannerError, match=needle):
+        read_plan(plan)
+    result = runner.invoke(app, ["compare", str(plan), str(plan)])
+    assert result.exit_code == 1 and needle in result.stderr

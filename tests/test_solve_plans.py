@@ -217,6 +217,16 @@ def test_estimate_remedies_leave_out_what_the_recipe_already_does(setup):
     assert any("larger --tp than 1" in r for r in remedies)
 
 
+def test_a_huge_global_batch_is_solved_not_walked_forever():
+    """Bounds step from the fluid time to the next whole micro-batch; at ~1e7 s rounding
+    put that step at the same time, and a global batch of 10^8 never finished."""
+    graph = trace_model(model_spec("gpt3-1.3b", {"layers": 2}), seq_len=2048, dtype="fp16")
+    training = TrainingSpec(global_batch=10**8, seq_len=2048, dtype="fp16")
+    plan = solve(graph, load_cluster(CLUSTER), training,
+                 SolveOptions(time_limit=5, with_baselines=False))[0]
+    assert sum(p.batch_share for p in plan.pipelines) == 10**8
+
+
 def test_contradicting_constraints():
     graph = trace_model(model_spec("gpt-tiny"), seq_len=64, dtype="fp16")
     cluster = load_cluster("1x8xA100-40G")
@@ -265,14 +275,52 @@ def test_stage_pins_place_the_first_and_last_stages(tmp_path):
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "16"], "--tp 16 cannot be used"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", "0"], "--global-batch must be"),
     (["solve", "gpt-tiny", "--cluster", "nope-cluster"], "not a file, a built-in example"),
-    (["estimate", "gpt-tiny", "--cluster", CLUSTER, "--tp", "2", "--pp", "8", "--dp", "4"],
-     "needs 64 devices"),
+    (["estimate", "gpt-tiny", "--cluster", CLUSTER, "--tp", "2", "--pp", "4", "--dp", "4"],
+     "needs 32 devices"),
+    (["estimate", "gpt-tiny", "--cluster", CLUSTER, "--pp", "7"],
+     "--pp 7 is more stages than the model has layers (6)"),
+    (["estimate", "gpt-tiny", "--cluster", CLUSTER, "--tp", "4", "--pp", "3"],
+     "--pp 3 stages of --tp 4 need 12 devices"),
     (["estimate", "llama2-13b", "--cluster", "1x2xT4", "-B", "2"], "does not fit in memory"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "0"], "--tp must be at least 1"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--micro-batch", "0"],
+     "--micro-batch must be at least 1"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "3"], "use one of --tp 1, 2, 4"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--dp", "9"],
+     "--dp 9 pipelines need 9 devices, but the usable nodes"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--pp", "3", "--max-stages", "2"],
+     "--pp 3 contradicts --max-stages 2"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--first-stage", "V100-16G", "--last-stage",
+      "A100-40G", "--no-mixed"], "which --no-mixed rules out"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", str(10**10)], "--global-batch must be"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--gap", "-1"], "--gap is a fraction"),
 ])
 def test_cli_bad_input(args, needle):
     result = runner.invoke(app, args)
     assert result.exit_code == 1, result.output
     assert needle in result.stderr and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["solve", "gpt-tiny", "--tp", "abc"], "Invalid value for '--tp'"),
+    (["solve"], "Missing argument 'MODEL'"),
+    (["solve", "gpt-tiny", "--no-such-option"], "No such option"),
+])
+def test_cli_usage_errors_are_not_internal_errors(args, needle):
+    """typer's own click raises these: a usage message and exit code 2, not "a bug"."""
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "internal error" not in result.output
+
+
+def test_output_path_is_checked_before_solving(tmp_path):
+    taken = tmp_path / "taken.json"
+    taken.write_text("mine")
+    for target, needle in ((taken, "already exists"), (tmp_path, "is a folder"),
+                           (tmp_path / "no" / "p.json", "does not exist")):
+        result = runner.invoke(app, ["solve", "no-such-model", "-o", str(target)])
+        assert result.exit_code == 1 and needle in result.stderr, result.output
+    assert taken.read_text() == "mine"
 
 
 def test_plan_json_is_valid_json(setup):

@@ -136,6 +136,9 @@ def flavor(name: str) -> Flavor:
                                  "planner models") from None
 
 
+_SHAPE_FLAGS = {"layers", "hidden", "heads", "kv_heads", "ffn", "vocab"}  # CLI options
+
+
 def configure(name: str, overrides: Mapping[str, Any],
               seq_len: int | None = None) -> tuple[Flavor, Any]:
     """The flavor and its configuration with overrides (and a sequence length for
@@ -149,7 +152,8 @@ def configure(name: str, overrides: Mapping[str, Any],
                 "bad-override",
                 f"Model {base.name} ({base.family}) has no shape option {key!r}; it accepts "
                 f"{', '.join(sorted(allowed))}.",
-                [f"drop --{key.replace('_', '-')}"])
+                [f"drop --{key.replace('_', '-')}" if key in _SHAPE_FLAGS else
+                 f"drop --set {key}=..."])
         changes[allowed[key]] = value
     if seq_len is not None:
         if not hasattr(base.config, "max_positions") and not isinstance(base.config, T5Config):

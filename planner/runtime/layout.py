@@ -168,6 +168,10 @@ def _check_stage(plan: Plan, pipeline: int, stage: StagePlan) -> None:
     except PlannerError as exc:
         raise PlannerError("bad-plan", f"{where} runs on node {stage.devices.node!r}, which the "
                            f"plan's cluster does not have.", exc.remedies) from None
+    if stage.device_type != node.device.name:
+        raise PlannerError("bad-plan", f"{where} says it runs on {stage.device_type}, but node "
+                           f"{node.name} has {node.device.name} devices.",
+                           ["regenerate the plan with `planner solve`"])
     devices = stage.devices.devices
     if len(devices) != stage.tp or len(set(devices)) != len(devices):
         raise PlannerError("bad-plan", f"{where} has tp {stage.tp} but lists devices "

@@ -31,6 +31,8 @@ from planner.types import ClusterSpec, ModelGraph, Plan, SolverReport, TrainingS
 
 __all__ = ["Limits", "SolveOptions", "Space", "solve"]
 
+MAX_GLOBAL_BATCH = 10**9  # samples per step; the lower bound's LP loses precision beyond
+
 
 @dataclass(frozen=True)
 class SolveOptions:
@@ -47,9 +49,26 @@ class SolveOptions:
 
 def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
            options: SolveOptions) -> ClusterSpec:
-    if training.global_batch < 1:
-        raise PlannerError("bad-option", f"--global-batch must be positive (got "
-                           f"{training.global_batch}).")
+    if not 1 <= training.global_batch <= MAX_GLOBAL_BATCH:
+        raise PlannerError("bad-option", f"--global-batch must be between 1 and "
+                           f"{MAX_GLOBAL_BATCH:,} samples per step (got "
+                           f"{training.global_batch:,}).")
+    limits = options.limits
+    for flag, value in (("--tp", limits.tp), ("--max-tp", limits.max_tp), ("--pp", limits.pp),
+                        ("--dp", limits.dp), ("--micro-batch", limits.micro_batch),
+                        ("--max-stages", limits.max_stages)):
+        if value is not None and value < 1:
+            raise PlannerError("bad-option", f"{flag} must be at least 1 (got {value}).")
+    # --max-stages bounds a free --pp; only one the user changed contradicts a fixed one
+    if (limits.pp is not None and limits.max_stages < limits.pp
+            and limits.max_stages != Limits().max_stages):
+        raise PlannerError("bad-option", f"--pp {limits.pp} contradicts --max-stages "
+                           f"{limits.max_stages}.", ["drop one of them, or raise --max-stages"])
+    if options.time_limit is not None and options.time_limit < 0:
+        raise PlannerError("bad-option", f"--time-limit must not be negative (got "
+                           f"{options.time_limit:g}).")
+    if not 0 <= options.gap < 1:
+        raise PlannerError("bad-option", f"--gap is a fraction in [0, 1) (got {options.gap:g}).")
     unknown = [n for n in options.exclude if n not in {x.name for x in cluster.nodes}]
     if unknown:
         raise PlannerError("bad-option", f"--exclude names node {unknown[0]!r}, which cluster "
@@ -60,14 +79,26 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     if not used.nodes:
         raise PlannerError("no-devices", "Every node is excluded: the cluster has no usable "
                            "device.", ["drop some --exclude options"])
-    limits = options.limits
-    biggest = max(n.devices for n in used.nodes)
     tp = limits.tp
-    if tp is not None and not any(n.devices % tp == 0 for n in used.nodes):
+    usable = [t for t in options.tps if any(n.devices % t == 0 for n in used.nodes)]
+    if tp is not None and tp not in usable:
         raise PlannerError(
-            "bad-option", f"--tp {tp} cannot be used: tensor parallelism stays inside a node, "
-            f"and the nodes have {sorted({n.devices for n in used.nodes})} devices.",
-            [f"use --tp {max(t for t in options.tps if t <= biggest)} or less"])
+            "bad-option", f"--tp {tp} cannot be used: tensor parallelism stays inside a node "
+            f"and splits it evenly, and the nodes have "
+            f"{sorted({n.devices for n in used.nodes})} devices.",
+            [f"use one of --tp {', '.join(map(str, usable))}"])
+    devices = sum(n.devices for n in used.nodes)
+    least = (limits.pp or 1) * (tp or 1)  # devices a pipeline takes at least
+    if (limits.dp or 1) * least > devices:
+        what = (f"--dp {limits.dp} pipelines" if limits.dp else "A pipeline") + (
+            f" of --pp {limits.pp} stages" if limits.pp else "") + (
+            f" with --tp {tp}" if tp else "")
+        raise PlannerError(
+            "bad-option", f"{what} need{'' if limits.dp else 's'} {(limits.dp or 1) * least} "
+            "devices, but the usable "
+            f"nodes of cluster {cluster.name} have {devices}.",
+            ["lower " + " or ".join(f for f, v in (("--dp", limits.dp), ("--pp", limits.pp),
+                                                   ("--tp", tp)) if v), "add devices"])
     if tp is not None and limits.max_tp is not None and tp > limits.max_tp:
         raise PlannerError("bad-option", f"--tp {tp} contradicts --max-tp {limits.max_tp}.",
                            ["drop one of them"])
@@ -114,6 +145,15 @@ def _resolve_pins(limits: Limits, cluster: ClusterSpec) -> Limits:
             raise PlannerError("bad-option", f"{flag} {pinned}: no usable node has that device "
                                f"type" + (f"; did you mean {near[0]}?" if near else "."),
                                [f"use one of {', '.join(types)}"])
+    first, last = resolved.get("first_stage"), resolved.get("last_stage")
+    if first and last and first != last and limits.pp == 1:
+        raise PlannerError("bad-option", f"--first-stage {limits.first_stage} and --last-stage "
+                           f"{limits.last_stage} need two stages, which --pp 1 rules out.",
+                           ["drop --pp 1 or one of the pins"])
+    if first and last and first != last and not limits.mixed:
+        raise PlannerError("bad-option", f"--first-stage {limits.first_stage} and --last-stage "
+                           f"{limits.last_stage} put two device types in every pipeline, which "
+                           "--no-mixed rules out.", ["drop --no-mixed or one of the pins"])
     return dataclasses.replace(limits, **resolved)
 
 

@@ -480,8 +480,10 @@ class Bound:
         usable = (pipes > 0) & np.isfinite(busy)
         for _ in range(int(self.m) + 1):
             k = np.floor((times - total) / busy + 1e-9)
-            after = np.where(usable, np.where(times >= total, total + (k + 1) * busy, total),
-                             INF).min(axis=0)
+            step = total + (k + 1) * busy
+            # far out (huge batches) rounding can put the next completion at `times`
+            step = np.where(step > times, step, step + busy)
+            after = np.where(usable, np.where(times >= total, step, total), INF).min(axis=0)
             behind = np.isfinite(times) & np.isfinite(after) & (
                 done(times, np.where(np.isfinite(after), after, times), True) < self.m)
             if not behind.any():

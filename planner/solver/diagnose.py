@@ -6,7 +6,8 @@ Three cases, checked in order:
     micro-batches of 1) overflows a device: more or bigger devices are needed;
   * that plan fits, so the constraints the user gave rule every plan out: each is
     named with how to relax it, and the leanest recipe that keeps them (as
-    `planner estimate` would lay it out) names the device and term that overflow.
+    `planner estimate` would lay it out) names the device and term that overflow,
+    or why it cannot be laid out.
 """
 
 from __future__ import annotations
@@ -73,13 +74,15 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
             "deep are outside the search space.",
             ["report this with the command that produced it", MORE_DEVICES])
     flags = ", ".join(flag for flag, _ in given)
-    binding = _leanest_kept(layers, cluster, training, costs, limits, space, stages)
-    return PlannerError(
-        "infeasible",
-        f"No plan fits in device memory under the constraints given ({flags}). Without "
-        f"them, {leanest}." + (f" With them, the leanest recipe ({binding})." if binding
-                               else ""),
-        [remedy for _, remedy in given])
+    overflow, layout = _leanest_kept(layers, cluster, training, costs, limits, space, stages)
+    if overflow:
+        message = (f"No plan fits in device memory under the constraints given ({flags}). "
+                   f"Without them, {leanest}. With them, the leanest recipe ({overflow}).")
+    else:
+        message = (f"No plan satisfies the constraints given ({flags})"
+                   + (f": {layout.rstrip('.')}" if layout else "")
+                   + f". Without them, {leanest}.")
+    return PlannerError("infeasible", message, [remedy for _, remedy in given])
 
 
 def constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, str]]:
@@ -116,20 +119,23 @@ def constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, st
 
 
 def _leanest_kept(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSpec,
-                  costs: CostModel, limits: Limits, space: Space, stages: int) -> str | None:
-    """The first overflow of the leanest uniform recipe within the constraints (one
-    pipeline unless --dp is fixed, the most stages allowed, the leanest recompute and
-    ZeRO allowed), or None if it cannot be laid out or fits."""
+                  costs: CostModel, limits: Limits, space: Space, stages: int
+                  ) -> tuple[str | None, str | None]:
+    """The leanest uniform recipe within the constraints (one pipeline unless --dp is
+    fixed, the most stages allowed, the leanest recompute and ZeRO allowed): its first
+    overflow (None if it fits), and why it cannot be laid out (None if it can)."""
     tp = limits.tp or 1
-    pp = limits.pp or min(limits.max_stages, stages // tp)
+    pp = max(1, limits.pp or min(limits.max_stages, stages // tp))
+    dp = limits.dp or 1
     policy = max(space.policies, key=list(Recompute).index)
     try:
         pipelines = uniform_pipelines(
-            layers=layers, cluster=cluster, training=training, costs=costs, tp=tp, pp=max(1, pp),
-            dp=limits.dp or 1, micro_batch=limits.micro_batch or 1, recompute=policy,
-            zero=max(space.zeros) if (limits.dp or 1) > 1 else min(space.zeros))
-    except PlannerError:
-        return None
+            layers=layers, cluster=cluster, training=training, costs=costs, tp=tp, pp=pp,
+            dp=dp, micro_batch=limits.micro_batch or 1, recompute=policy,
+            zero=max(space.zeros) if dp > 1 else min(space.zeros))
+    except PlannerError as exc:
+        return None, exc.message
     problems = overflows(pipelines or [], cluster)
-    return (f"tp {tp}, pp {max(1, pp)}, dp {limits.dp or 1}, recompute {policy.value}: "
-            + problems[0]) if problems else None
+    if not problems:
+        return None, None
+    return f"tp {tp}, pp {pp}, dp {dp}, recompute {policy.value}: {problems[0]}", None

@@ -74,7 +74,15 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
             f"nodes have {sorted({n.devices for n in cluster.nodes})} devices, and tensor "
             "parallelism stays inside a node.",
             [f"use --tp {max(t for t in (1, 2, 4, 8, 16) if t <= biggest)} or less"])
+    if pp > len(layers):
+        raise PlannerError("bad-option", f"--pp {pp} is more stages than the model has layers "
+                           f"({len(layers)}).", [f"use --pp {len(layers)} or less"])
     slots = groups(cluster, tp)
+    if pp > len(slots):
+        raise PlannerError(
+            "bad-option", f"--pp {pp} stages of --tp {tp} need {pp * tp} devices in groups of "
+            f"{tp}; cluster {cluster.name} has {len(slots)} such groups "
+            f"({cluster.num_devices} devices).", ["lower --pp" + (" or --tp" if tp > 1 else "")])
     dp = dp or len(slots) // pp
     if dp < 1 or dp * pp > len(slots):
         raise PlannerError(
