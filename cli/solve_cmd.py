@@ -44,6 +44,11 @@ def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dty
         dtype = ("bf16" if all("bf16" in d.peak_flops for d in kinds) else
                  "fp16" if all("fp16" in d.peak_flops for d in kinds) else "fp32")
     dtype = canonical_dtype(dtype)
+    slow = sorted(k for k, d in spec.device_types().items() if dtype not in d.peak_flops)
+    if slow and dtype != "fp32":
+        err_console.print(f"[yellow]note:[/] {', '.join(slow)} list no {dtype} throughput: "
+                          f"their layers are priced at fp32 speed (--dtype auto picks a dtype "
+                          "every device runs fast).", soft_wrap=True)
     graph = trace_loaded(load_model(model_spec(model, shape), seq_len=seq_len), batch=1,
                          dtype=dtype)
     return graph, spec, TrainingSpec(global_batch=global_batch, seq_len=graph.seq_len,
@@ -214,9 +219,11 @@ def estimate(
     _emit(plan, graph, output, force, json_out)
     problems = overflows(plan.pipelines, plan.cluster)
     if problems:
+        written = (f" The plan was written to {output} all the same, for `planner explain`; "
+                   "`planner launch` refuses it." if output is not None else "")
         raise PlannerError("does-not-fit", "This configuration does not fit in memory: "
-                           + "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "."),
-                           memory_remedies(plan.pipelines, plan.cluster))
+                           + "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else ".")
+                           + written, memory_remedies(plan.pipelines, plan.cluster))
 
 
 def register(app: typer.Typer) -> None:
