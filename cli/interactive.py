@@ -284,12 +284,10 @@ def _recorder(path: Path | None, force: bool) -> tuple[Callable[[str], None] | N
                                                          IO[str] | None]:
     if path is None:
         return None, None
-    from planner.errors import PlannerError
+    from planner.files import check_writable
     from planner.session import transcript_text
 
-    if path.exists() and not force:
-        raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as it is.",
-                           ["pass --force to overwrite it", "choose another file name"])
+    check_writable(path, force=force)
     out = path.open("w")
     out.write(transcript_text([]))
     out.flush()

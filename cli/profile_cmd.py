@@ -20,6 +20,7 @@ from rich.table import Table
 
 from cli import options as opt
 from planner.errors import PlannerError
+from planner.files import check_writable, write_atomic
 from planner.units import fmt_bytes, fmt_flops, fmt_rate, fmt_seconds
 
 console = Console()
@@ -74,12 +75,8 @@ def profile(
 
     from cost_models.profile import run_profile
 
-    if output is not None and output.exists() and not force:
-        raise PlannerError("file-exists", f"{str(output)!r} already exists; it was left as it "
-                           "is.", ["pass --force to overwrite it", "choose another file name"])
-    if output is not None and not output.parent.is_dir():
-        raise PlannerError("bad-path", f"Cannot write {output}: {output.parent} is not a "
-                           "directory.")
+    if output is not None:  # before the measurements, not after them
+        check_writable(output, force=force)
     if devices is Devices.all and not torch.cuda.is_available():
         err_console.print("no CUDA device: profiling the CPU")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -190,14 +187,12 @@ def merge(
     from cost_models.cluster import cluster_to_dict
     from cost_models.profile.merge import merge_profiles
 
-    if output.exists() and not force:
-        raise PlannerError("file-exists", f"{str(output)!r} already exists; it was left as "
-                           "it is.", ["pass --force to overwrite it"])
+    check_writable(output, force=force)
     cluster = merge_profiles(profiles, network=network, name=name,
                              names=[n.strip() for n in names.split(",")] if names else None)
-    output.write_text("# Made by `planner profile merge` from "
-                      + ", ".join(str(p) for p in profiles) + "\n"
-                      + yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False))
+    write_atomic(output, "# Made by `planner profile merge` from "
+                 + ", ".join(str(p) for p in profiles) + "\n"
+                 + yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False), force=force)
     console.print(f"Wrote cluster {cluster.name} ({len(cluster.nodes)} nodes, "
                   f"{cluster.num_devices} devices) to {output}")
 

@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.table import Table
 
 from cli import options as opt
-from planner.errors import PlannerError
 from planner.units import fmt_bytes, fmt_count, fmt_flops
 
 if TYPE_CHECKING:
@@ -30,8 +29,13 @@ def models(
 
     Example: planner models --family llama
     """
+    from planner.errors import unknown_name_error
     from planner.models import FLAVORS, load_model, model_spec
 
+    families = sorted({f.family for f in FLAVORS.values()})
+    if family and family.lower() not in families:
+        raise unknown_name_error("unknown-family", "model family", family, families,
+                                 "planner models")
     rows = []
     for flavor in FLAVORS.values():
         if family and flavor.family != family.lower():
@@ -76,6 +80,7 @@ def trace(
       planner trace gpt2-small --layers 4 --graph gpt2.graphml
       planner trace mypkg.models:build --set width=512 --json
     """
+    from planner.files import check_writable
     from planner.models import load_model, model_spec
     from planner.trace import trace_loaded
     from planner.trace.export import summary_dict, write_graph
@@ -83,9 +88,8 @@ def trace(
     spec = model_spec(model, opt.overrides(layers=layers, hidden=hidden, heads=heads,
                                            kv_heads=kv_heads, ffn=ffn, vocab=vocab,
                                            settings=settings))
-    if graph is not None and graph.exists() and not force:
-        raise PlannerError("file-exists", f"{str(graph)!r} already exists; it was left as it is.",
-                           ["pass --force to overwrite it", "choose another file name"])
+    if graph is not None:  # before the trace, not after it
+        check_writable(graph, force=force)
     start = time.perf_counter()
     traced = trace_loaded(load_model(spec, seq_len=seq_len), batch=batch, dtype=dtype)
     elapsed = time.perf_counter() - start

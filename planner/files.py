@@ -13,7 +13,7 @@ def check_writable(path: Path, *, force: bool) -> None:
     """A clear error, before any work is done, if `path` cannot or may not be written."""
     if path.is_dir():
         raise PlannerError("bad-path", f"{str(path)!r} is a folder; give a file name.",
-                           [f"e.g. {str(path / 'plan.json')!r}"])
+                           [f"e.g. {str(path / ('name' + (path.suffix or '.json')))!r}"])
     if path.exists() and not force:
         raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as it is.",
                            ["add --force to overwrite it", "choose another file name"])

@@ -83,6 +83,9 @@ def remove_nodes(cluster: ClusterSpec, targets: Sequence[str]) -> ClusterSpec:
         if not m:
             raise _unknown_node(dataclasses.replace(cluster, nodes=tuple(nodes)), target)
         count, kind = int(m[1]), m[2].lower()
+        if count < 1:
+            raise PlannerError("bad-value", f"{target!r} removes no node; give a count of 1 "
+                               "or more.")
         of_type = [n for n in nodes if n.device.name.lower() == kind
                    or n.device.name.split("@")[0].lower() == kind]
         if not of_type:

@@ -89,6 +89,10 @@ def test_graph_file_is_not_overwritten(tmp_path):
     assert result.exit_code == 1 and "already exists" in result.stderr
     assert path.read_text() == "mine"
     assert run("trace", "gpt-tiny", "--graph", str(path), "--force").exit_code == 0
+    for target, needle in ((tmp_path / "no" / "g.json", "does not exist"),
+                           (tmp_path, "is a folder")):
+        result = run("trace", "gpt-tiny", "--graph", str(target), "--force")
+        assert result.exit_code == 1 and needle in result.stderr, result.output
 
 
 @pytest.mark.parametrize("args, needle", [

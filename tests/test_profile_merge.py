@@ -91,3 +91,11 @@ def test_merge_errors(tmp_path):
     path.write_text(json.dumps(profile("h", speed=1.0)))
     with pytest.raises(PlannerError, match="1 names"):
         merge_profiles([path, path], names=["only-one"])
+    with pytest.raises(PlannerError, match="must be non-empty"):
+        merge_profiles([path, path], names=["a", ""])
+    mixed = profile("h", speed=1.0)
+    mixed["devices"] = [dict(mixed["devices"][0], index=0),
+                        dict(mixed["devices"][0], index=1, name="Tesla V100-SXM2-32GB")]
+    path.write_text(json.dumps(mixed))
+    with pytest.raises(PlannerError, match="different devices on one host"):
+        merge_profiles([path])

@@ -50,6 +50,8 @@ def test_remove_nodes_by_name_and_by_count(lab):
         whatif.remove_nodes(lab, ["v100-9"])
     with pytest.raises(PlannerError, match="Cannot remove 5"):
         whatif.remove_nodes(lab, ["5xV100-32G"])
+    with pytest.raises(PlannerError, match="removes no node"):
+        whatif.remove_nodes(lab, ["0xV100-32G"])
     with pytest.raises(PlannerError, match="every node"):
         whatif.remove_nodes(load_cluster("1x8xA100-80G"), ["a100-80g-sxm-0"])
 

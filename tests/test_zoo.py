@@ -63,6 +63,10 @@ def test_overrides_change_the_shape():
     ({"heads": 7}, "heads (7) must divide hidden (768)"),
     ({"hidden": -5}, "hidden must be positive"),
     ({"kv_heads": 5}, "kv_heads (5)"),
+    ({"heads": "abc"}, "heads takes an integer (like 12), not 'abc'"),  # --set heads=abc
+    ({"layers": True}, "layers takes an integer"),  # YAML reads --set layers=yes as True
+    ({"kv_heads": "x"}, "kv_heads takes an integer, not 'x'"),  # an optional count
+    ({"capacity_factor": "big"}, "capacity_factor takes a number"),
 ])
 def test_nonsense_shapes_are_named(overrides, needle):
     with pytest.raises(PlannerError) as err:
@@ -71,8 +75,9 @@ def test_nonsense_shapes_are_named(overrides, needle):
 
 
 def test_sequence_longer_than_learned_positions():
-    with pytest.raises(PlannerError, match="exceeds the 1024 learned positions"):
+    with pytest.raises(PlannerError, match="exceeds the 1024 learned positions") as err:
         load_model(model_spec("gpt2-small"), seq_len=2048)
+    assert list(err.value.remedies) == ["use a shorter --seq-len"]  # no overrides were given
     assert load_model(model_spec("gpt2-small", {"max_positions": 2048}), seq_len=2048)
 
 

@@ -76,6 +76,9 @@ def merge_profiles(paths: Sequence[Path], *, network: str = "100Gbps/5us",
     if names is not None and len(names) != len(paths):
         raise PlannerError("bad-option", f"--names gives {len(names)} names for "
                            f"{len(paths)} profiles.", ["give one name per profile"])
+    if not name.strip() or (names is not None and not all(n.strip() for n in names)):
+        raise PlannerError("bad-option", "--name and every --names entry must be non-empty "
+                           f"(got {name!r}" + (f", {list(names)!r}" if names else "") + ").")
     docs = [load_profile(path) for path in paths]
     hosts = [doc["host"] for doc in docs]
     distinct = len(set(hosts)) == len(hosts)  # workers of one machine share a host name
@@ -94,6 +97,13 @@ def merge_profiles(paths: Sequence[Path], *, network: str = "100Gbps/5us",
         if seen[node_name] > 1:
             node_name = f"{node_name}-{seen[node_name] - 1}"
         first = devices[0]
+        kinds = sorted({d.get("name", "?") for d in devices})
+        if len(kinds) > 1:  # a node is one device type (the cluster model's unit)
+            raise PlannerError("bad-profile", f"Profile {str(path)!r} measured different "
+                               f"devices on one host ({', '.join(kinds)}); a node of the "
+                               "cluster has one device type.",
+                               ["profile one type at a time (CUDA_VISIBLE_DEVICES) and "
+                                "merge the profiles as separate nodes"])
         base = _base(first)
         source = f"{Path(path).name} ({host}, {doc['timestamp']})"
         device = dataclasses.replace(base, name=f"{base.name}@{node_name}",

@@ -154,7 +154,7 @@ def configure(name: str, overrides: Mapping[str, Any],
                 f"{', '.join(sorted(allowed))}.",
                 [f"drop --{key.replace('_', '-')}" if key in _SHAPE_FLAGS else
                  f"drop --set {key}=..."])
-        changes[allowed[key]] = value
+        changes[allowed[key]] = _typed(base, key, getattr(base.config, allowed[key]), value)
     if seq_len is not None:
         if not hasattr(base.config, "max_positions") and not isinstance(base.config, T5Config):
             raise PlannerError(
@@ -167,10 +167,38 @@ def configure(name: str, overrides: Mapping[str, Any],
     config = dataclasses.replace(base.config, **changes)
     problems = config.validate()
     if problems:
-        raise PlannerError("bad-shape", f"Model {base.name} with overrides "
-                           f"{dict(overrides)} is not a valid shape: {'; '.join(problems)}.",
-                           ["change the overriding options so the shape is consistent"])
+        given = f" with overrides {dict(overrides)}" if overrides else ""
+        fixes = (["change the overriding options so the shape is consistent"] if overrides
+                 else [])
+        if seq_len is not None:
+            fixes.append("use a shorter --seq-len" if "max_positions" in "".join(problems)
+                         else "check --seq-len")
+        raise PlannerError("bad-shape", f"Model {base.name}{given} is not a valid shape: "
+                           f"{'; '.join(problems)}.", fixes)
     return base, config
+
+
+def _typed(base: Flavor, key: str, default: Any, value: Any) -> Any:
+    """An override's value if it has its field's type (an int for an int field, a number
+    for a float one, ...); else an error naming the option."""
+    kind = int if default is None else type(default)  # the optional fields are counts
+
+    def integer(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    ok = {int: integer(value), float: integer(value) or isinstance(value, float),
+          tuple: isinstance(value, tuple) and all(integer(x) for x in value)
+          }.get(kind, isinstance(value, kind))
+    if not ok:
+        what = {int: "an integer", float: "a number", tuple: "a list of integers"}.get(
+            kind, f"a {kind.__name__}")
+        raise PlannerError("bad-override", f"Model {base.name}: {key} takes {what}"
+                           + (f" (like {default!r})" if default is not None else "")
+                           + f", not {value!r}.",
+                           [f"e.g. --set {key}={list(default) if kind is tuple else default}"
+                            if key not in _SHAPE_FLAGS else f"e.g. --{key.replace('_', '-')} "
+                            f"{default if default is not None else 8}"])
+    return float(value) if kind is float else value
 
 
 def build_zoo_model(name: str, overrides: Mapping[str, Any], seq_len: int | None = None

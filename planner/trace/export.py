@@ -10,6 +10,7 @@ from typing import Any
 import networkx as nx
 
 from planner.errors import PlannerError
+from planner.files import check_writable
 from planner.trace.summary import count_blocks, flop_check
 from planner.types import SCHEMA_VERSION, ModelGraph
 
@@ -106,9 +107,7 @@ def write_graph(model: ModelGraph, path: Path, *, force: bool = False) -> str:
     if fmt is None:
         raise PlannerError("bad-value", f"Cannot tell the graph format from {str(path)!r}; "
                            f"use a file ending in {', '.join(FORMATS)}.")
-    if path.exists() and not force:
-        raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as it is.",
-                           ["pass --force to overwrite it", "choose another file name"])
+    check_writable(path, force=force)
     if fmt == "json":
         path.write_text(json.dumps(graph_dict(model), indent=1) + "\n")
     elif fmt == "graphml":
