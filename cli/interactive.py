@@ -357,6 +357,9 @@ def interactive(
     if json_out and not scripted:
         raise PlannerError("bad-option", "--json needs --replay FILE or commands on stdin; at "
                            "a terminal the session is for people.")
+    if keep_going and not scripted:
+        raise PlannerError("bad-option", "--keep-going applies to --replay FILE (or commands "
+                           "on stdin); at a terminal a failed command never ends the session.")
     if time_limit <= 0:
         raise PlannerError("bad-option", f"--time-limit must be positive (got {time_limit}).")
     lines = read_transcript(replay if replay is not None else Path("-")) if scripted else []

@@ -193,8 +193,9 @@ def merge(
     write_atomic(output, "# Made by `planner profile merge` from "
                  + ", ".join(str(p) for p in profiles) + "\n"
                  + yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False), force=force)
-    console.print(f"Wrote cluster {cluster.name} ({len(cluster.nodes)} nodes, "
-                  f"{cluster.num_devices} devices) to {output}")
+    nodes, devices = len(cluster.nodes), cluster.num_devices
+    console.print(f"Wrote cluster {cluster.name} ({nodes} node{'s' * (nodes != 1)}, "
+                  f"{devices} device{'s' * (devices != 1)}) to {output}")
 
 
 def register(app: typer.Typer) -> None:

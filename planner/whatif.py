@@ -123,7 +123,7 @@ def resize_node(cluster: ClusterSpec, name: str, devices: int) -> ClusterSpec:
 
 def _link(text: str, what: str, per: str, old: LinkSpec | None = None) -> LinkSpec:
     bandwidth, sep, latency = str(text).rpartition("/")
-    if not sep or not re.match(r"^\s*[0-9.]", latency):  # "100GB/s": the unit's slash
+    if not sep or not re.match(r"^\s*[-+]?[0-9.]", latency):  # "100GB/s": the unit's slash
         bandwidth, latency = str(text), ""
     bw = parse_bandwidth(bandwidth.strip(), what)
     lat = (parse_duration(latency.strip(), what) if latency.strip()

@@ -70,6 +70,8 @@ def test_resize_and_links(lab):
         whatif.set_link(lab, "wifi", "1Gbps")
     with pytest.raises(PlannerError, match="bandwidth"):
         whatif.set_link(lab, "network", "fast")
+    with pytest.raises(PlannerError, match="Cannot read '-1us' as a duration"):
+        whatif.set_link(lab, "network", "25Gbps/-1us")  # the latency is at fault
     with pytest.raises(PlannerError, match="at least one device"):
         whatif.resize_node(lab, "ws", 0)
 
