@@ -149,7 +149,7 @@ def what_if(
     from planner import whatif
     from planner.compare import diff, headline, parse_prices, rows_json
     from planner.errors import PlannerError
-    from planner.files import write_atomic
+    from planner.files import check_writable, write_atomic
     from planner.planfile import plan_json, read_plan, to_jsonable
     from planner.session import (
         Constraints,
@@ -160,9 +160,8 @@ def what_if(
     )
 
     for path in (output, cluster_out):
-        if path is not None and path.exists() and not force:
-            raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as "
-                               "it is.", ["pass --force to overwrite it", "choose another name"])
+        if path is not None:
+            check_writable(path, force=force)
     prices = parse_prices(price)
     plan = read_plan(plan_file)
     cluster = plan.cluster

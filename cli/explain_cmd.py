@@ -20,14 +20,6 @@ PlanArg = Annotated[Path, typer.Argument(
     dir_okay=False)]
 
 
-def _free(path: Path | None, force: bool) -> None:
-    from planner.errors import PlannerError
-
-    if path is not None and path.exists() and not force:
-        raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as it is.",
-                           ["pass --force to overwrite it", "choose another file name"])
-
-
 def explain(
     plan_file: PlanArg,
     html: Annotated[Path | None, typer.Option(
@@ -65,6 +57,7 @@ def explain(
     from cost_models.model import AnalyticalCostModel
     from planner.errors import PlannerError
     from planner.explain import analysis_dict, analyze, retrace
+    from planner.files import check_writable
     from planner.planfile import read_plan
 
     if runners_up < 0:
@@ -74,8 +67,9 @@ def explain(
     if html is not None and svg is not None and html.resolve() == svg.resolve():
         raise PlannerError("bad-option", f"--html and --svg both name {str(html)!r}; give "
                            "them different files.")
-    _free(html, force)
-    _free(svg, force)
+    for path in (html, svg):  # before the trace and the replay, not after them
+        if path is not None:
+            check_writable(path, force=force)
     plan = read_plan(plan_file)
     if runners_up and plan.solver.status == "fixed":
         raise PlannerError(
