@@ -76,5 +76,9 @@ def overrides(*, layers: int | None = None, hidden: int | None = None,
         if not sep or not key.strip():
             raise PlannerError("bad-option", f"--set {item!r} must look like KEY=VALUE.")
         parsed = yaml.safe_load(value) if value.strip() else ""
-        out[key.strip().replace("-", "_")] = tuple(parsed) if isinstance(parsed, list) else parsed
+        name = key.strip().replace("-", "_")
+        if name in out:
+            raise PlannerError("bad-option", f"--set {item!r} sets {name}, which another option "
+                               "sets too.", ["give each shape option once"])
+        out[name] = tuple(parsed) if isinstance(parsed, list) else parsed
     return out

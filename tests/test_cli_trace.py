@@ -101,6 +101,8 @@ def test_graph_file_is_not_overwritten(tmp_path):
     (["gpt2-small", "--batch", "0"], "--batch must be positive"),
     (["gpt2-small", "--heads", "7"], "heads (7) must divide hidden (768)"),
     (["gpt2-small", "--layers", "0"], "layers must be positive"),
+    (["gpt2-small", "--layers", "3", "--set", "layers=2"], "which another option sets too"),
+    (["gpt2-small", "--set", "heads=abc"], "heads takes an integer"),
     (["gpt2-small", "--dtype", "int3"], "Unknown dtype"),
     (["gpt2-small", "--graph", "g.xyz"], "Cannot tell the graph format"),
     (["resnet50", "--seq-len", "64"], "no sequence length"),

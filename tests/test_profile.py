@@ -155,3 +155,11 @@ def test_cli_writes_a_profile_and_refuses_to_overwrite(tmp_path):
 def test_cli_rejects_bad_options_before_measuring(args, words):
     result = runner.invoke(app, ["profile", "--quick", *args])
     assert result.exit_code == 1 and words in result.output
+
+
+def test_a_bad_model_fails_before_any_measurement():
+    ticks = []
+    with pytest.raises(PlannerError, match="Unknown model 'gpt-tinyy'"):
+        run_profile(quick=True, model="gpt-tinyy", devices="cpu", comm=False,
+                    progress=lambda *a: ticks.append(a))
+    assert not ticks

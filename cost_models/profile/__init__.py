@@ -29,6 +29,7 @@ from cost_models.profile.schema import KIND, SCHEMA_VERSION, validate
 from planner import __version__
 from planner.dtypes import canonical_dtype
 from planner.errors import PlannerError
+from planner.models import load_model, model_spec
 
 __all__ = ["load_profile", "run_profile"]
 
@@ -46,6 +47,8 @@ def run_profile(*, quick: bool, model: str | None = None, seq_len: int | None = 
     if seq_len is not None and model is None:
         raise PlannerError("bad-option", "--seq-len is the sequence length of --model; "
                            "pass a model too.")
+    if model is not None:  # a bad name or shape fails now, not after the sweeps
+        load_model(model_spec(model), seq_len=seq_len)
     selected = _devices(devices)
     comm_device = _comm_device(devices, processes) if comm else None
     stages = sum(len(matmul_dtypes(d)) + 1 for d in selected)
