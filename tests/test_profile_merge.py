@@ -99,3 +99,7 @@ def test_merge_errors(tmp_path):
     path.write_text(json.dumps(mixed))
     with pytest.raises(PlannerError, match="different devices on one host"):
         merge_profiles([path])
+    silent = dict(profile("h", speed=1.0), communication=None)  # made with --no-comm
+    path.write_text(json.dumps(silent))
+    with pytest.raises(PlannerError, match="no profile measured communication"):
+        merge_profiles([path], network="measured")

@@ -115,6 +115,12 @@ def merge_profiles(paths: Sequence[Path], *, network: str = "100Gbps/5us",
         nodes.append(NodeSpec(name=node_name, host=host if distinct else None,
                               device=device, devices=len(devices), intra_link=intra))
     if network == "measured":
+        if not any(doc.get("communication") for doc in docs):
+            raise PlannerError("bad-option", "--network measured takes the slowest measured "
+                               "all-reduce link, but no profile measured communication "
+                               "(they were made with --no-comm).",
+                               ["give the network, e.g. --network 100Gbps/5us",
+                                "profile again without --no-comm"])
         link = comm_links[0].slowest(*comm_links[1:])
         link = dataclasses.replace(link, name="measured (same machine)")
     else:
