@@ -41,3 +41,9 @@ def test_unknown_config_class():
 def test_missing_config_file(tmp_path):
     with pytest.raises(PlannerError, match="does not exist"):
         trace_model(model_spec(str(tmp_path / "missing.json")))
+
+
+def test_a_misspelt_config_option_is_an_error_not_ignored():
+    # transformers keeps unknown keyword arguments as attributes: a typo changed nothing
+    with pytest.raises(PlannerError, match="did you mean 'num_hidden_layers'"):
+        trace_model(model_spec("hf:LlamaConfig", {**SMALL, "num_hiden_layers": 1}), seq_len=64)

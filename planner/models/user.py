@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.errors import PlannerError
+from planner.errors import PlannerError, closest
 
 Example = Callable[[int, int | None, Any], tuple[tuple, dict, Any]]
 
@@ -136,6 +136,14 @@ def hf_config(name: str, overrides: Mapping[str, Any]) -> Any:
             raise PlannerError("bad-shape", f"transformers {cls_name} rejected the options "
                                f"{settings}: {type(exc).__name__}: {exc}",
                                ["change the shape options"]) from exc
+    default = type(config)()  # transformers keeps unknown keys silently: a typo does nothing
+    unknown = [k for k in settings if not hasattr(default, k)]
+    if unknown:
+        known = sorted(default.to_dict())
+        near = closest(unknown[0], known)
+        raise PlannerError("bad-override", f"transformers {type(config).__name__} has no option "
+                           f"{unknown[0]!r}" + (f"; did you mean {near[0]!r}?" if near else "."),
+                           [f"check the name against {type(config).__name__}'s fields"])
     return config
 
 
