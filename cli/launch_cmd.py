@@ -99,11 +99,11 @@ def launch(
                            + ("; ..." if len(problems) > 3 else "."),
                            ["make a plan that fits with `planner solve` (it returns only "
                             "such plans)", "or change the recipe with `planner estimate`"])
-    for flag, value in (("--steps", steps), ("--checkpoint-every", checkpoint_every)):
-        if value is not None and value < (1 if flag == "--steps" else 0):
-            raise PlannerError("bad-option", f"{flag} must be "
-                               f"{'positive' if flag == '--steps' else '0 or more'} "
-                               f"(got {value}).")
+    if steps < 1:
+        raise PlannerError("bad-option", f"--steps must be positive (got {steps}).")
+    if checkpoint_every < 0:
+        raise PlannerError("bad-option", f"--checkpoint-every must be 0 or more (got "
+                           f"{checkpoint_every}).")
     if not lr > 0 or lr == float("inf"):
         raise PlannerError("bad-option", f"--lr must be a positive number (got {lr}).")
     entries = read_hosts(hosts) if hosts is not None else {}

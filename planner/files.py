@@ -17,17 +17,15 @@ def check_writable(path: Path, *, force: bool) -> None:
     if path.exists() and not force:
         raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as it is.",
                            ["add --force to overwrite it", "choose another file name"])
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise PlannerError("bad-path", f"Folder {str(folder)!r} does not exist.",
+    if not path.parent.is_dir():  # Path("x").parent is Path(".")
+        raise PlannerError("bad-path", f"Folder {str(path.parent)!r} does not exist.",
                            ["create it first", "choose another path"])
 
 
 def write_atomic(path: Path, text: str, *, force: bool) -> None:
     """Write all of `text` or nothing (a Ctrl-C never leaves half a file)."""
     check_writable(path, force=force)
-    folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as out:
             out.write(text)

@@ -146,14 +146,11 @@ def _resolve_pins(limits: Limits, cluster: ClusterSpec) -> Limits:
                                f"type" + (f"; did you mean {near[0]}?" if near else "."),
                                [f"use one of {', '.join(types)}"])
     first, last = resolved.get("first_stage"), resolved.get("last_stage")
-    if first and last and first != last and limits.pp == 1:
-        raise PlannerError("bad-option", f"--first-stage {limits.first_stage} and --last-stage "
-                           f"{limits.last_stage} need two stages, which --pp 1 rules out.",
-                           ["drop --pp 1 or one of the pins"])
-    if first and last and first != last and not limits.mixed:
+    if first and last and first != last and (limits.pp == 1 or not limits.mixed):
+        flag = "--pp 1" if limits.pp == 1 else "--no-mixed"
         raise PlannerError("bad-option", f"--first-stage {limits.first_stage} and --last-stage "
                            f"{limits.last_stage} put two device types in every pipeline, which "
-                           "--no-mixed rules out.", ["drop --no-mixed or one of the pins"])
+                           f"{flag} rules out.", [f"drop {flag} or one of the pins"])
     return dataclasses.replace(limits, **resolved)
 
 

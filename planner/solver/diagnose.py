@@ -67,7 +67,7 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
         return PlannerError(
             "infeasible", f"No plan fits in device memory. Even {leanest}.",
             [MORE_DEVICES, *unexclude, "train with a shorter --seq-len"])
-    given = constraints(limits, space, stages)
+    given = _constraints(limits, space, stages)
     if not given:
         return PlannerError(
             "infeasible", f"No plan fits in device memory, although {leanest}: plans that "
@@ -85,7 +85,7 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
     return PlannerError("infeasible", message, [remedy for _, remedy in given])
 
 
-def constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, str]]:
+def _constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, str]]:
     """(flag as given, how to relax it) for every constraint that shrinks the search
     space; `stages`: how many the leanest pipeline needs."""
     out = []
