@@ -12,6 +12,7 @@ samples; with prices (dollars per device-hour by device type) also dollars.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -56,24 +57,32 @@ def memory_headroom(plan: Plan) -> tuple[float, float, str]:
 
 def parse_prices(items: Sequence[str] | None) -> dict[str, float]:
     """`TYPE=DOLLARS_PER_HOUR` items (device type names as `planner devices` lists)."""
-    from cost_models import catalog
-
     prices: dict[str, float] = {}
     for item in items or []:
         kind, sep, value = item.partition("=")
-        try:
-            price = float(value)
-        except ValueError:
-            price = -1.0
-        if not sep or not kind.strip() or price < 0:
+        priced = parse_price(kind, value) if sep else None
+        if priced is None:
             raise PlannerError("bad-option", f"--price {item!r} must look like TYPE=DOLLARS, "
                                "dollars per device-hour, e.g. --price A100-80G-SXM=2.5.")
-        try:
-            name = catalog.device(kind.strip()).name
-        except PlannerError:
-            name = kind.strip()
-        prices[name] = price
+        prices[priced[0]] = priced[1]
     return prices
+
+
+def parse_price(kind: str, value: str) -> tuple[str, float] | None:
+    """A device type (catalog names canonicalised) and its finite, non-negative dollars
+    per device-hour, or None if either is missing or not a price."""
+    from cost_models import catalog
+
+    try:
+        price = float(value)
+    except ValueError:
+        return None
+    if not kind.strip() or not math.isfinite(price) or price < 0:
+        return None
+    try:
+        return catalog.device(kind.strip()).name, price
+    except PlannerError:
+        return kind.strip(), price
 
 
 def dollars_per_hour(plan: Plan, prices: Mapping[str, float]) -> float | None:

@@ -827,12 +827,20 @@ class Session:
         return self._constrained(c, reply)
 
     def _cmd_price(self, args: list[str], reply: Reply) -> State:
-        from planner.compare import parse_prices
+        from planner.compare import parse_price
 
-        if len(args) != 2:
-            raise PlannerError("bad-command", "Use price TYPE DOLLARS_PER_HOUR, e.g. price "
-                               "A100-80G-SXM 2.5.")
-        prices = {**self.state.price_map, **parse_prices([f"{args[0]}={args[1]}"])}
+        usage = "price TYPE DOLLARS_PER_HOUR, e.g. price A100-80G-SXM 2.5"
+        priced = parse_price(*args) if len(args) == 2 else None
+        if priced is None:
+            raise PlannerError("bad-command", f"Use {usage} (a price is a non-negative "
+                               "number of dollars per device-hour).")
+        types = sorted({node.device.name for node in self._need_cluster().nodes})
+        kind = priced[0]
+        if kind not in types and kind.split("@")[0] not in {t.split("@")[0] for t in types}:
+            raise PlannerError("bad-command", f"The cluster has no {kind} devices, so the "
+                               "price would never be used.",
+                               [f"price one of its types: {', '.join(types)}"])
+        prices = {**self.state.price_map, kind: priced[1]}
         reply.add("text", "Prices per device-hour: " + ", ".join(
             f"{k} ${v:g}" for k, v in prices.items()) + ".")
         return dataclasses.replace(self.state, prices=tuple(sorted(prices.items())))

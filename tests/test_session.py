@@ -131,6 +131,9 @@ def test_bad_input_is_one_clear_error_and_changes_nothing(tracer):
         "save report x.txt": "a report is .html",
         "model gpt-tiny --layer 2": "did you mean --layers",
         'model "gpt-tiny': "Cannot read the command",
+        "price A100-80G": "Use price TYPE DOLLARS_PER_HOUR",
+        "price A100-80G nan": "non-negative number",
+        "price H100-80G-SXM 3": "has no H100-80G-SXM devices",
     }
     for line, message in cases.items():
         reply = session.run(line)

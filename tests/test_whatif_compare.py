@@ -115,5 +115,8 @@ def test_prices_give_dollars():
     assert rows["dollars_per_m"].values[0] == pytest.approx(dollars)
     with pytest.raises(PlannerError, match="TYPE=DOLLARS"):
         parse_prices(["A100=cheap"])
+    for bad in ("A100=nan", "A100=inf", "A100=-1", "=2"):
+        with pytest.raises(PlannerError, match="TYPE=DOLLARS"):
+            parse_prices([bad])
     with pytest.raises(PlannerError, match="at least one"):
         compare([])
