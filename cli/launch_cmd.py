@@ -46,8 +46,8 @@ def launch(
         "--hosts", help="YAML/JSON mapping of plan node names to hosts: `node: host` or "
         "`node: {host, addr, cpus, ifname, env}`.")] = None,
     cpus: Annotated[list[str] | None, typer.Option(
-        "--cpus", help="NODE=CPUS: pin a node's ranks to CPUs with taskset (local target; "
-        "repeatable), e.g. --cpus worker-0=0.")] = None,
+        "--cpus", help="NODE=CPUS: pin a node's ranks to CPUs with taskset (local and "
+        "torchrun targets; repeatable), e.g. --cpus worker-0=0.")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the files instead of writing them.")] = False,
     force: opt.Force = False,

@@ -23,7 +23,8 @@ saying what to run where.
 
 Hosts (`read_hosts`): a YAML or JSON mapping from plan node names to a host name,
 or to {host, addr, cpus, ifname, env}: `addr` is the address other nodes reach
-it at (default: host), `cpus` a CPU list for taskset (local target), `ifname`
+it at (default: host), `cpus` a CPU list for taskset (local and torchrun
+targets; it also sets OMP_NUM_THREADS), `ifname`
 the network interface NCCL/gloo should use, `env` extra environment variables.
 Nodes not listed use the cluster file's host, else their node name.
 """
@@ -259,8 +260,17 @@ def _render_node(setup: _Setup, node: NodeRanks) -> str:
     lines.append("")
     lines += _node_env(setup, node, entry)
     lines.append("")
-    lines += _torchrun(setup, node, master=setup.master.address, extra=(), prefix="exec ")
+    pin = ""
+    if entry.cpus:
+        lines += _need_taskset(node_script(node))
+        pin = f"taskset -c {shlex.quote(entry.cpus)} "
+    lines += _torchrun(setup, node, master=setup.master.address, extra=(), prefix="exec " + pin)
     return "\n".join(lines) + "\n"
+
+
+def _need_taskset(script: str) -> list[str]:
+    return ["if ! command -v taskset >/dev/null 2>&1; then",
+            f'  echo "{script}: taskset is needed to pin ranks to CPUs" >&2', "  exit 1", "fi"]
 
 
 def _render_local(setup: _Setup) -> str:
@@ -276,9 +286,7 @@ def _render_local(setup: _Setup) -> str:
     lines += _common_vars(setup)
     lines += ['LOGS="${PLANNER_LOGS:-$HERE/logs}"', 'mkdir -p "$LOGS"', ""]
     if any(setup.host(n).cpus for n in nodes):
-        lines += ["if ! command -v taskset >/dev/null 2>&1; then",
-                  '  echo "run-local.sh: taskset is needed to pin nodes to CPUs" >&2',
-                  "  exit 1", "fi"]
+        lines += _need_taskset("run-local.sh")
     lines += ["pids=()", "stop() {",
               '  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done', "}",
               "trap stop INT TERM", ""]

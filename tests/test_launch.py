@@ -64,6 +64,10 @@ def test_scripts_pass_bash_n_and_shellcheck(tmp_path, hetero_plan, target):
         assert "taskset -c 0-3" in text and "--cpu" in text and "127.0.0.1" in text
         assert text.count("torch.distributed.run") == 2
         assert "--nproc-per-node=2" in text and "--nproc-per-node=4" in text
+    else:  # a node with cpus runs torchrun under taskset, the others do not
+        pinned, free = files["node-0-a100-80g-sxm-0.sh"], files["node-1-v100-32g-0.sh"]
+        assert "exec taskset -c 0-3 \"$PYTHON\" -m torch.distributed.run" in pinned
+        assert "OMP_NUM_THREADS=2" in pinned and "taskset" not in free
 
 
 def test_each_node_gets_its_rank_its_process_count_and_its_devices(hetero_plan):
