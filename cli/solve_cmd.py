@@ -33,17 +33,13 @@ Output = Annotated[Path | None, typer.Option("--output", "-o", help="Write the p
 def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dtype: str,
            shape: dict) -> tuple[ModelGraph, ClusterSpec, TrainingSpec]:
     from cost_models.cluster import load_cluster
-    from planner.dtypes import canonical_dtype
     from planner.models import load_model, model_spec
+    from planner.session import resolve_dtype
     from planner.trace import trace_loaded
     from planner.types import TrainingSpec
 
     spec = load_cluster(cluster)
-    if dtype == "auto":
-        kinds = spec.device_types().values()
-        dtype = ("bf16" if all("bf16" in d.peak_flops for d in kinds) else
-                 "fp16" if all("fp16" in d.peak_flops for d in kinds) else "fp32")
-    dtype = canonical_dtype(dtype)
+    dtype = resolve_dtype(dtype, spec)
     slow = sorted(k for k, d in spec.device_types().items() if dtype not in d.peak_flops)
     if slow and dtype != "fp32":
         err_console.print(f"[yellow]note:[/] {', '.join(slow)} list no {dtype} throughput: "
