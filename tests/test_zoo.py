@@ -96,6 +96,17 @@ def test_unknown_override_lists_the_accepted_ones():
 def test_seq_len_rejected_for_models_without_sequences():
     with pytest.raises(PlannerError, match="no sequence length"):
         load_model(model_spec("resnet50"), seq_len=128)
+    with pytest.raises(PlannerError, match="no sequence length"):
+        load_model(model_spec("vit-l"), seq_len=128)
+
+
+def test_a_vit_plan_reloads_its_model_with_the_token_count_it_records():
+    """Plans store the traced token count (patches + 1); reading them back passes it
+    to load_model, which takes it where it is the model's own count."""
+    small = model_spec("vit-l", {"layers": 1, "hidden": 32, "heads": 2, "ffn": 64,
+                                 "image_size": 32})
+    tokens = load_model(small, device="meta").seq_len
+    assert load_model(small, seq_len=tokens, device="meta").seq_len == tokens == 5
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "t5-base", "vit-l", "resnet50", "mlp-small",

@@ -155,8 +155,12 @@ def configure(name: str, overrides: Mapping[str, Any],
                 [f"drop --{key.replace('_', '-')}" if key in _SHAPE_FLAGS else
                  f"drop --set {key}=..."])
         changes[allowed[key]] = _typed(base, key, getattr(base.config, allowed[key]), value)
+    fixed = not hasattr(base.config, "max_positions") and not isinstance(base.config, T5Config)
+    own = getattr(dataclasses.replace(base.config, **changes), "seq_len", None)
+    if fixed and seq_len is not None and seq_len == own:
+        seq_len = None  # the model's own token count, as plans record it (ViT's patches)
     if seq_len is not None:
-        if not hasattr(base.config, "max_positions") and not isinstance(base.config, T5Config):
+        if fixed:
             raise PlannerError(
                 "bad-option", f"Model {base.name} ({base.family}) has no sequence length to "
                 f"set; its input size comes from its shape options "
