@@ -129,6 +129,23 @@ def test_estimate_prices_a_fixed_recipe(setup):
     assert fixed.prediction.step_time >= plan.prediction.step_time * (1 - 1e-9)
 
 
+def test_estimate_shards_zero_over_a_stages_same_type_replicas(setup):
+    """ZeRO shards a stage over the replicas the runtime groups it with: the same layers
+    on the same device type, not every pipeline of a mixed cluster."""
+    graph, cluster, training, _ = setup
+    plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                        training=training, costs=AnalyticalCostModel(cluster), tp=1, pp=1,
+                        micro_batch=1, zero=1)
+    unsharded = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                             training=training, costs=AnalyticalCostModel(cluster), tp=1,
+                             pp=1, micro_batch=1, zero=0).pipelines[0].stages[0].memory
+    stages = [p.stages[0] for p in plan.pipelines]
+    for stage in stages:
+        same = sum(s.device_type == stage.device_type for s in stages)
+        assert 1 < same < len(stages)
+        assert stage.memory.optimizer * same == pytest.approx(unsharded.optimizer)
+
+
 def test_interleaved_stages_sync_and_update_only_the_layers_they_hold(setup):
     """An interleaved stage's span covers other stages' chunks: its gradient all-reduce
     and optimizer step cover its own chunks, among the stages that hold them."""

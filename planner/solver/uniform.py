@@ -109,6 +109,11 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                            ["change the global batch, --micro-batch or --dp"])
     pipelines = []
     alike: dict[tuple, StagePlan] = {}  # stages differ only in their devices
+    replicas: dict[tuple[int, str], int] = {}  # ZeRO shards over a stage's same-type replicas
+    for p in range(dp):
+        for s in range(pp):
+            key = (s, slots[p * pp + s][2])
+            replicas[key] = replicas.get(key, 0) + 1
     for p, m in enumerate(_even(total, dp)):
         stages = []
         for s in range(pp):
@@ -119,7 +124,7 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                 alike[key] = stage_plan(
                     index=s, layers=layers, bounds=(held[0][0], held[-1][1]), chunks=held,
                     node=node, slot=slot, device_type=kind, tp=tp, recompute=recompute,
-                    zero=zero, replicas=dp, micro_batch=micro_batch, microbatches=m,
+                    zero=zero, replicas=replicas[s, kind], micro_batch=micro_batch, microbatches=m,
                     stages=pp, schedule=schedule, interleave=interleave, training=training,
                     cluster=cluster, costs=costs)
                 if must_fit and alike[key].memory.total > cluster.node(node).device.memory:
