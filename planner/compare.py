@@ -50,7 +50,7 @@ def memory_headroom(plan: Plan) -> tuple[float, float, str]:
             free = capacity - s.memory.total
             item = (free, free / capacity, f"pipeline {p.index} stage {s.index} "
                     f"({s.devices.node})")
-            if best is None or item[1] < best[1]:
+            if best is None or item[0] < best[0]:
                 best = item
     return best if best is not None else (0.0, 0.0, "-")
 
@@ -220,7 +220,8 @@ def _verdict(figure: Figure, base: object, value: object) -> tuple[float | None,
     if figure.better == NEUTRAL or not isinstance(value, (int, float)) \
             or not isinstance(base, (int, float)):
         return None, "changed"
-    change = (value - base) / abs(base) if base else None
+    # a base of float noise (a bubble of 1e-15 s) has no meaningful relative change
+    change = (value - base) / abs(base) if abs(base) > 1e-9 * abs(value) else None
     if abs(value - base) <= max(SAME * max(abs(base), abs(value)), 1e-12):
         return 0.0, "same"
     improved = value < base if figure.better == LOWER else value > base

@@ -338,8 +338,11 @@ def why_slower(best: CostBreakdown, other: CostBreakdown) -> str:
     total = other.step_time - best.step_time
     worse = sorted((t for t in TERMS if deltas[t] > 0), key=lambda t: -deltas[t])
     better = sorted((t for t in TERMS if deltas[t] < 0), key=lambda t: deltas[t])
-    if total <= 0:
+    if abs(total) <= 1e-9 * best.step_time:
         return "as fast as this plan (a tie in the cost model)"
+    if total < 0:
+        return ("faster than this plan: outside the constraints it was solved under (or the "
+                "search stopped before finding it)")
     words = [f"+{fmt_seconds(deltas[t])} {TERM_WORDS[t]}" for t in worse
              if deltas[t] >= 0.1 * total] or \
             [f"+{fmt_seconds(deltas[t])} {TERM_WORDS[t]}" for t in worse[:1]]

@@ -128,8 +128,8 @@ def report_html(analysis: Analysis) -> str:
     if plan.baselines:
         parts.append(_table(["baseline", "step time", "this plan is", "how"], [
             [escape(b.name), escape(fmt_seconds(b.prediction.step_time)) if b.prediction
-             else "-", (f"{b.prediction.step_time / pred.step_time:.2f}x faster"
-                        if b.prediction else "-"),
+             else "-", _speedup(b.prediction.step_time / pred.step_time) if b.prediction
+             else "-",
              escape(b.description + (f": {b.reason}" if b.prediction is None else ""))]
             for b in plan.baselines], {1}))
     parts.append('<p class="legend">Timeline colours: '
@@ -137,3 +137,8 @@ def report_html(analysis: Analysis) -> str:
                            for k, c in COLORS.items()) + "</p>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _speedup(ratio: float) -> str:
+    """How this plan compares with a baseline taking `ratio` times its step."""
+    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"

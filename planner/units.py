@@ -122,6 +122,8 @@ def fmt_seconds(s: float) -> str:
         return f"{s:.3g} s"
     if s >= 1e-3:
         return f"{s * 1e3:.3g} ms"
+    if abs(s) < 1e-9:  # float noise (sums that cancel), not a duration
+        return "0 µs"
     return f"{s * 1e6:.3g} µs"
 
 

@@ -94,6 +94,8 @@ def test_why_slower_names_the_terms(solved):
     slower = dataclasses.replace(p, step_time=p.step_time * 2, bubble=p.bubble + p.step_time)
     assert "pipeline bubble" in why_slower(p, slower)
     assert "tie" in why_slower(p, p)
+    faster = dataclasses.replace(p, step_time=p.step_time / 2, compute=p.compute / 2)
+    assert "faster than this plan" in why_slower(p, faster)
 
 
 def test_a_plan_for_another_model_is_refused(solved):

@@ -106,6 +106,27 @@ def test_compare_rows_judge_against_the_first_plan():
     assert rows_json(compare([a, b]))[0]["key"] == "model"
 
 
+def test_headroom_is_the_fewest_free_bytes_and_noise_has_no_percentage():
+    from types import SimpleNamespace as NS
+
+    from planner.compare import FIGURES, _verdict, memory_headroom
+    from planner.units import fmt_seconds
+
+    def stage(node: str, used: float) -> NS:
+        return NS(index=0, devices=NS(node=node), memory=NS(total=used))
+
+    capacity = {"big": 160.0, "small": 80.0}  # big: 80 free (50%); small: 78 free (97.5%)
+    plan = NS(pipelines=[NS(index=0, stages=[stage("big", 80.0)]),
+                         NS(index=1, stages=[stage("small", 2.0)])],
+              cluster=NS(node=lambda name: NS(device=NS(memory=capacity[name]))))
+    free, fraction, where = memory_headroom(plan)
+    assert (free, fraction) == (78.0, 78.0 / 80.0) and "small" in where
+    bubble = next(f for f in FIGURES if f.key == "bubble")
+    assert _verdict(bubble, 1.8e-15, 0.132)[0] is None
+    assert _verdict(bubble, 0.1, 0.132)[0] == pytest.approx(0.32)
+    assert fmt_seconds(3.3e-15) == "0 µs" and fmt_seconds(2e-6) == "2 µs"
+
+
 def test_prices_give_dollars():
     a = read_plan(PLANS / "base.json")
     prices = parse_prices(["A100-80G=2", "v100-32g=1"])
