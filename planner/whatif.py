@@ -27,6 +27,16 @@ _COUNT_TYPE = re.compile(r"^\s*(\d+)\s*[xX]\s*([A-Za-z][\w.\-]*)\s*$")
 LINK_TARGETS = "network, nic:NODE, intra:NODE (or intra:DEVICE-TYPE), group:NAME"
 
 
+_EDITED = " (edited)"
+
+
+def _edited(cluster: ClusterSpec, **changes: object) -> ClusterSpec:
+    """The cluster with `changes`, its name marked as edited (once), so that plans and
+    reports do not show the old name for another cluster."""
+    name = cluster.name if cluster.name.endswith(_EDITED) else cluster.name + _EDITED
+    return dataclasses.replace(cluster, name=name, **changes)
+
+
 def _unknown_node(cluster: ClusterSpec, name: str) -> PlannerError:
     names = [n.name for n in cluster.nodes]
     near = closest(name, names)
@@ -66,7 +76,7 @@ def add_nodes(cluster: ClusterSpec, spec: str, *, nic: str | None = None,
             k += 1
         taken.add(f"{base}-{k}")
         added.append(dataclasses.replace(node, name=f"{base}-{k}", nic=nic_link, groups=chain))
-    return dataclasses.replace(cluster, nodes=(*cluster.nodes, *added))
+    return _edited(cluster, nodes=(*cluster.nodes, *added))
 
 
 def remove_nodes(cluster: ClusterSpec, targets: Sequence[str]) -> ClusterSpec:
@@ -103,7 +113,7 @@ def remove_nodes(cluster: ClusterSpec, targets: Sequence[str]) -> ClusterSpec:
     if not nodes:
         raise PlannerError("no-devices", "That would remove every node; a cluster needs at "
                            "least one.")
-    return dataclasses.replace(cluster, nodes=tuple(nodes))
+    return _edited(cluster, nodes=tuple(nodes))
 
 
 def resize_node(cluster: ClusterSpec, name: str, devices: int) -> ClusterSpec:
@@ -116,7 +126,7 @@ def resize_node(cluster: ClusterSpec, name: str, devices: int) -> ClusterSpec:
     if not hits:
         raise _unknown_node(cluster, name)
     chosen = {n.name for n in hits}
-    return dataclasses.replace(cluster, nodes=tuple(
+    return _edited(cluster, nodes=tuple(
         dataclasses.replace(n, devices=devices) if n.name in chosen else n
         for n in cluster.nodes))
 
@@ -140,14 +150,14 @@ def set_link(cluster: ClusterSpec, target: str, value: str) -> ClusterSpec:
     kind, _, name = target.partition(":")
     kind = kind.strip().lower()
     if kind == "network" and not name:
-        return dataclasses.replace(cluster, network=_link(value, "the network", "network",
+        return _edited(cluster, network=_link(value, "the network", "network",
                                                           cluster.network))
     if kind == "group" and name:
         hits = [g for g in cluster.groups if g.name == name]
         if not hits:
             raise PlannerError("bad-value", f"Cluster {cluster.name} has no group {name!r}.",
                                [f"groups: {', '.join(g.name for g in cluster.groups) or 'none'}"])
-        return dataclasses.replace(cluster, groups=tuple(
+        return _edited(cluster, groups=tuple(
             dataclasses.replace(g, link=_link(value, f"group {name}", f"group {name}", g.link))
             if g.name == name else g for g in cluster.groups))
     if kind in ("nic", "intra") and name:
@@ -166,7 +176,7 @@ def set_link(cluster: ClusterSpec, target: str, value: str) -> ClusterSpec:
                 n = dataclasses.replace(n, intra_link=_link(
                     value, f"the intra-node link of {n.name}", "per device", n.intra_link))
             nodes.append(n)
-        return dataclasses.replace(cluster, nodes=tuple(nodes))
+        return _edited(cluster, nodes=tuple(nodes))
     raise PlannerError("bad-value", f"Unknown link {target!r}; name one of {LINK_TARGETS}.",
                        ["e.g. network=25Gbps, nic:ws=10Gbps, intra:a100-0=300GB/s"])
 

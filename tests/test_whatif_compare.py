@@ -64,6 +64,9 @@ def test_resize_and_links(lab):
     assert slow.network.bandwidth == 10e9 / 8 and slow.network.latency == 20e-6
     nic = whatif.set_link(lab, "nic:ws", "1Gbps")
     assert nic.node("ws").nic.bandwidth == 1e9 / 8
+    # an edited cluster is not shown under its old name; edits mark it once
+    assert slow.name == f"{lab.name} (edited)"
+    assert whatif.resize_node(slow, "ws", 4).name == slow.name
     intra = whatif.set_link(lab, "intra:A100-80G-SXM", "100GB/s")
     assert {n.intra_link.bandwidth for n in intra.nodes if n.name.startswith("a100")} == {1e11}
     with pytest.raises(PlannerError, match="Unknown link"):
