@@ -26,7 +26,7 @@ from planner.solver.diagnose import diagnose
 from planner.solver.evaluate import Space
 from planner.solver.limits import Limits
 from planner.solver.search import SEARCH_SPACE, SearchResult, search
-from planner.solver.table import CostTable, build_table
+from planner.solver.table import CostTable, build_table, check_tp_divides
 from planner.types import ClusterSpec, ModelGraph, Plan, SolverReport, TrainingSpec
 
 __all__ = ["Limits", "SolveOptions", "Space", "solve"]
@@ -87,6 +87,8 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
             f"and splits it evenly, and the nodes have "
             f"{sorted({n.devices for n in used.nodes})} devices.",
             [f"use one of --tp {', '.join(map(str, usable))}"])
+    if tp is not None:
+        check_tp_divides(model.layers, tp, usable)
     devices = sum(n.devices for n in used.nodes)
     least = (limits.pp or 1) * (tp or 1)  # devices a pipeline takes at least
     if (limits.dp or 1) * least > devices:

@@ -16,6 +16,7 @@ from cost_models.comm import Collective, CommGroup
 from cost_models.memory import GIB, activation_bytes, optimizer_state_bytes
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
+from planner.errors import PlannerError
 from planner.types import ClusterSpec, DeviceSpec, Layer, LinkSpec, TrainingSpec
 from planner.types.training import Recompute
 
@@ -88,6 +89,18 @@ class CostTable:
 
 def _divisor_ok(layers: Sequence[Layer], tp: int) -> bool:
     return all(layer.tp_divisor == 0 or layer.tp_divisor % tp == 0 for layer in layers)
+
+
+def check_tp_divides(layers: Sequence[Layer], tp: int, choices: Sequence[int]) -> None:
+    """A PlannerError naming the first layer whose heads or widths `tp` does not divide
+    (tensor parallelism shards them evenly); `choices` are the degrees to suggest from."""
+    split = next((x for x in layers if x.tp_divisor and x.tp_divisor % tp), None)
+    if split is not None:
+        fits = [t for t in choices if _divisor_ok(layers, t)]
+        raise PlannerError(
+            "bad-option", f"--tp {tp} cannot split layer {split.index} ({split.name}): its "
+            f"heads or widths divide by {split.tp_divisor}, and tensor parallelism shards "
+            "them evenly.", [f"use one of --tp {', '.join(map(str, fits))}"])
 
 
 def device_types(cluster: ClusterSpec, exclude: Sequence[str] = ()) -> list[tuple[DeviceSpec,

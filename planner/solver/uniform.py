@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from cost_models.model import CostModel
 from planner.errors import PlannerError
 from planner.solver.build import FIXED, assemble, stage_plan
+from planner.solver.table import check_tp_divides
 from planner.types import (
     ClusterSpec,
     DeviceGroup,
@@ -74,6 +75,7 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
             f"nodes have {sorted({n.devices for n in cluster.nodes})} devices, and tensor "
             "parallelism stays inside a node.",
             [f"use --tp {max(t for t in (1, 2, 4, 8, 16) if t <= biggest)} or less"])
+    check_tp_divides(layers, tp, [t for t in (1, 2, 4, 8, 16) if t <= biggest])
     if pp > len(layers):
         raise PlannerError("bad-option", f"--pp {pp} is more stages than the model has layers "
                            f"({len(layers)}).", [f"use --pp {len(layers)} or less"])
