@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from planner.dtypes import dtype_bytes
 from planner.types import DeviceSpec, Layer, MemoryBreakdown, OpClass, TrainingSpec
+from planner.types.model import held_params
 from planner.types.training import Recompute
 
 GIB = 2.0**30
@@ -57,7 +58,7 @@ def stage_memory(layers: Sequence[Layer], *, device: DeviceSpec, training: Train
                  tp: int = 1, dp: int = 1, zero: int = 0, recompute: Recompute = Recompute.NONE,
                  micro_batch: int = 1, in_flight: int = 1) -> MemoryBreakdown:
     """Memory of one device that holds `layers` (a stage, or one virtual stage)."""
-    params = sum(layer.params for layer in layers) / tp
+    params = held_params(layers) / tp
     weight = dtype_bytes(training.dtype)
     grad = training.optimizer.grad_bytes or weight
     per_sample = sum(activation_bytes(layer, recompute=recompute, tp=tp) for layer in layers)

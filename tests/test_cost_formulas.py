@@ -215,6 +215,31 @@ def test_sixteen_bytes_per_parameter_rule(llama7b):
     assert fp32.optimizer / params == 8
 
 
+def test_a_head_tied_to_the_embedding_holds_a_copy_on_its_own_stage():
+    """GPT-2 reads its embedding matrix in the head: a stage with the head but not the
+    embedding keeps a copy (weights, gradients and optimizer states), the whole model
+    counts it once, and the solver's range matrix agrees."""
+    from cost_models.cluster import load_cluster
+    from cost_models.model import AnalyticalCostModel
+    from planner.solver.table import build_table
+
+    graph = trace_model(model_spec("gpt2-small", {"layers": 2}), seq_len=128)
+    head, embedding = graph.layers[-1], graph.layers[0]
+    tied = 50257 * 768  # the token embedding (the embedding layer also owns positions)
+    assert head.tied == ((0, tied),) and embedding.params > tied
+    training = TrainingSpec(global_batch=8, seq_len=128)
+    alone = stage_memory([head], device=GPU, training=training)
+    whole = stage_memory(graph.layers, device=GPU, training=training)
+    assert alone.weights == pytest.approx((head.params + tied) * 2)
+    assert whole.weights == pytest.approx(graph.params * 2)
+    cluster = load_cluster("1x2xA100-80G")
+    table = build_table(graph.layers, cluster, training, AnalyticalCostModel(cluster),
+                        tps=(1,), micro_batches=(1,))
+    held, last = table.range_params(), len(graph.layers)
+    assert held[last - 1, last] == head.params + tied
+    assert held[0, last] == pytest.approx(graph.params)
+
+
 def test_activations_scale_with_micro_batches_in_flight(llama7b):
     training = TrainingSpec(global_batch=8, seq_len=4096)
     one = stage_memory(llama7b.layers[1:3], device=GPU, training=training, micro_batch=1)

@@ -193,8 +193,7 @@ def _capacity(table: CostTable, kind: str, tp: int, mb: int, n: int,
     the largest single layer's activations (cached)."""
     key = ("capacity", kind, tp, mb, n, options)
     if key not in table.cache:
-        params = np.concatenate([[0.0], np.cumsum(table.params)]) / tp
-        range_params = params[None, :] - params[:, None]
+        range_params = table.range_params() / tp
         acts, range_max, valid = _activation_ranges(table, tp, mb)
         info = table.type(kind)
         out = []

@@ -55,6 +55,8 @@ class CostTable:
     """Everything the search prices plans with (per-sample bytes, SI units).
 
     params[l]:             parameters of layer l
+    tied:                  (reader layer, owner layer, parameters) of tied weights: a
+                           stage holding the reader but not the owner holds a copy
     activations[p][tp][l]: bytes per sample layer l keeps under policy p
     boundary[l]:           bytes per sample crossing the cut after layer l
     weight/grad/state_bytes: bytes per parameter of weights, gradients, optimizer
@@ -75,7 +77,22 @@ class CostTable:
     collective: Callable[[Collective, float, CommGroup], float]
     optimizer_time: Callable[[str, float], float]  # (type, local params) -> seconds
     layer_flops: np.ndarray  # training FLOPs per sample (fwd + bwd), for MFU and bounds
+    tied: tuple[tuple[int, int, int], ...] = ()
     cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def range_params(self) -> np.ndarray:
+        """[a, b) matrix of the parameters a stage holding layers [a, b) keeps: its own
+        plus copies of tied weights owned outside the range (cached)."""
+        if "range params" not in self.cache:
+            prefix = np.concatenate([[0.0], np.cumsum(self.params)])
+            out = prefix[None, :] - prefix[:, None]
+            a = np.arange(self.num_layers + 1)[:, None]
+            b = np.arange(self.num_layers + 1)[None, :]
+            for reader, owner, params in self.tied:
+                out = out + params * ((a <= reader) & (reader < b)
+                                      & ~((a <= owner) & (owner < b)))
+            self.cache["range params"] = out
+        return self.cache["range params"]
 
     def type(self, name: str) -> TypeInfo:
         return next(t for t in self.types if t.name == name)
@@ -164,4 +181,6 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
         link=cluster.link_between,
         collective=costs.collective_time,
         optimizer_time=lambda t, p: costs.optimizer_time(p, devices[t], training),
-        layer_flops=np.array([layer.flops for layer in layers]))
+        layer_flops=np.array([layer.flops for layer in layers]),
+        tied=tuple((layer.index, owner, params) for layer in layers
+                   for owner, params in layer.tied))

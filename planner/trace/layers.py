@@ -224,6 +224,10 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             for size in [*r.saved.values(), r.stats_saved]:
                 saved_by_class[r.op_class.value] += size / batch
         owned = [n for n, o in owner.items() if o == i]
+        borrowed: dict[int, int] = defaultdict(int)  # tied: owner layer -> parameters
+        for n in sorted({n for r in group.records for n in r.params}):
+            if owner[n] != i and n in capture.params:
+                borrowed[owner[n]] += capture.params[n][0]
         kernels = _kernels(group.records, batch)
         input_bytes = (crossing[i - 1] if i else first_inputs) / batch
         saved = sum(saved_by_class.values())
@@ -244,5 +248,6 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             tp_divisor=_tp_divisor(group, capture, vocab),
             kernels=kernels,
             signature=_signature(group, kind, capture),
+            tied=tuple(sorted(borrowed.items())),
         ))
     return tuple(layers), node_layer

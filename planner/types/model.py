@@ -11,7 +11,7 @@ named `*_fixed` (weights read by a kernel) do not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -106,6 +106,9 @@ class Layer:
                            forward pass all-reduces; backward the same.
     tp_divisor:            tensor-parallel degrees must divide this (heads, widths).
     signature:             equal for identical repeated layers.
+    tied:                  (owner layer, parameters) this layer reads but another
+                           layer owns (an output head tied to the embedding): a stage
+                           holding this layer without the owner holds a copy.
     """
 
     index: int
@@ -126,6 +129,7 @@ class Layer:
     tp_divisor: int
     kernels: tuple[Kernel, ...]
     signature: str
+    tied: tuple[tuple[int, int], ...] = ()
 
     @property
     def flops(self) -> float:
@@ -178,3 +182,12 @@ class ModelGraph:
         for layer in self.layers:
             groups.setdefault(layer.signature, []).append(layer.index)
         return {sig: idx for sig, idx in groups.items() if len(idx) > 1}
+
+
+def held_params(layers: Sequence[Layer]) -> int:
+    """Parameters a device holding `layers` keeps: the ones they own, plus a copy of
+    tied parameters whose owner is elsewhere."""
+    indices = {layer.index for layer in layers}
+    copies = {owner: params for layer in layers for owner, params in layer.tied
+              if owner not in indices}
+    return sum(layer.params for layer in layers) + sum(copies.values())
