@@ -25,6 +25,7 @@ node (the most on any node), N nodes:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -125,6 +126,28 @@ def collective_time(kind: Collective, nbytes: float, group: CommGroup,
     # the inter-node ring carries nbytes/g per device over bandwidth/g each: nbytes/B_n
     outer = _ring(kind, nbytes, nodes, inter)
     return min(flat, inner + outer)
+
+
+def send_sharing(boundaries: Iterable[tuple[str, str, int]]) -> dict[str, int]:
+    """Per node, how many pipeline sends its network card carries at once.
+
+    boundaries: (node of a stage, node of the next stage, tensor-parallel ranks that
+    each send their own copy) for every stage boundary of every pipeline. A node's
+    network bandwidth is what the whole node can send, and in the steady state every
+    pipeline sends once per period, so a boundary between two nodes shares the busier
+    card with every other such transfer (one direction each: activations forward,
+    gradients back). Boundaries inside a node use device-to-device links, unshared."""
+    flows: dict[str, int] = {}
+    for a, b, ranks in boundaries:
+        if a != b:
+            flows[a] = flows.get(a, 0) + ranks
+            flows[b] = flows.get(b, 0) + ranks
+    return flows
+
+
+def shared_by(flows: dict[str, int], a: str, b: str) -> int:
+    """How many transfers share the link of a boundary from node a to node b."""
+    return 1 if a == b else max(flows.get(a, 1), flows.get(b, 1), 1)
 
 
 def p2p_time(nbytes: float, link: LinkSpec) -> float:

@@ -9,7 +9,14 @@ from dataclasses import replace
 import numpy as np
 
 from cost_models.comm import Collective, CommGroup
-from planner.solver.evaluate import Config, Space, class_links, sync_and_optimizer, zero_gathers
+from planner.solver.evaluate import (
+    Config,
+    Space,
+    class_links,
+    placement_sharing,
+    sync_and_optimizer,
+    zero_gathers,
+)
 from planner.solver.limits import Limits
 from planner.solver.partition import class_costs
 from planner.solver.search import configs
@@ -132,9 +139,10 @@ def _structure(table: CostTable, config: Config, space: Space,
     if placement is None or pipelines > microbatches:
         return float("inf")
     options = []
+    flows = placement_sharing(placement, config.tp)  # sends share the nodes' cards
     for shape, slots in zip(shapes, placement, strict=True):
         costs = class_costs(table, shape.types, tp=config.tp, mb=config.mb, n=shape.n,
-                            links=class_links(table, slots),
+                            links=class_links(table, slots, flows),
                             gathers=zero_gathers(table, slots), schedule=config.schedule,
                             policies=space.policies, zeros=space.zeros)
         splits = []

@@ -347,3 +347,28 @@ def test_output_path_is_checked_before_solving(tmp_path):
 def test_plan_json_is_valid_json(setup):
     data = json.loads(plan_json(setup[3]))
     assert data["schema_version"] == 1 and data["kind"] == "plan"
+
+
+def test_sends_between_nodes_share_the_nodes_network_cards(setup):
+    """A node's network bandwidth is what the whole node sends: each tensor-parallel rank
+    sends its own copy of a stage's output, so two ranks crossing one card take twice
+    as long per byte as one (and the search prices the same)."""
+    from cost_models.comm import send_sharing, shared_by
+
+    assert send_sharing([("a", "b", 2), ("a", "a", 4), ("c", "b", 1)]) == {
+        "a": 2, "b": 3, "c": 1}
+    assert shared_by({"a": 2, "b": 3}, "a", "b") == 3 and shared_by({}, "a", "a") == 1
+    graph, _, training, _ = setup
+    sends = {}
+    for tp in (1, 2):
+        cluster = load_cluster(f"2x{tp}xA100-80G@1Gbps/10us")
+        plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                            training=training, costs=AnalyticalCostModel(cluster), tp=tp, pp=2,
+                            dp=1, micro_batch=2)
+        assert plan.pipelines[0].stages[0].devices.node != plan.pipelines[0].stages[1].devices.node
+        timing = stage_timings(plan, graph.layers, AnalyticalCostModel(cluster))[0][0]
+        sends[tp] = timing.send - 10e-6
+    assert sends[2] == pytest.approx(2 * sends[1])
+    plan = solve(graph, load_cluster("2x2xA100-80G@1Gbps/10us"), training,
+                 SolveOptions(limits=Limits(tp=2, pp=2), gap=0.0, with_baselines=False))[0]
+    assert plan.solver.objective == pytest.approx(plan.prediction.step_time, rel=1e-9)

@@ -16,13 +16,14 @@ The optimizer step updates each device's share of its stage's parameters.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cost_models.comm import Collective, CommGroup
+from cost_models.comm import Collective, CommGroup, send_sharing, shared_by
 from planner.solver.partition import (
     ZERO_GATHER_REF,
     ClassResult,
@@ -70,13 +71,26 @@ class Evaluation:
         return max(max(times) for times in self.pipeline_times) + self.sync + self.optimizer
 
 
-def class_links(table: CostTable, slots: Sequence[Sequence[Slot]]) -> list[LinkSpec]:
-    """The slowest link at each stage boundary over a class's pipelines."""
+def placement_sharing(placement: Placement, tp: int) -> dict[str, int]:
+    """`send_sharing` of a whole structure: every boundary of every pipeline."""
+    return send_sharing((a.node, b.node, tp) for slots in placement for p in slots
+                        for a, b in itertools.pairwise(p))
+
+
+def class_links(table: CostTable, slots: Sequence[Sequence[Slot]],
+                flows: dict[str, int] | None = None) -> list[LinkSpec]:
+    """The slowest link at each stage boundary over a class's pipelines, its bandwidth
+    shared with the other sends its nodes' network cards carry (`flows`)."""
     out = []
     for s in range(len(slots[0]) - 1):
-        links = [table.link(p[s].node, p[s + 1].node) for p in slots]
+        links = [_shared(table.link(p[s].node, p[s + 1].node),
+                         shared_by(flows or {}, p[s].node, p[s + 1].node)) for p in slots]
         out.append(links[0].slowest(*links[1:]))
     return out
+
+
+def _shared(link: LinkSpec, ways: int) -> LinkSpec:
+    return link if ways == 1 else dataclasses.replace(link, bandwidth=link.bandwidth / ways)
 
 
 def zero_gathers(table: CostTable, slots: Sequence[Sequence[Slot]]
@@ -92,9 +106,11 @@ def zero_gathers(table: CostTable, slots: Sequence[Sequence[Slot]]
 
 
 def class_result(table: CostTable, shape: ClassShape, config: Config, space: Space,
-                 slots: Sequence[Sequence[Slot]]) -> ClassResult | None:
+                 slots: Sequence[Sequence[Slot]], flows: dict[str, int] | None = None
+                 ) -> ClassResult | None:
     """The class's best split (cached by everything its prices depend on)."""
-    links, gathers = tuple(class_links(table, slots)), tuple(zero_gathers(table, slots))
+    links = tuple(class_links(table, slots, flows))
+    gathers = tuple(zero_gathers(table, slots))
     key = ("class", shape, config, space, links, gathers)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
@@ -239,8 +255,9 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
     if placement is None:
         return None
     results = []
+    flows = placement_sharing(placement, config.tp)
     for shape, slots in zip(shapes, placement, strict=True):
-        result = class_result(table, shape, config, space, slots)
+        result = class_result(table, shape, config, space, slots, flows)
         if result is None:
             return None
         results.append(result)

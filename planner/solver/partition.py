@@ -6,17 +6,19 @@ split b_0 = 0 < b_1 < ... < b_S = L gives each stage s the layers [b_s, b_s+1)
 and per micro-batch a busy time t_s (forward + backward + recompute + ZeRO-3
 gathers) and a send time c_s. Its time for m micro-batches is
 
-    T(m) = (m - 1) * max_s h_s + sum_s w_s,   h_s = max(t_s, c_s),  w_s = t_s + 2 c_s
+    T(m) = (m - 1) * P + sum_s w_s,   h_s = max(t_s, c_s),  w_s = t_s + 2 c_s,
+    P = max(max_s h_s, the round trips of 1F1B's in-flight limits (timing.py))
 
 For a bottleneck bound M, G(M) = min sum_s w_s over splits with every h_s <= M
 is a dynamic program over (stage, boundary) [Alpa, Metis]; G is a
-non-increasing step function of M, and T(m) is the lower envelope of
-(m - 1) * max(M, G(M) / S) + G(M) over its steps. `optimize` finds the first
-step (the smallest feasible bottleneck M0) and G's floor G(inf), which bound
-T(m) from both sides; `Staircase` lists the steps, which makes T(m) exact.
+non-increasing step function of M, and every split's T(m) is at least
+(m - 1) * max(M, G(M) / S) + G(M) at the step it falls on (the whole pipeline's
+round trip is one of the round trips). `optimize` finds the first step (the
+smallest feasible bottleneck M0) and G's floor G(inf), which bound T(m) from
+below; `Staircase` lists the steps, each priced with its exact period.
 
 The search space uses exactly these splits for a class: the steps of G, the
-splits with no other split both faster in bottleneck and in total. Gradient
+splits with no other split both faster in largest stage and in total. Gradient
 sync and the optimizer step also depend on the split (through the largest
 stage), and among the steps the one that makes the whole step fastest is
 chosen; a split off the staircase that trades pipeline time for a smaller
@@ -38,7 +40,7 @@ from functools import cached_property
 import numpy as np
 
 from planner.solver.table import POLICIES, CostTable
-from planner.solver.timing import StageTiming, in_flight
+from planner.solver.timing import StageTiming, in_flight, round_trip
 from planner.types import LinkSpec, Schedule
 from planner.types.training import Recompute
 
@@ -59,7 +61,7 @@ class Split:
     bounds: tuple[int, ...]  # b_0 = 0 < ... < b_S = L
     options: tuple[Option, ...]
     stages: tuple[StageTiming, ...]
-    bottleneck: float  # the period: max(max_s h_s, total / S)
+    bottleneck: float  # the period: max(max_s h_s, 1F1B's round trips; see timing.py)
     total: float  # sum_s w_s
     largest_h: float  # max_s h_s
 
@@ -157,10 +159,10 @@ class ClassCosts:
             options.append(option)
             hs.append(max(stages[-1].busy, send))
             ws.append(stages[-1].busy + 2 * send)
-        total = sum(ws)  # the round trip over S bounds the period too (see timing.py)
+        # the round trips of 1F1B's in-flight limits bound the period too (timing.py)
+        trips = round_trip([s.busy for s in stages], [s.send for s in stages[:-1]])
         return Split(bounds=tuple(bounds), options=tuple(options), stages=tuple(stages),
-                     bottleneck=max(max(hs), total / len(stages)), total=total,
-                     largest_h=max(hs))
+                     bottleneck=max(max(hs), trips), total=sum(ws), largest_h=max(hs))
 
 
 def _prefixes(table: CostTable, kind: str, tp: int, mb: int) -> tuple:

@@ -15,9 +15,10 @@ with the cost model, by the same rules the search uses on its cost table:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
-from cost_models.comm import Collective, CommGroup
+from cost_models.comm import Collective, CommGroup, send_sharing, shared_by
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
@@ -56,6 +57,8 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
     out = []
     compute: dict[tuple, tuple[float, float, float, float]] = {}  # stages repeat across replicas
     gathers: dict[tuple, float] = {}  # one ZeRO-3 group's gather
+    flows = send_sharing((a.devices.node, b.devices.node, a.tp) for p in plan.pipelines
+                         for a, b in itertools.pairwise(p.stages))
     for pipeline in plan.pipelines:
         mb, timings = pipeline.micro_batch, []
         for i, stage in enumerate(pipeline.stages):
@@ -75,9 +78,9 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
                 bwd += 2 * gathers[zero]
             send = 0.0
             if i < len(pipeline.stages) - 1:
-                last = layers[stage.layers[1] - 1]
-                send = costs.p2p_time(last.output_bytes * mb, node.name,
-                                      pipeline.stages[i + 1].devices.node)
+                last, after = layers[stage.layers[1] - 1], pipeline.stages[i + 1].devices.node
+                send = costs.p2p_time(last.output_bytes * mb * shared_by(
+                    flows, node.name, after), node.name, after)
             timings.append(StageTiming(fwd=fwd, bwd=bwd, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
                                        recompute=recompute, send=send))
         out.append(timings)

@@ -8,8 +8,14 @@ c_s one way. Sends are asynchronous and overlap compute, but every micro-batch
 must travel the whole pipeline and back while at most S micro-batches are in
 flight, so the steady-state period is bounded by the round trip over S:
 
-    1F1B         P = max( max_s (f_s + b_s),  max_s c_s,  (sum_s (f_s+b_s) + 2 sum_s c_s) / S )
+    1F1B         P = max( max_s c_s,  max over windows s <= u of
+                              (sum_{s..u} (f_t+b_t) + 2 sum_{s..u-1} c_t) / (u - s + 1) )
                  T = (m - 1) P + sum_s (f_s + b_s) + 2 sum_s c_s
+
+    (the windows: stage s keeps S - s micro-batches in flight, so the round trip from
+    stage s to stage u and back, which stage u's own order paces, passes u - s + 1
+    micro-batches per period; the window of one stage is its busy time, the whole
+    pipeline the full round trip, and two stages joined by a slow link the pair)
     GPipe        as 1F1B with max_s f_s + max_s b_s for the first term (all forwards
                  run before all backwards) and without the round-trip term
     interleaved  v model chunks per device (Megatron):
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from planner.types import Schedule
 
@@ -81,8 +89,8 @@ def pipeline_time(stages: Sequence[StageTiming], m: int, *,
         fill = sum(busy) / v + (1 - 1 / v) * period + comm_fill
     else:
         comm_fill = 2 * sum(sends)
-        round_trip = (sum(busy) + comm_fill) / count if schedule is not Schedule.GPIPE else 0.0
-        period = max(compute_period, max(sends, default=0.0), round_trip)
+        trips = round_trip(busy, sends) if schedule is not Schedule.GPIPE else 0.0
+        period = max(compute_period, max(sends, default=0.0), trips)
         fill = sum(busy) + comm_fill
     total = (m - 1) * period + fill
     slow = stages[bottleneck]
@@ -91,6 +99,20 @@ def pipeline_time(stages: Sequence[StageTiming], m: int, *,
     pp = comm_fill + (m - 1) * (period - compute_period)
     return PipelineTime(total=total, period=period, fill=fill, compute=compute, tp_comm=tp,
                         pp_comm=pp, bubble=total - compute - tp - pp)
+
+
+def round_trip(busy: Sequence[float], sends: Sequence[float]) -> float:
+    """1F1B's period floor from its in-flight limits: the largest window mean
+    (sum of busy over stages s..u plus both ways over the sends between them) / (u-s+1)
+    (see the module docstring)."""
+    busy_prefix = np.concatenate([[0.0], np.cumsum(busy)])
+    send_prefix = np.concatenate([[0.0], np.cumsum(sends), [0.0]])[:len(busy)]
+    first = np.arange(len(busy))[:, None]
+    last = np.arange(len(busy))[None, :]
+    windows = ((busy_prefix[1:][None, :] - busy_prefix[:-1][:, None]
+                + 2 * (send_prefix[None, :] - send_prefix[:, None]))
+               / np.maximum(last - first + 1, 1))
+    return float(np.where(last >= first, windows, 0.0).max())
 
 
 def in_flight(stage: int, num_stages: int, m: int, schedule: Schedule, interleave: int = 1
