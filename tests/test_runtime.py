@@ -144,3 +144,18 @@ def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path):
     expected, _ = train_reference(plan, steps=steps, optimizer="adamw")
     got = read_losses(run_dir)
     assert [got[i + 1] for i in range(steps)] == pytest.approx(expected, rel=1e-5)
+
+
+def test_replica_sets_of_two_device_types_create_their_groups_alike(tmp_path):
+    """Three one-stage pipelines, one on a slow type and two on a fast one: every rank
+    creates every group exactly once, member or not (the runtime used to hang in
+    new_group when a non-member created a group twice)."""
+    cluster = tmp_path / "two.yaml"
+    cluster.write_text(
+        "schema_version: 1\nname: two-cpu-types\nnetwork: {bandwidth: 10Gbps}\nnodes:\n"
+        "  - {name: slow, device: {base: cpu, name: cpu@slow}, devices: 1}\n"
+        "  - {name: fast, device: {base: cpu, name: cpu@fast}, devices: 2}\n")
+    plan = tiny_plan(str(cluster), pp=1, dp=3, zero=2, micro_batch=1, batch=6)
+    assert [s.device_type for p in plan.pipelines for s in p.stages] == [
+        "cpu@slow", "cpu@fast", "cpu@fast"]
+    _check_against_reference(plan, _run(tmp_path, plan, timeout=60.0))

@@ -179,9 +179,11 @@ def build_groups(topo: Topology, rank: int, device_type: str) -> Groups:
         for t in range(tp):
             wanted.append(tuple(sorted(topo.ranks(k)[t] for k in keys)))
     by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for ranks in wanted:
+    created: set[tuple[int, ...]] = set()  # on every rank alike, member or not: new_group
+    for ranks in wanted:                   # is collective, its calls must match
         key = tuple(sorted(ranks))
-        if key not in by_ranks:
+        if key not in created:
+            created.add(key)
             group = dist.new_group(list(key))
             if rank in key:
                 by_ranks[key] = group
