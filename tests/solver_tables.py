@@ -16,6 +16,7 @@ from planner.solver.evaluate import (
     placement_sharing,
     sync_and_optimizer,
     zero_gathers,
+    zero_space,
 )
 from planner.solver.limits import Limits
 from planner.solver.partition import class_costs
@@ -136,7 +137,8 @@ def _structure(table: CostTable, config: Config, space: Space,
                shapes: tuple[ClassShape, ...], microbatches: int) -> float:
     placement = place(table, shapes, config.tp)
     pipelines = sum(s.n for s in shapes)
-    if placement is None or pipelines > microbatches:
+    space = zero_space(space, shapes)  # the runtime's ZeRO: one class only
+    if placement is None or pipelines > microbatches or space is None:
         return float("inf")
     options = []
     flows = placement_sharing(placement, config.tp)  # sends share the nodes' cards

@@ -129,21 +129,26 @@ def test_estimate_prices_a_fixed_recipe(setup):
     assert fixed.prediction.step_time >= plan.prediction.step_time * (1 - 1e-9)
 
 
-def test_estimate_shards_zero_over_a_stages_same_type_replicas(setup):
-    """ZeRO shards a stage over the replicas the runtime groups it with: the same layers
-    on the same device type, not every pipeline of a mixed cluster."""
+def test_estimate_shards_zero_only_where_the_runtime_does(setup):
+    """The runtime shards a stage with ZeRO among its replicas of one device type, and
+    only layers no other replica set holds: a stage position spread over two types gets
+    no ZeRO (its memory is the unsharded one), one on a single type is sharded by dp."""
     graph, cluster, training, _ = setup
-    plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
-                        training=training, costs=AnalyticalCostModel(cluster), tp=1, pp=1,
-                        micro_batch=1, zero=1)
-    unsharded = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
-                             training=training, costs=AnalyticalCostModel(cluster), tp=1,
-                             pp=1, micro_batch=1, zero=0).pipelines[0].stages[0].memory
-    stages = [p.stages[0] for p in plan.pipelines]
-    for stage in stages:
-        same = sum(s.device_type == stage.device_type for s in stages)
-        assert 1 < same < len(stages)
-        assert stage.memory.optimizer * same == pytest.approx(unsharded.optimizer)
+
+    def first_stages(cluster, zero):
+        plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                            training=training, costs=AnalyticalCostModel(cluster), tp=1,
+                            pp=1, micro_batch=1, zero=zero)
+        return [p.stages[0] for p in plan.pipelines]
+
+    mixed = first_stages(cluster, 1)
+    assert len({s.device_type for s in mixed}) == 2
+    assert all(s.zero == 0 for s in mixed)
+    assert [s.memory for s in mixed] == [s.memory for s in first_stages(cluster, 0)]
+    one_type = load_cluster("1x4xA100-40G")
+    sharded, whole = first_stages(one_type, 1), first_stages(one_type, 0)
+    assert all(s.zero == 1 for s in sharded)
+    assert sharded[0].memory.optimizer * 4 == pytest.approx(whole[0].memory.optimizer)
 
 
 def test_interleaved_stages_sync_and_update_only_the_layers_they_hold(setup):
@@ -229,8 +234,11 @@ def test_estimate_remedies_leave_out_what_the_recipe_already_does(setup):
     assert ("activations" in states) == any("--recompute selective" in r for r in remedies)
     assert ("activations" in states) == any("smaller --micro-batch than 4" in r
                                             for r in remedies)
+    # two pipelines on each type: ZeRO cannot shard (the runtime shards only among
+    # replicas of one type), so the remedy says so instead of --zero
     assert (states & {"optimizer", "gradients", "weights"} != set()) == any(
-        r.startswith("--zero") and "over the 4 pipelines" in r for r in remedies)
+        "runs on one device type" in r for r in remedies)
+    assert not any(r.startswith("--zero") for r in remedies)
     assert any("larger --tp than 1" in r for r in remedies)
 
 

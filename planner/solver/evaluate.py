@@ -7,9 +7,9 @@ the pipeline whose time grows least, which minimises the maximum for any
 non-decreasing T_p (HAP's uneven shares). Gradient sync: each stage's
 gradients are all-reduced (ZeRO-1/2: reduce-scattered and gathered, the same
 volume) among every pipeline that holds its first layer, on the nodes those
-pipelines hold it on. ZeRO-3 stages reduce-scatter within their class per
-micro-batch; where other classes hold the same layers, each device's shard (1/n
-of the stage) is still all-reduced among all holders once per step.
+pipelines hold it on. ZeRO shards a stage over its class's pipelines, and only in
+structures of one class (`zero_space`: as the runtime, which shards only layers
+no other replica set holds); ZeRO-3 stages reduce-scatter per micro-batch.
 The optimizer step updates each device's share of its stage's parameters.
 """
 
@@ -248,11 +248,22 @@ class Priced:
     extra: float  # no choice of splits pays less for gradient sync and optimizer
 
 
+def zero_space(space: Space, shapes: Sequence[ClassShape]) -> Space | None:
+    """The choices a structure's classes have: ZeRO shards a stage only among replicas
+    holding layers no other stage holds (the runtime keeps the rest out of FSDP), and
+    with two classes every layer has two holders, so they run without ZeRO (None if
+    the user allowed ZeRO stages only)."""
+    if len(shapes) == 1:
+        return space
+    return dataclasses.replace(space, zeros=(0,)) if 0 in space.zeros else None
+
+
 def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassShape, ...],
           microbatches: int) -> Priced | None:
     """Price a structure with each class's smallest-bottleneck split, and bound it."""
     placement = place(table, shapes, config.tp)
-    if placement is None:
+    space = zero_space(space, shapes)
+    if placement is None or space is None:
         return None
     results = []
     flows = placement_sharing(placement, config.tp)

@@ -255,8 +255,8 @@ class _Search:
     def sync_floor(self, node: _Node) -> float:
         """A bound on a (settled) leaf's whole step: the first stage of every pipeline
         holds the first layer, whose gradients are all-reduced over all of them unless
-        every class shards that stage with ZeRO-3, which costs its pipelines three
-        gathers per micro-batch and still all-reduces each shard across classes."""
+        its one class shards that stage with ZeRO-3, which costs its pipelines three
+        gathers per micro-batch."""
         table, config = self.table, node.config
         shapes = _shapes(node)
         placement = place(table, shapes, config.tp)
@@ -266,13 +266,11 @@ class _Search:
         grads = float(table.params[0]) * table.grad_bytes
         # sync is one term of the step: added to the base, the bound before sync floors
         synced = node.base + table.collective(Collective.ALL_REDUCE, grads, holders)
-        if 3 not in self.space.zeros or any(s.n == 1 for s in shapes):
-            return max(node.bound, synced)
-        shards = max(table.collective(Collective.ALL_REDUCE, grads / s.n, holders)
-                     for s in shapes) if len(shapes) > 1 else 0.0
+        if 3 not in self.space.zeros or len(shapes) > 1 or shapes[0].n == 1:
+            return max(node.bound, synced)  # no ZeRO-3 (`evaluate.zero_space`)
         bound = self.state[config][1]
-        sharded, base = bound([(self.zero3(config, f), n) for f, n in self.fixed(node)], ())
-        return max(node.bound, min(synced, max(sharded, base + shards)))
+        sharded, _ = bound([(self.zero3(config, f), n) for f, n in self.fixed(node)], ())
+        return max(node.bound, min(synced, sharded))
 
     def zero3(self, config: Config, family: Family) -> Family:
         """The (tightened) family with its first stage on ZeRO-3."""

@@ -111,11 +111,9 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                            ["change the global batch, --micro-batch or --dp"])
     pipelines = []
     alike: dict[tuple, StagePlan] = {}  # stages differ only in their devices
-    replicas: dict[tuple[int, str], int] = {}  # ZeRO shards over a stage's same-type replicas
-    for p in range(dp):
-        for s in range(pp):
-            key = (s, slots[p * pp + s][2])
-            replicas[key] = replicas.get(key, 0) + 1
+    # the runtime shards a stage with ZeRO among its replicas of one device type, and
+    # only layers no other replica set holds: stage positions on mixed types get none
+    mixed = {s for s in range(pp) if len({slots[p * pp + s][2] for p in range(dp)}) > 1}
     for p, m in enumerate(_even(total, dp)):
         stages = []
         for s in range(pp):
@@ -126,7 +124,8 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                 alike[key] = stage_plan(
                     index=s, layers=layers, bounds=(held[0][0], held[-1][1]), chunks=held,
                     node=node, slot=slot, device_type=kind, tp=tp, recompute=recompute,
-                    zero=zero, replicas=replicas[s, kind], micro_batch=micro_batch, microbatches=m,
+                    zero=0 if s in mixed else zero, replicas=dp, micro_batch=micro_batch,
+                    microbatches=m,
                     stages=pp, schedule=schedule, interleave=interleave, training=training,
                     cluster=cluster, costs=costs)
                 if must_fit and alike[key].memory.total > cluster.node(node).device.memory:
@@ -184,13 +183,20 @@ def memory_remedies(pipelines: Sequence[PipelinePlan], cluster: ClusterSpec) -> 
     first = pipelines[0]
     stage = first.stages[0]
     dp, pp, tp = len(pipelines), len(first.stages), stage.tp
-    terms = {_largest_reducible(s) for p in pipelines for s in p.stages
-             if s.memory.total > cluster.node(s.devices.node).device.memory}
+    over = [s for p in pipelines for s in p.stages
+            if s.memory.total > cluster.node(s.devices.node).device.memory]
+    terms = {_largest_reducible(s) for s in over}
+    mixed = {s.index for s in over if len({p.stages[s.index].device_type
+                                           for p in pipelines}) > 1}
     out = []
     states = sorted((t for t in terms if t in _SHARDED_BY), key=_SHARDED_BY.__getitem__)
     if states:
         needed = max(_SHARDED_BY[t] for t in states)
-        if dp > 1 and stage.zero < needed:
+        if dp > 1 and mixed:
+            out.append(f"pipelines whose stage {min(mixed)} runs on one device type (ZeRO "
+                       "shards only among replicas of one type, so it cannot shard the "
+                       f"{' and '.join(states)} there)")
+        elif dp > 1 and stage.zero < needed:
             out.append(f"--zero {needed} (shards the {' and '.join(states)} over the {dp} "
                        "pipelines)")
         elif dp == 1:
