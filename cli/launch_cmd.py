@@ -35,6 +35,28 @@ def _cpus(values: list[str] | None) -> dict[str, str]:
     return out
 
 
+def _check_runtime_args(args: list[str]) -> None:
+    """--runtime-arg values as the runtime will parse them on every rank: refused here,
+    once, rather than there."""
+    import contextlib
+    import io
+
+    from planner.errors import PlannerError
+    from planner.runtime.__main__ import parser
+
+    if not args:
+        return
+    messages = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(messages):
+            parser().parse_args(["--plan", "plan.json", *args])
+    except SystemExit:
+        problem = messages.getvalue().strip().splitlines()[-1:] or ["not understood"]
+        raise PlannerError("bad-option", f"--runtime-arg {' '.join(args)}: the runtime "
+                           f"would refuse it ({problem[0].removeprefix('usage: ')}).",
+                           ["see python -m planner.runtime --help"]) from None
+
+
 def launch(
     plan: Annotated[Path, typer.Argument(help="The plan file (planner solve -o plan.json).")],
     out: Annotated[Path | None, typer.Option(
@@ -106,6 +128,14 @@ def launch(
                            f"{checkpoint_every}).")
     if not lr > 0 or lr == float("inf"):
         raise PlannerError("bad-option", f"--lr must be a positive number (got {lr}).")
+    module, colon, function = (data or "").partition(":")
+    if data is not None and not (colon and module and function):
+        raise PlannerError("bad-option", f"--data {data!r} must name a data hook as "
+                           "package.module:function (importable on every node).")
+    if sbatch and target is not Target.slurm:
+        raise PlannerError("bad-option", f"--sbatch goes into the SLURM job script; the "
+                           f"{target.value} target has none.", ["use --target slurm"])
+    _check_runtime_args(list(runtime_arg or []))
     entries = read_hosts(hosts) if hosts is not None else {}
     for node, cpu_list in _cpus(cpus).items():
         base = entries.get(node) or HostEntry(host=node)

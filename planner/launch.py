@@ -319,6 +319,9 @@ def _render_local(setup: _Setup) -> str:
         "wait || true",
         'if [ "$status" = 0 ]; then',
         '  echo "run-local.sh: done; summary: $RUN_DIR/summary.json, logs: $LOGS"',
+        "else  # the runtime's first error paragraph, as every rank logs it",
+        '  cat "$LOGS"/*.log 2>/dev/null | awk \'/^error: /{if (found) exit; found=1; print; '
+        'next} found && /^  [0-9]+\\) /{print; next} found{exit}\' >&2 || true',
         "fi",
         'exit "$status"']
     return "\n".join(lines) + "\n"

@@ -188,7 +188,10 @@ def test_launch_refuses_plans_that_cannot_run(tmp_path, hetero_plan):
     assert not out.exists()
     write_plan(hetero_plan, plan, force=True)
     for bad, needle in ((["--steps", "-3"], "--steps must be positive"),
-                        (["--lr", "nan"], "--lr must be a positive number")):
+                        (["--lr", "nan"], "--lr must be a positive number"),
+                        (["--data", "nomodule"], "must name a data hook as package.module"),
+                        (["--sbatch=--partition=x"], "the torchrun target has none"),
+                        (["--runtime-arg=--bogus"], "unrecognized arguments: --bogus")):
         result = runner.invoke(app, ["launch", str(plan), "--out", str(out), *bad])
         assert result.exit_code == 1 and needle in result.stderr, result.output
     for sbatch, needle in (("--partition=gpu queue", "without spaces"),

@@ -159,3 +159,24 @@ def test_replica_sets_of_two_device_types_create_their_groups_alike(tmp_path):
     assert [s.device_type for p in plan.pipelines for s in p.stages] == [
         "cpu@slow", "cpu@fast", "cpu@fast"]
     _check_against_reference(plan, _run(tmp_path, plan, timeout=60.0))
+
+
+def test_a_failed_local_run_prints_the_runtimes_error(tmp_path):
+    """run-local.sh: when the ranks fail, the terminal gets the runtime's first error
+    paragraph (once), not only 'a node failed' and a pointer to the logs."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    plan = tiny_plan("1x2xcpu", pp=2, shares=None)
+    write_plan(plan, tmp_path / "plan.json")
+    out = tmp_path / "launch"
+    result = CliRunner().invoke(app, [
+        "launch", str(tmp_path / "plan.json"), "--out", str(out), "--target", "local",
+        "--steps", "1", "--data", "no_such_module:rows", "--python", sys.executable])
+    assert result.exit_code == 0, result.output
+    run = subprocess.run(["bash", str(out / "run-local.sh")], capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 1
+    assert run.stderr.count("error: Could not import module 'no_such_module'") == 1
+    assert "  1) " in run.stderr

@@ -105,6 +105,27 @@ def test_the_runtime_command_reports_a_mismatch_and_exits_1(tmp_path, monkeypatc
     assert "Traceback" not in err
 
 
+def test_ranks_that_never_meet_are_one_clear_error(tmp_path, monkeypatch, capsys):
+    """Rank 0 of a 4-rank plan alone: the rendezvous times out with a message naming
+    the address and what to check, not a torch traceback; bad options fail at once."""
+    from planner.runtime.__main__ import main
+    from tests.runtime_helpers import free_port
+
+    plan = tiny_plan("1x4xcpu", pp=2, dp=2)
+    write_plan(plan, tmp_path / "plan.json")
+    for key, value in _env(MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    args = ["--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path), "--cpu"]
+    assert main([*args, "--timeout", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: Rank 0 could not meet the plan's other 3 rank(s) at ")
+    assert "--timeout" in err and "Traceback" not in err
+    for bad, needle in (("--lr=-1", "--lr must be a positive"),
+                        ("--warmup=-1", "--warmup must be 0 or more")):
+        assert main([*args, bad]) == 1
+        assert needle in capsys.readouterr().err
+
+
 def test_a_model_whose_layers_do_not_chain_is_refused():
     from cost_models.cluster import load_cluster
     from cost_models.model import AnalyticalCostModel

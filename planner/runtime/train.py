@@ -23,6 +23,7 @@ gradients overflow on any rank.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -81,6 +82,13 @@ def _check_options(options: RunOptions) -> None:
     if options.checkpoint_every < 0:
         raise PlannerError("bad-option", "--checkpoint-every must be 0 (off) or positive "
                            f"(got {options.checkpoint_every}).")
+    if not (options.lr > 0 and math.isfinite(options.lr)):
+        raise PlannerError("bad-option", f"--lr must be a positive number (got {options.lr}).")
+    if options.warmup < 0:
+        raise PlannerError("bad-option", f"--warmup must be 0 or more (got {options.warmup}).")
+    if not options.timeout > 0:
+        raise PlannerError("bad-option", f"--timeout must be positive seconds (got "
+                           f"{options.timeout}).")
     if options.optimizer not in (None, "adamw", "sgd"):
         raise PlannerError("bad-option", f"--optimizer must be adamw or sgd (got "
                            f"{options.optimizer!r}).")
@@ -128,14 +136,23 @@ def _init_process_group(backend: str, rank: int, world: int, env: dict[str, str]
     static rendezvous keeps that store across restarts (torch prefixes nothing then),
     so each attempt uses keys of its own and never meets the dead attempt's addresses."""
     addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        store = dist.PrefixStore(f"planner/attempt-{attempt}", dist.TCPStore(
-            addr, port, world_size=world, is_master=False, timeout=timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timeout)
-        return
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    try:
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = dist.PrefixStore(f"planner/attempt-{attempt}", dist.TCPStore(
+                addr, port, world_size=world, is_master=False, timeout=timeout))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                    timeout=timeout)
+            return
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    except (RuntimeError, OSError) as exc:  # DistStoreError is a RuntimeError
+        raise PlannerError(
+            "rendezvous", f"Rank {rank} could not meet the plan's other {world - 1} rank(s) "
+            f"at {addr}:{port} within {timeout.total_seconds():g} s: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            ["start every node's script (`planner launch` wrote one per node)",
+             f"check that every node reaches {addr}:{port} (firewall, --hosts addr)",
+             "give slow starts more time with --timeout"]) from exc
 
 
 def _prepare_run_dir(run_dir: Path, options: RunOptions, rank: int) -> None:
