@@ -126,6 +126,24 @@ def test_ranks_that_never_meet_are_one_clear_error(tmp_path, monkeypatch, capsys
         assert needle in capsys.readouterr().err
 
 
+def test_resuming_a_finished_run_leaves_it_alone(tmp_path, monkeypatch):
+    """--resume with no steps left is an error that keeps the run's summary (it used to
+    run zero steps and overwrite summary.json with an empty one)."""
+    from planner.runtime.train import RunOptions, run
+    from tests.runtime_helpers import free_port
+
+    plan = tiny_plan("1x1xcpu", micro_batch=2, batch=4)
+    write_plan(plan, tmp_path / "plan.json")
+    env = _env(WORLD_SIZE=1, LOCAL_WORLD_SIZE=1, MASTER_PORT=free_port())
+    options = RunOptions(plan=tmp_path / "plan.json", run_dir=tmp_path / "run", steps=2,
+                         optimizer="sgd", cpu=True, timeout=60.0)
+    run(options, env)
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    with pytest.raises(PlannerError, match=r"Nothing to resume: .* is at step 2"):
+        run(dataclasses.replace(options, resume=True), env)
+    assert (tmp_path / "run" / "summary.json").read_text() == summary
+
+
 def test_a_model_whose_layers_do_not_chain_is_refused():
     from cost_models.cluster import load_cluster
     from cost_models.model import AnalyticalCostModel

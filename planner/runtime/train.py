@@ -160,12 +160,19 @@ def _prepare_run_dir(run_dir: Path, options: RunOptions, rank: int) -> None:
         existing = checkpoint.complete_steps(run_dir)
         if existing and not options.resume:
             problem = [f"{run_dir} already holds checkpoints (up to step {existing[-1]})"]
+        elif existing and existing[-1] >= options.steps:
+            problem = [f"done: {run_dir} is at step {existing[-1]}, and --steps is "
+                       f"{options.steps}"]
         else:
             problem = [None]
             (run_dir / "pids").mkdir(parents=True, exist_ok=True)
     else:
         problem = [None]
     dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None and problem[0].startswith("done: "):
+        raise PlannerError("run-done", f"Nothing to resume: {problem[0][6:]}; the run and "
+                           "its summary stay as they are.",
+                           ["pass a larger --steps to train further"])
     if problem[0] is not None:
         raise PlannerError("run-exists", f"{problem[0]}; this run would start again from "
                            "step 0 and mix its checkpoints with theirs.",
