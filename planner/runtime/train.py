@@ -220,6 +220,10 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
                          "must match")
         apply_fsdp(built.chunks, groups.dp_mesh, reshard=reshard, ignored=ignored)
         managed = fsdp_managed(built.chunks, ignored)
+        if ignored and not managed:
+            notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-{stage.zero} shards "
+                         "nothing: stages of other replica sets (another device type or "
+                         "split) hold the same layers, so their gradients are summed unsharded")
     elif stage.zero >= 1:
         notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-{stage.zero} has no "
                      "replica to shard with (one copy of these layers)")
