@@ -228,9 +228,11 @@ def memory_rows(plan: Plan) -> list[MemoryRow]:
             groups.setdefault(key, []).append(p)
     rows = []
     for (index, kind, memory, _), members in groups.items():
-        node = plan.pipelines[members[0]].stages[index].devices.node
+        nodes = list(dict.fromkeys(plan.pipelines[p].stages[index].devices.node
+                                   for p in members))
+        node = nodes[0] + (f" +{len(nodes) - 1} more" if len(nodes) > 1 else "")
         rows.append(MemoryRow(pipelines=tuple(members), stage=index, node=node, device_type=kind,
-                              capacity=plan.cluster.node(node).device.memory,
+                              capacity=plan.cluster.node(nodes[0]).device.memory,
                               terms=memory.terms(), total=memory.total))
     rows.sort(key=lambda r: (r.pipelines[0], r.stage))
     return rows

@@ -88,6 +88,18 @@ def test_analysis_covers_the_plan(solved):
     assert data["kind"] == "explanation" and data["timeline"]["lanes"]
 
 
+def test_memory_rows_name_every_node_their_pipelines_use():
+    """Identical stages of pipelines on two nodes are one row that says so (it showed
+    the first pipeline's node for all of them)."""
+    from planner.explain import memory_rows
+    from tests.runtime_helpers import tiny_plan
+
+    plan = tiny_plan("2x2xcpu", pp=1, dp=4)
+    assert {s.devices.node for p in plan.pipelines for s in p.stages} == {"cpu-0", "cpu-1"}
+    (row,) = memory_rows(plan)
+    assert row.pipelines == (0, 1, 2, 3) and row.node == "cpu-0 +1 more"
+
+
 def test_why_slower_names_the_terms(solved):
     _, plan, _ = solved
     p = plan.prediction
