@@ -390,10 +390,13 @@ def _readme(setup: _Setup, target: str, files: Sequence[str]) -> str:
     rows = []
     for node in layout.nodes:
         entry = setup.host(node)
-        rows.append(f"| {node.node_rank} | {node.name} | {entry.host} | {entry.address} | "
-                    f"{node.device_type} | {','.join(map(str, node.devices))} | "
-                    f"{node.first_rank}-{node.first_rank + node.nproc - 1} | "
-                    f"`{node_script(node)}` |")
+        host, address = ("this machine", "127.0.0.1") if target == "local" else (
+            entry.host, entry.address)
+        last = node.first_rank + node.nproc - 1
+        ranks = str(last) if last == node.first_rank else f"{node.first_rank}-{last}"
+        rows.append(f"| {node.node_rank} | {node.name} | {host} | {address} | "
+                    f"{node.device_type} | {','.join(map(str, node.devices))} | {ranks} | "
+                    f"`{'run-local.sh' if target == 'local' else node_script(node)}` |")
     what = {
         "torchrun": ("Copy this folder to every host (or put it on a shared file system), "
                      "then on each host run its node's script; they find each other through "
@@ -426,7 +429,8 @@ def _readme(setup: _Setup, target: str, files: Sequence[str]) -> str:
         "PLANNER_MASTER_PORT; arguments after a script's name go to "
         "`python -m planner.runtime` (see `python -m planner.runtime --help`).", "",
         "Checkpoints, `losses.jsonl` and `summary.json` go to the run directory "
-        f"(`{setup.run_dir or 'run/ in this folder'}` unless PLANNER_RUN_DIR is set), which "
+        f"({f'`{setup.run_dir}`' if setup.run_dir else '`run/` in this folder'} unless "
+        "PLANNER_RUN_DIR is set), which "
         "every node must see at the same path (a shared file system). " + restarts, "",
         "Files: " + ", ".join(f"`{f}`" for f in files) + ".", ""])
 

@@ -64,6 +64,9 @@ def test_scripts_pass_bash_n_and_shellcheck(tmp_path, hetero_plan, target):
         assert "taskset -c 0-3" in text and "--cpu" in text and "127.0.0.1" in text
         assert text.count("torch.distributed.run") == 2
         assert "--nproc-per-node=2" in text and "--nproc-per-node=4" in text
+        readme = files["README.md"]
+        assert "| this machine | 127.0.0.1 |" in readme and "`node-0-" not in readme
+        assert "| 0-1 |" in readme and "(`run/` in this folder" in readme
     else:  # a node with cpus runs torchrun under taskset, the others do not
         pinned, free = files["node-0-a100-80g-sxm-0.sh"], files["node-1-v100-32g-0.sh"]
         assert "exec taskset -c 0-3 \"$PYTHON\" -m torch.distributed.run" in pinned
