@@ -112,6 +112,7 @@ def _kernel_time(k: Kernel, *, mb: int, tp: int, backward: bool, device: DeviceS
 
 def roofline_time(layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int, dtype: str,
                   eff: Efficiency = DEFAULT_EFFICIENCY) -> LayerTime:
+    tp = layer.tp_share(tp)  # a replicated layer runs whole on every rank
     def total(backward: bool) -> float:
         return sum(_kernel_time(k, mb=micro_batch, tp=tp, backward=backward, device=device,
                                 dtype=dtype, eff=eff) for k in layer.kernels)
@@ -161,7 +162,8 @@ def recompute_time(layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: in
         return layer_time(layer, device, tp=tp, micro_batch=micro_batch, dtype=dtype,
                           eff=eff).fwd
     cheap = [k for k in layer.kernels if k.op_class not in _HEAVY]
-    return sum(_kernel_time(k, mb=micro_batch, tp=tp, backward=False, device=device,
+    return sum(_kernel_time(k, mb=micro_batch, tp=layer.tp_share(tp), backward=False,
+                            device=device,
                             dtype=dtype, eff=eff) for k in cheap)
 
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from planner.dtypes import dtype_bytes
 from planner.types import DeviceSpec, Layer, MemoryBreakdown, OpClass, TrainingSpec
-from planner.types.model import held_params
+from planner.types.model import params_per_rank
 from planner.types.training import Recompute
 
 GIB = 2.0**30
@@ -46,6 +46,7 @@ def optimizer_state_bytes(training: TrainingSpec) -> float:
 
 def activation_bytes(layer: Layer, *, recompute: Recompute, tp: int) -> float:
     """Per-sample bytes a layer keeps between its forward and backward."""
+    tp = layer.tp_share(tp)
     if recompute is Recompute.FULL:
         return layer.input_bytes
     if recompute is Recompute.SELECTIVE:
@@ -58,7 +59,7 @@ def stage_memory(layers: Sequence[Layer], *, device: DeviceSpec, training: Train
                  tp: int = 1, dp: int = 1, zero: int = 0, recompute: Recompute = Recompute.NONE,
                  micro_batch: int = 1, in_flight: int = 1) -> MemoryBreakdown:
     """Memory of one device that holds `layers` (a stage, or one virtual stage)."""
-    params = held_params(layers) / tp
+    params = params_per_rank(layers, tp)
     weight = dtype_bytes(training.dtype)
     grad = training.optimizer.grad_bytes or weight
     per_sample = sum(activation_bytes(layer, recompute=recompute, tp=tp) for layer in layers)

@@ -20,7 +20,8 @@ def test_config_class_with_overrides():
     assert count_blocks(g) == 2
     assert [layer.name for layer in g.layers[1:3]] == ["model.layers.0", "model.layers.1"]
     assert g.layers[1].signature == g.layers[2].signature
-    assert g.layers[1].tp_divisor == 2  # the key/value heads
+    # the runtime has no tensor-parallel plan for transformers' blocks: replicated
+    assert not any(layer.tp_sharded for layer in g.layers) and g.layers[1].tp_divisor == 0
     assert flop_check(g).ratio == pytest.approx(1.0, abs=0.01)
 
 

@@ -202,3 +202,32 @@ def test_llama3_70b_traces_with_80_blocks():
     assert count_blocks(g) == 80
     assert g.params == 70_553_706_496
     assert len(g.repeated_groups()) == 1
+
+
+def test_tensor_parallelism_covers_the_layers_the_runtime_shards():
+    """The runtime shards transformer and MLP blocks and replicates the rest on a
+    tensor-parallel group: the trace marks which, and a replicated layer costs every
+    rank its whole time and parameters."""
+    from cost_models.compute import roofline_time
+    from cost_models.memory import stage_memory
+    from planner.types import TrainingSpec
+    from tests.test_cost_formulas import GPU
+
+    gpt = trace_model(model_spec("gpt2-small", {"layers": 2}), seq_len=128)
+    assert [layer.tp_sharded for layer in gpt.layers] == [False, True, True, False]
+    assert gpt.layers[0].tp_comm_bytes == 0 and gpt.layers[1].tp_comm_bytes > 0
+    head = gpt.layers[-1]
+    one, two = (roofline_time(head, GPU, tp=tp, micro_batch=1, dtype="bf16") for tp in (1, 2))
+    assert two == one
+    training = TrainingSpec(global_batch=8, seq_len=128)
+    assert stage_memory([head], device=GPU, training=training, tp=2).weights == \
+        stage_memory([head], device=GPU, training=training, tp=1).weights
+    mlp = trace_model(model_spec("mlp-small"))
+    assert mlp.layers[1].tp_sharded and mlp.layers[1].tp_comm_bytes > 0  # gathered output
+    resnet = trace_model(model_spec("resnet50"))
+    assert not any(layer.tp_sharded for layer in resnet.layers)
+    from planner.errors import PlannerError
+    from planner.solver.table import check_tp_divides
+
+    with pytest.raises(PlannerError, match="shards none of this model's layers"):
+        check_tp_divides(resnet.layers, 2, (1, 2))

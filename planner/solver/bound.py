@@ -68,7 +68,7 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
     largest_layer = {(a, b): float(np.minimum(busy[a], busy[b]).max())
                      for a in busy for b in busy}
 
-    held = np.concatenate([[0.0], np.cumsum(table.params)]) / config.tp
+    held = np.concatenate([[0.0], np.cumsum(table.rank_params(config.tp))])
     rooms = {t.name: t.memory - t.reserve for t in table.types}
     kept_acts = np.concatenate([[0.0], np.cumsum(table.activations(Recompute.NONE, config.tp))]
                                ) * config.mb

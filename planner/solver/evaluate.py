@@ -210,7 +210,8 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
             if zero < 3 or holders.size > shape.n:  # ZeRO-3: each shard across classes
                 volume = params * table.grad_bytes / (shape.n if zero == 3 else 1)
                 sync = max(sync, table.collective(Collective.ALL_REDUCE, volume, holders))
-            local = params / config.tp / (shape.n if zero >= 1 else 1)
+            local = float(table.rank_params(config.tp)[a:b].sum()) / (
+                shape.n if zero >= 1 else 1)
             opt = max(opt, table.optimizer_time(shape.types[s], local))
     return sync, opt
 
@@ -303,7 +304,7 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
                 sync = max(sync, table.collective(  # ZeRO-3 shards it (see the module)
                     Collective.ALL_REDUCE, params * table.grad_bytes / (
                         shape.n if zero3 else 1), CommGroup.of(holders)))
-            local = params / config.tp / (shape.n if sharded else 1)
+            local = float(table.rank_params(config.tp)[end]) / (shape.n if sharded else 1)
             opt = max(opt, table.optimizer_time(shape.types[position], local))
     return sync + opt
 

@@ -195,7 +195,7 @@ def _capacity(table: CostTable, kind: str, tp: int, mb: int, n: int,
     the largest single layer's activations (cached)."""
     key = ("capacity", kind, tp, mb, n, options)
     if key not in table.cache:
-        range_params = table.range_params() / tp
+        range_params = table.range_params(tp)
         acts, range_max, valid = _activation_ranges(table, tp, mb)
         info = table.type(kind)
         out = []

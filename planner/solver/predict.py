@@ -143,8 +143,8 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
                         Collective.ALL_REDUCE, volume, CommGroup.of(holders))
                 sync = max(sync, synced[stage.layers[0], volume])
             device = costs.cluster.node(stage.devices.node).device
-            opt = max(opt, costs.optimizer_time(params / stage.tp / shard, device,
-                                                plan.training))
+            local = sum(layers[i].params / layers[i].tp_share(stage.tp) for i in stage.held())
+            opt = max(opt, costs.optimizer_time(local / shard, device, plan.training))
     return sync, opt
 
 

@@ -78,21 +78,30 @@ class CostTable:
     optimizer_time: Callable[[str, float], float]  # (type, local params) -> seconds
     layer_flops: np.ndarray  # training FLOPs per sample (fwd + bwd), for MFU and bounds
     tied: tuple[tuple[int, int, int], ...] = ()
+    tp_sharded: np.ndarray | None = None  # per layer: tensor parallelism splits it
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def range_params(self) -> np.ndarray:
-        """[a, b) matrix of the parameters a stage holding layers [a, b) keeps: its own
-        plus copies of tied weights owned outside the range (cached)."""
-        if "range params" not in self.cache:
-            prefix = np.concatenate([[0.0], np.cumsum(self.params)])
+    def rank_params(self, tp: int) -> np.ndarray:
+        """Per layer, the parameters one rank of a tp-wide group holds (replicated
+        layers whole)."""
+        if self.tp_sharded is None:
+            return self.params / tp
+        return self.params / np.where(self.tp_sharded, tp, 1)
+
+    def range_params(self, tp: int) -> np.ndarray:
+        """[a, b) matrix of the parameters one rank of a tp-wide stage holding layers
+        [a, b) keeps: its own plus copies of tied weights owned outside the range
+        (cached)."""
+        if ("range params", tp) not in self.cache:
+            prefix = np.concatenate([[0.0], np.cumsum(self.rank_params(tp))])
             out = prefix[None, :] - prefix[:, None]
             a = np.arange(self.num_layers + 1)[:, None]
             b = np.arange(self.num_layers + 1)[None, :]
             for reader, owner, params in self.tied:
                 out = out + params * ((a <= reader) & (reader < b)
                                       & ~((a <= owner) & (owner < b)))
-            self.cache["range params"] = out
-        return self.cache["range params"]
+            self.cache["range params", tp] = out
+        return self.cache["range params", tp]
 
     def type(self, name: str) -> TypeInfo:
         return next(t for t in self.types if t.name == name)
@@ -111,6 +120,11 @@ def _divisor_ok(layers: Sequence[Layer], tp: int) -> bool:
 def check_tp_divides(layers: Sequence[Layer], tp: int, choices: Sequence[int]) -> None:
     """A PlannerError naming the first layer whose heads or widths `tp` does not divide
     (tensor parallelism shards them evenly); `choices` are the degrees to suggest from."""
+    if tp > 1 and not any(layer.tp_sharded for layer in layers):
+        raise PlannerError("bad-option", f"--tp {tp}: tensor parallelism shards none of this "
+                           "model's layers (the runtime shards transformer and MLP blocks, "
+                           "and layers with a tensor_parallel_plan), so every rank would "
+                           "run the whole model.", ["use --tp 1"])
     split = next((x for x in layers if x.tp_divisor and x.tp_divisor % tp), None)
     if split is not None:
         fits = [t for t in choices if _divisor_ok(layers, t)]
@@ -172,7 +186,8 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
     weight = float(dtype_bytes(training.dtype))
     return CostTable(
         num_layers=len(layers), types=tuple(types),
-        tps=tuple(tp for tp in tps if _divisor_ok(layers, tp)),
+        tps=tuple(tp for tp in tps if _divisor_ok(layers, tp)
+                  and (tp == 1 or any(layer.tp_sharded for layer in layers))),
         micro_batches=tuple(micro_batches), layer_costs=layer_costs,
         params=np.array([float(layer.params) for layer in layers]), activations=activations,
         boundary=np.array([layer.output_bytes for layer in layers]), weight_bytes=weight,
@@ -183,4 +198,5 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
         optimizer_time=lambda t, p: costs.optimizer_time(p, devices[t], training),
         layer_flops=np.array([layer.flops for layer in layers]),
         tied=tuple((layer.index, owner, params) for layer in layers
-                   for owner, params in layer.tied))
+                   for owner, params in layer.tied),
+        tp_sharded=np.array([layer.tp_sharded for layer in layers]))

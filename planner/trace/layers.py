@@ -145,6 +145,19 @@ def _tp_comm_bytes(group: _Group, fixed_or_input: set[str]) -> float:
     return total
 
 
+def _tp_sharded(unit: nn.Module | None) -> bool:
+    """Whether the runtime shards this layer's unit over a tensor-parallel group
+    (`planner.runtime.parallel.apply_tensor_parallel`): zoo transformer blocks, MLP
+    blocks and modules with a `tensor_parallel_plan`; everything else is replicated."""
+    from planner.models.mlp import MLPBlock
+    from planner.models.transformer import Block
+
+    if unit is None:
+        return False
+    return (callable(getattr(unit, "tensor_parallel_plan", None))
+            or isinstance(unit, (Block, MLPBlock)))
+
+
 def _selective_bytes(group: _Group, input_bytes: float) -> float:
     """Layer input plus outputs of heavy ops (and attention's log-sum-exp)."""
     kept = input_bytes
@@ -231,6 +244,10 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
         kernels = _kernels(group.records, batch)
         input_bytes = (crossing[i - 1] if i else first_inputs) / batch
         saved = sum(saved_by_class.values())
+        sharded = _tp_sharded(capture.modules.get(group.unit) if group.unit else None)
+        tp_bytes = _tp_comm_bytes(group, fixed_or_input) / batch if sharded else 0.0
+        if sharded and not tp_bytes:  # column-parallel with a gathered output (MLP blocks)
+            tp_bytes = crossing[i] / batch if i < len(groups) - 1 else 0.0
         layers.append(Layer(
             index=i, name=name, kind=kind,
             modules=(group.unit,) if group.unit else _module_roots(group.records, capture.modules),
@@ -244,10 +261,11 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             selective_bytes=min(saved, _selective_bytes(group, input_bytes * batch) / batch),
             input_bytes=input_bytes,
             output_bytes=crossing[i] / batch if i < len(groups) - 1 else 0.0,
-            tp_comm_bytes=_tp_comm_bytes(group, fixed_or_input) / batch,
-            tp_divisor=_tp_divisor(group, capture, vocab),
+            tp_comm_bytes=tp_bytes,
+            tp_divisor=_tp_divisor(group, capture, vocab) if sharded else 0,
             kernels=kernels,
             signature=_signature(group, kind, capture),
             tied=tuple(sorted(borrowed.items())),
+            tp_sharded=sharded,
         ))
     return tuple(layers), node_layer

@@ -109,6 +109,9 @@ class Layer:
     tied:                  (owner layer, parameters) this layer reads but another
                            layer owns (an output head tied to the embedding): a stage
                            holding this layer without the owner holds a copy.
+    tp_sharded:            whether tensor parallelism shards this layer (the runtime
+                           shards transformer and MLP blocks and layers with a
+                           `tensor_parallel_plan`; it replicates the rest on the group).
     """
 
     index: int
@@ -130,6 +133,11 @@ class Layer:
     kernels: tuple[Kernel, ...]
     signature: str
     tied: tuple[tuple[int, int], ...] = ()
+    tp_sharded: bool = True
+
+    def tp_share(self, tp: int) -> int:
+        """The tensor-parallel degree this layer is split by: tp, or 1 if replicated."""
+        return tp if self.tp_sharded else 1
 
     @property
     def flops(self) -> float:
@@ -191,3 +199,12 @@ def held_params(layers: Sequence[Layer]) -> int:
     copies = {owner: params for layer in layers for owner, params in layer.tied
               if owner not in indices}
     return sum(layer.params for layer in layers) + sum(copies.values())
+
+
+def params_per_rank(layers: Sequence[Layer], tp: int) -> float:
+    """`held_params` on one rank of a tp-wide group: sharded layers split, replicated
+    ones (and tied copies, held by an embedding or head) whole."""
+    indices = {layer.index for layer in layers}
+    copies = {owner: params for layer in layers for owner, params in layer.tied
+              if owner not in indices}
+    return sum(layer.params / layer.tp_share(tp) for layer in layers) + sum(copies.values())
