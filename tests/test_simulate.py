@@ -122,13 +122,7 @@ def test_one_f_one_b_closed_form_is_never_below_the_simulation():
     by its round trip over u-s+1 (timing.round_trip): with all windows, not only the
     whole pipeline's, the closed form does not promise a step the schedule cannot
     run, even with a slow link between two heavy stages."""
-    rng = random.Random(5)
-    for _ in range(300):
-        num_stages = rng.randint(2, 6)
-        m = rng.randint(num_stages, 8 * num_stages)
-        stages = random_stages(rng, num_stages, 0.3, 0.2)
-        sim = simulate([stages], [m])
-        assert rel_err(pipeline_time(stages, m).total, sim.step_time) > -1e-9
+    assert min(_unbalanced_errors(300, 8)) > -1e-9
     pair = [StageTiming(fwd=0.1, bwd=0.2, send=0.05), StageTiming(fwd=0.1, bwd=0.2)]
     assert pipeline_time(pair, 64).period == pytest.approx((0.3 + 0.3 + 2 * 0.05) / 2)
     assert rel_err(pipeline_time(pair, 64).total, simulate([pair], [64]).step_time) == \
@@ -140,13 +134,20 @@ def test_one_f_one_b_closed_form_is_never_below_the_simulation():
     "charges (m-1) full periods after a fill of every stage, but a bottleneck early in "
     "the pipeline overlaps its warm-up forwards with the fill (worst at m = S)"))
 def test_one_f_one_b_unbalanced_with_sends_agrees_with_closed_form():
+    assert max(map(abs, _unbalanced_errors(200, 4))) < 0.02
+
+
+def _unbalanced_errors(count: int, most: int) -> list[float]:
+    """Closed form vs simulation of 1F1B pipelines of 2-6 stages within ±30% of each
+    other, sends up to 20% of a stage, S to most*S micro-batches."""
     rng = random.Random(5)
-    for _ in range(200):
+    errors = []
+    for _ in range(count):
         num_stages = rng.randint(2, 6)
-        m = rng.randint(num_stages, 4 * num_stages)
+        m = rng.randint(num_stages, most * num_stages)
         stages = random_stages(rng, num_stages, 0.3, 0.2)
-        sim = simulate([stages], [m])
-        assert abs(rel_err(pipeline_time(stages, m).total, sim.step_time)) < 0.02
+        errors.append(rel_err(pipeline_time(stages, m).total, simulate([stages], [m]).step_time))
+    return errors
 
 
 def test_interleaved_balanced_agrees_with_closed_form():
