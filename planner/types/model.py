@@ -192,18 +192,10 @@ class ModelGraph:
         return {sig: idx for sig, idx in groups.items() if len(idx) > 1}
 
 
-def held_params(layers: Sequence[Layer]) -> int:
-    """Parameters a device holding `layers` keeps: the ones they own, plus a copy of
-    tied parameters whose owner is elsewhere."""
-    indices = {layer.index for layer in layers}
-    copies = {owner: params for layer in layers for owner, params in layer.tied
-              if owner not in indices}
-    return sum(layer.params for layer in layers) + sum(copies.values())
-
-
 def params_per_rank(layers: Sequence[Layer], tp: int) -> float:
-    """`held_params` on one rank of a tp-wide group: sharded layers split, replicated
-    ones (and tied copies, held by an embedding or head) whole."""
+    """Parameters one rank of a tp-wide group holding `layers` keeps: the ones they own
+    (sharded layers split, replicated ones whole), plus a whole copy of tied parameters
+    whose owner is elsewhere (an embedding or head, replicated)."""
     indices = {layer.index for layer in layers}
     copies = {owner: params for layer in layers for owner, params in layer.tied
               if owner not in indices}
