@@ -163,8 +163,7 @@ def recompute_time(layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: in
                           eff=eff).fwd
     cheap = [k for k in layer.kernels if k.op_class not in _HEAVY]
     return sum(_kernel_time(k, mb=micro_batch, tp=layer.tp_share(tp), backward=False,
-                            device=device,
-                            dtype=dtype, eff=eff) for k in cheap)
+                            device=device, dtype=dtype, eff=eff) for k in cheap)
 
 
 def optimizer_time(params: float, device: DeviceSpec, *, dtype_bytes: int,

@@ -69,13 +69,14 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
         if value < 1:
             raise PlannerError("bad-option", f"{name} must be at least 1 (got {value}).")
     biggest = max(n.devices for n in cluster.nodes)
+    fitting = [t for t in (1, 2, 4, 8, 16) if t <= biggest]
     if not any(n.devices % tp == 0 for n in cluster.nodes):
         raise PlannerError(
             "bad-option", f"--tp {tp} does not fit any node of cluster {cluster.name}: its "
             f"nodes have {sorted({n.devices for n in cluster.nodes})} devices, and tensor "
             "parallelism stays inside a node.",
-            [f"use --tp {max(t for t in (1, 2, 4, 8, 16) if t <= biggest)} or less"])
-    check_tp_divides(layers, tp, [t for t in (1, 2, 4, 8, 16) if t <= biggest])
+            [f"use --tp {max(fitting)} or less"])
+    check_tp_divides(layers, tp, fitting)
     if pp > len(layers):
         raise PlannerError("bad-option", f"--pp {pp} is more stages than the model has layers "
                            f"({len(layers)}).", [f"use --pp {len(layers)} or less"])

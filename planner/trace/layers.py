@@ -244,7 +244,7 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
         kernels = _kernels(group.records, batch)
         input_bytes = (crossing[i - 1] if i else first_inputs) / batch
         saved = sum(saved_by_class.values())
-        sharded = _tp_sharded(capture.modules.get(group.unit) if group.unit else None)
+        sharded = _tp_sharded(capture.modules.get(group.unit))
         tp_bytes = _tp_comm_bytes(group, fixed_or_input) / batch if sharded else 0.0
         if sharded and not tp_bytes:  # column-parallel with a gathered output (MLP blocks)
             tp_bytes = crossing[i] / batch if i < len(groups) - 1 else 0.0
