@@ -1,6 +1,7 @@
 """The search against brute force over the same space, and properties of its plans."""
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -208,16 +209,22 @@ def _consistent(shapes, node, levels, shrinks: bool) -> bool:
 @example(5)  # the one mixed class counted with fewer pipelines than it may hold
 def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
     """The branch and bound's bounds, before and after pricing a node's classes, for every
-    node of the tree (a child stands for 1..n pipelines of its last class), and a leaf's
-    bound with its first layer's sync."""
+    node of the tree of each part of the search (a child stands for 1..n pipelines of its
+    last class), and a leaf's bound with its first layer's sync. A part bounds what it
+    is responsible for: the ZeRO-free structures, or those of one class."""
+    table, batch, limits = random_instance(random.Random(seed))
+    for single in (False, True):
+        space = Space() if single else Space(zeros=(0,))
+        values = [(config, shapes, v) for config, shapes, v in every_structure(
+            table, batch, limits, space) if len(shapes) == 1 or not single]
+        _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
+
+
+def _check_subtree_bounds(table, batch, limits, single, values, rng):
     from planner.solver.search import _Search
 
-    table, batch, limits = random_instance(random.Random(seed))
-    space = Space()
-    values = list(every_structure(table, batch, limits, space))
-    run = _Search(table, batch, limits, space, 1, 0.0)
+    run = _Search(table, batch, limits, Space(), 1, 0.0, single, [], itertools.count())
     stack = list(run.heap)
-    rng = random.Random(seed)
     for _ in range(300):  # a random walk over the tree: it can be large
         if not stack:
             break

@@ -20,7 +20,14 @@ best per-slot rates any of their families could reach (an LP dual: no assignment
 of slots does better), plus the gradient sync its fixed classes pay at least
 (`sync_floor`). Nodes are expanded in order of bound, so when the queue's
 best bound reaches the k-th best plan found, no unexplored structure can beat it:
-the search is optimal. Before that, a greedy plan (one homogeneous class per
+the search is optimal.
+
+The space is searched in two parts, each a tree of its own whose nodes share one
+queue (`_parts`): structures of several classes run without ZeRO (the runtime
+shards only layers one replica set holds), so one part bounds every structure as if
+ZeRO-free, which makes its families deeper and its bounds far tighter where the
+states are large; the other holds the structures of one class, with ZeRO allowed,
+and its nodes that fix a class are leaves. Before that, a greedy plan (one homogeneous class per
 type, fastest first), dives down the tree and the best structure so far tried in
 every other configuration give it a good plan to prune with. A time limit stops
 the search early and reports the queue's best bound.
@@ -32,7 +39,7 @@ import dataclasses
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cost_models.comm import Collective, CommGroup
@@ -101,13 +108,20 @@ class _Search:
     """The state of one search: the queue, the best structures so far, the counters."""
 
     def __init__(self, table: CostTable, batch: int, limits: Limits, space: Space,
-                 top_k: int, gap: float) -> None:
-        self.table, self.batch, self.limits, self.space = table, batch, limits, space
-        self.top_k, self.gap = top_k, gap
+                 top_k: int, gap: float, single: bool, best: list[Evaluation],
+                 counter: Iterator[int]) -> None:
+        """single: search only structures of one class, else bound every structure
+        as if ZeRO-free (as those of several classes are; see `_parts`); best: the
+        plans found so far, shared with the other part's search; counter: node
+        numbers, shared too."""
+        self.table, self.batch, self.limits, self.pricing = table, batch, limits, space
+        self.space = space if single else dataclasses.replace(space, zeros=(0,))
+        space = self.space
+        self.top_k, self.gap, self.single = top_k, gap, single
         self.heap: list[_Node] = []
-        self.counter = itertools.count()
+        self.counter = counter
         self.state: dict[Config, tuple[list[list[Family]], Bound, dict]] = {}
-        self.best: list[Evaluation] = []
+        self.best = best
         self.explored = self.pruned = 0
         self.given_up = float("inf")  # smallest bound pruned only because of `gap`
         params = float(table.params.sum())
@@ -192,15 +206,20 @@ class _Search:
                 options.append((f, n))
         if node.level == len(levels) - 1 and not node.chosen:
             options = options[1:]  # a structure needs at least one class
-        bounds, bases = bound.many(fixed, options, range(node.level + 1, len(levels)), True,
-                                   (node.bound, node.base))
+        groups = [(options, node.level + 1)]
+        if self.single:  # a class ends the structure: its child is a leaf
+            groups = [(options[:1], node.level + 1), (options[1:], len(levels))]
         out = []
-        for (f, n), b, base in zip(options, bounds, bases, strict=True):
-            chosen = node.chosen + ((f.types,) if f else ())
-            out.append(_Node(float(b), next(self.counter), node.config, float(base),
-                             node.level + 1, chosen,
-                             node.counts + ((n,) if f else ()),
-                             frozenset([f.types]) if f else frozenset()))
+        for group, level in groups:
+            if not group:
+                continue
+            bounds, bases = bound.many(fixed, group, range(level, len(levels)), True,
+                                       (node.bound, node.base))
+            for (f, n), b, base in zip(group, bounds, bases, strict=True):
+                out.append(_Node(float(b), next(self.counter), node.config, float(base),
+                                 level, node.chosen + ((f.types,) if f else ()),
+                                 node.counts + ((n,) if f else ()),
+                                 frozenset([f.types]) if f else frozenset()))
         return out
 
     def sibling(self, node: _Node) -> _Node | None:
@@ -235,7 +254,7 @@ class _Search:
                 if n < 1 or not self.limits.allows(f.types):
                     continue
                 shapes = tuple(sorted((*chosen, ClassShape(f.types, n)), key=_placement_order))
-                priced = price(self.table, config, self.space, shapes, microbatches)
+                priced = price(self.table, config, self.pricing, shapes, microbatches)
                 if priced is not None and priced.upper.step_time < best:
                     best, pick = priced.upper.step_time, ClassShape(f.types, n)
             if pick is not None:
@@ -243,13 +262,13 @@ class _Search:
         if chosen:
             node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
                          tuple(s.types for s in chosen), tuple(s.n for s in chosen))
-            _leaf(self.table, node, self.batch, self.limits, self.space, self.best,
+            _leaf(self.table, node, self.batch, self.limits, self.pricing, self.best,
                   self.top_k)
 
     def leaf(self, node: _Node) -> None:
         """Price a whole structure unless its sync floor already rules it out."""
         if self.sync_floor(node) < self.threshold():
-            _leaf(self.table, node, self.batch, self.limits, self.space, self.best,
+            _leaf(self.table, node, self.batch, self.limits, self.pricing, self.best,
                   self.top_k)
 
     def sync_floor(self, node: _Node) -> float:
@@ -333,7 +352,7 @@ class _Search:
         classes, their pipeline counts scaled to the tensor-parallel degree): a
         structure that wins in one configuration often wins in a neighbouring one,
         which dives, confined to the most promising configurations, may not visit."""
-        if not self.best:
+        if not self.best or (self.single and len(self.best[0].shapes) > 1):
             return
         model = self.best[0]
         for config, (levels, bound, index) in self.state.items():
@@ -389,44 +408,62 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
 
     gap: prune structures whose bound is within this fraction of the k-th best
     (0: exact); the returned bound accounts for what was pruned that way.
-    dives: how many of the most promising configurations first get a greedy plan
+    dives: how many of the most promising configurations (of each part) first get a greedy plan
     and are followed down the tree to a plan, to start pruning with a good one.
     seeds: structures known to be good (e.g. the best on one device type), priced
     first for the same purpose."""
     start = time.perf_counter()
-    run = _Search(table, batch, limits or Limits(), space or Space(), top_k, gap)
+    space = space or Space()
+    best: list[Evaluation] = []
+    counter = itertools.count()
+    runs = [_Search(table, batch, limits or Limits(), space, top_k, gap, single, best, counter)
+            for single in _parts(space)]
+    run = runs[0]
     for config, shapes in seeds:
         if config in run.state:
-            node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
+            node = _Node(0.0, next(counter), config, 0.0, len(run.state[config][0]),
                          tuple(s.types for s in shapes), tuple(s.n for s in shapes))
-            _leaf(table, node, batch, run.limits, run.space, run.best, top_k)
-    for root in sorted(run.heap)[:dives]:
-        if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
+            _leaf(table, node, batch, run.limits, space, best, top_k)
+    for part, root in [(run, root) for run in runs for root in sorted(run.heap)[:dives]]:
+        if time_limit is not None and time.perf_counter() - start > time_limit and best:
             break
-        if len(table.types) > 1:
-            run.greedy(root.config)
-        run.dive(dataclasses.replace(root, order=next(run.counter)))
-    run.transfer()
+        if len(table.types) > 1 and not part.single:
+            part.greedy(root.config)
+        part.dive(dataclasses.replace(root, order=next(counter)))
+    for part in runs:
+        part.transfer()
     status = "optimal"
-    while run.step():
+    while (live := [part for part in runs if part.heap]) and min(
+            live, key=lambda part: part.heap[0]).step():
         if progress:
-            progress(run.explored)
-        if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
+            progress(sum(part.explored for part in runs))
+        if time_limit is not None and time.perf_counter() - start > time_limit and best:
             status = "feasible"
             break
-    if not run.best:
+    if not best:
         raise PlannerError(
             "infeasible", "No plan fits: every structure the search tried runs out of device "
             "memory or has more pipelines than micro-batches.",
             ["allow more pipeline stages (--max-stages) or recompute",
              "allow ZeRO (do not pass --zero 0)", "use a smaller --micro-batch",
              "add devices or use devices with more memory"])
-    bound_value = min(run.best[0].step_time, run.given_up)
+    bound_value = min([best[0].step_time, *(part.given_up for part in runs)])
     if status != "optimal":
-        bound_value = min([bound_value, *(n.bound for n in run.heap)])
-    return SearchResult(best=run.best, status=status, bound=bound_value,
-                        explored=run.explored, pruned=run.pruned,
+        bound_value = min([bound_value, *(n.bound for part in runs for n in part.heap)])
+    return SearchResult(best=best, status=status, bound=bound_value,
+                        explored=sum(part.explored for part in runs),
+                        pruned=sum(part.pruned for part in runs),
                         wall_time=time.perf_counter() - start)
+
+
+def _parts(space: Space) -> list[bool]:
+    """The search space in two parts with bounds of their own (True: the part of
+    structures of one class). Structures of several classes run without ZeRO
+    (`evaluate.zero_space`), so their part, which also holds the structures of one
+    class that run without it, is bounded without ZeRO; the structures of one class
+    are searched on their own with every ZeRO stage allowed."""
+    return [single for single, wanted in ((False, 0 in space.zeros), (True, any(space.zeros)))
+            if wanted]
 
 
 def _placement_order(shape: ClassShape) -> tuple[bool, str]:
