@@ -91,16 +91,18 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
                    + table.grad_bytes / (shard if z >= 2 else 1)
                    + table.state_bytes / (shard if z >= 1 else 1) for z in space.zeros)
 
+    @functools.cache
+    def most(kind: str, count: int) -> int:
+        return capacity(table, config.tp, kind, count)
+
     def fits(blocks: list[tuple[str, int]]) -> tuple[tuple[str, ...], int] | None:
         """The family's stage types and most pipelines, or None if the stage pins rule
         it out or its devices cannot hold the states however the layers are split."""
-        types = tuple(k for k, c in blocks for _ in range(c))
-        if not limits.allows(types):
-            return None
-        n_max = min(capacity(table, config.tp, k, c) for k, c in blocks)
+        n_max = min(most(k, c) for k, c in blocks)
         if n_max < 1 or sum(c * rooms[k] for k, c in blocks) < held[-1] * state_bytes(n_max):
             return None
-        return types, n_max
+        types = tuple(k for k, c in blocks for _ in range(c))
+        return (types, n_max) if limits.allows(types) else None
 
     def homogeneous(kind: str) -> list[Family]:
         out = []
@@ -251,9 +253,12 @@ class Bound:
 
     def __init__(self, levels: list[list[Family]], microbatches: int,
                  slots: dict[str, int], work: dict[str, float],
-                 optimizer: Callable[[Family, int], float], sync: SyncFloor) -> None:
-        """sync: the floors, its kinds the slots' in sorted order."""
+                 optimizer: Callable[[Family, int], float], sync: SyncFloor,
+                 single: bool = False) -> None:
+        """sync: the floors, its kinds the slots' in sorted order; single: structures
+        have one class (the open levels of a structure with none add one, alone)."""
         self.m, self.levels, self.slots, self.optimizer = microbatches, levels, slots, optimizer
+        self.single = single
         self.kinds = sorted(slots)
         assert sync.kinds == self.kinds
         self.sync = sync
@@ -262,6 +267,9 @@ class Bound:
         self._n_maxes: dict[int, np.ndarray] = {}
         self._bounds: dict[int, tuple] = {}
         self._masks: dict[tuple[str, ...], np.ndarray] = {}
+        self._joiners: dict[tuple[int, ...], tuple[float, np.ndarray] | None] = {}
+        self._open: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
+        self._alone: dict[tuple[int, ...], tuple[float, float]] = {}
 
     def _level(self, level: int) -> tuple:
         """Per family of a level: stages per type, 1 / min_busy, total (infinite for a
@@ -291,6 +299,7 @@ class Bound:
 
     def invalidate(self) -> None:
         self._bounds.clear()
+        self._open.clear()  # (the joiners and classes alone stay valid, if looser)
 
     def _counts(self, f: Family | None) -> np.ndarray:
         return np.array([f.types.count(k) if f else 0 for k in self.kinds], dtype=float)
@@ -302,14 +311,16 @@ class Bound:
         (None: everywhere), and what the open levels finish beyond their slots' worth at
         y; see the class."""
         y = np.zeros((len(t), len(self.kinds)))
+        homes, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
+        if len(homes):
+            per_slot = _done(t[:, None], total, inv_busy, whole) * inv_size
+            y[:, homes] = np.maximum.reduceat(per_slot, starts, axis=1)
         mixed = None
         for level in open_levels:
-            counts, inv_size, holding, inv_fluid, home, inv_busy, total = self._level(level)
-            done = _done(t[:, None], total, inv_busy, whole)
-            if home >= 0:
-                y[:, home] = np.maximum(y[:, home], (done * inv_size).max(axis=1))
-            else:
-                mixed = (level, counts, inv_size, holding, inv_fluid, done)
+            if self._level(level)[4] < 0:
+                counts, inv_size, holding, inv_fluid, _, inv_busy, total = self._level(level)
+                mixed = (level, counts, inv_size, holding, inv_fluid,
+                         _done(t[:, None], total, inv_busy, whole))
         if mixed is None:
             return [(y, None, 0.0)]
         level, counts, inv_size, holding, inv_fluid, done = mixed
@@ -332,6 +343,23 @@ class Bound:
                 (y * np.where(valid, np.maximum(1.0, scale), 1.0)[:, None], valid, 0.0),
                 (y, None, beyond)]
 
+    def _homogeneous(self, open_levels: Sequence[int]) -> tuple[np.ndarray, ...]:
+        """The open homogeneous levels' families side by side: the levels' types, where
+        each level's families start, and per family 1 / stages, 1 / min_busy and total
+        (as `_level`)."""
+        key = tuple(open_levels)
+        if key not in self._open:
+            parts = [self._level(level) for level in open_levels]
+            parts = [p for p in parts if p[4] >= 0 and len(p[0])]
+            sizes = [len(p[0]) for p in parts]
+            self._open[key] = (
+                np.array([p[4] for p in parts], dtype=int),
+                np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int) if parts else
+                np.zeros(0, dtype=int),
+                *(np.concatenate([p[i] for p in parts]) if parts else np.zeros(0)
+                  for i in (1, 5, 6)))
+        return self._open[key]
+
     def _n_max(self, level: int) -> np.ndarray:
         """The most pipelines of each family of a level."""
         if level not in self._n_maxes:
@@ -351,9 +379,12 @@ class Bound:
         class pays its sync floor, or its largest stage is on ZeRO-3 and the bound
         with its period raised pays the sharded floor (`sync_floor`); the bound is
         the largest over the classes of the smaller of the two."""
-        base = self._core(fixed, candidates, open_levels, fewer, at_least[1])
-        full = np.maximum(base, at_least[0])
         rows = len(candidates)
+        if self.single and open_levels:  # then nothing is fixed and no candidate live
+            full, base = self._best_alone(open_levels)
+            return (np.full(rows, max(full, at_least[0])),
+                    np.full(rows, max(base, at_least[1])))
+        base = self._core(fixed, candidates, open_levels, fewer, at_least[1])
         classes = [(np.broadcast_to(self._mask(f), (rows, len(self.kinds))),
                     np.full(rows, float(len(f.types))), np.full(rows, float(n)),
                     np.full(rows, float(n))) for f, n in fixed]
@@ -363,20 +394,72 @@ class Bound:
                             np.array([float(len(f.types)) if f else 1.0 for f, _ in candidates]),
                             np.array([1.0 if fewer else float(n) for _, n in candidates]),
                             np.array([float(max(n, 1)) for _, n in candidates])))
+        joiner = self._joiner(open_levels)
+        if joiner is None or not classes:
+            full = self._synced(fixed, candidates, open_levels, fewer, at_least[1], base,
+                                classes, live)
+        else:  # the open levels add a class, whose sync joins the fixed ones', or none
+            stages, mask = joiner
+            ones = np.ones(rows)
+            full = self._synced(fixed, candidates, open_levels, fewer, at_least[1], base,
+                                [*classes, (np.broadcast_to(mask, (rows, len(self.kinds))),
+                                            np.full(rows, stages), ones, ones)], live)
+            alone = self._core(fixed, candidates, (), fewer, at_least[1])
+            if (alone < full).any():  # the sync floors only raise it
+                full = np.minimum(full, self._synced(fixed, candidates, (), fewer,
+                                                     at_least[1], alone, classes, live))
+        return np.maximum(full, at_least[0]), base
+
+    def _best_alone(self, open_levels: Sequence[int]) -> tuple[float, float]:
+        """With one class to a structure: the smallest bound and base of any class the
+        open levels may add (as many of its pipelines as fit: alone, fewer are slower)."""
+        key = tuple(open_levels)
+        if key not in self._alone:
+            options = []
+            for level in open_levels:
+                for f in self.levels[level]:
+                    n = min([f.n_max, self.m] + [self.slots[k] // f.types.count(k)
+                                                 for k in set(f.types)])
+                    if n >= 1 and np.isfinite(f.min_busy):
+                        options.append((f, n))
+            full, base = self.many([], options, (), True) if options else ([INF], [INF])
+            self._alone[key] = (float(np.min(full)), float(np.min(base)))
+        return self._alone[key]
+
+    def _joiner(self, open_levels: Sequence[int]) -> tuple[float, np.ndarray] | None:
+        """The most stages of a class the open levels may add and the types it may use
+        (None if they can add none)."""
+        key = tuple(open_levels)
+        if key not in self._joiners:
+            runnable = [f for level in open_levels for f in self.levels[level]
+                        if np.isfinite(f.min_busy)]
+            self._joiners[key] = (float(max(len(f.types) for f in runnable)), np.array(
+                [any(k in f.types for f in runnable) for k in self.kinds])) if runnable else None
+        return self._joiners[key]
+
+    def _synced(self, fixed: Sequence[tuple[Family, int]],
+                candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
+                fewer: bool, at_least: float, base: np.ndarray, classes: list,
+                live: np.ndarray) -> np.ndarray:
+        """`many`'s bound from its base and the sync floors of the classes (the fixed
+        ones, the candidates' if any is live, then maybe one the open levels add, which
+        never takes ZeRO-3: they are searched without it where they join others)."""
+        full = base
         if len(classes) < 2 and not any(np.any(c[2] > 1) for c in classes):
-            return full, base
+            return full
+        candidate = len(fixed) if live.any() else -1
         for c, (paid, sharded, period) in enumerate(self.sync.terms(classes)):
-            if c == len(fixed):
+            if c == candidate:
                 paid = np.where(live, paid, 0.0)
                 sharded = np.where(live, sharded, INF)
             term = base + paid
-            cheaper = sharded < paid
+            cheaper = (sharded < paid) & (c <= candidate or c < len(fixed))
             if cheaper.any():
-                raised = self._raised(fixed, candidates, open_levels, fewer, at_least[1], c,
+                raised = self._raised(fixed, candidates, open_levels, fewer, at_least, c,
                                       period, cheaper, base)
                 term = np.where(cheaper, np.minimum(term, raised + sharded), term)
             full = np.maximum(full, term)
-        return full, base
+        return full
 
     def _mask(self, f: Family | None) -> np.ndarray:
         """Which types the family's stages use (none for no family)."""
@@ -558,7 +641,7 @@ def optimizer_bound(table: CostTable, params: float, space: Space, tp: int
     memo: dict[tuple, float] = {}
 
     def bound(f: Family, n: int) -> float:
-        key = (f.types, n)
+        key = (f.types[0], f.types[-1], len(f.types), n)  # a family is one or two blocks
         if key not in memo:
             shard = tp * len(f.types) * (n if max(space.zeros) >= 1 else 1)
             memo[key] = min(table.optimizer_time(k, params / shard) for k in set(f.types))

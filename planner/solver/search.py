@@ -134,7 +134,7 @@ class _Search:
             work = {k: float(c.fwd.sum() + c.bwd.sum()) for k, c in costs.items()}
             bound = Bound(levels, batch // config.mb, slots, work,
                           optimizer_bound(table, params, space, config.tp),
-                          SyncFloor(table, config, space, sorted(slots), gathers))
+                          SyncFloor(table, config, space, sorted(slots), gathers), single)
             self.state[config] = (levels, bound, {f.types: f for lv in levels for f in lv})
             root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
             root.bound, root.base = bound([], range(len(levels)))

@@ -96,7 +96,8 @@ class SyncFloor:
             volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
             partners = [m for d, (m, _, _, _) in enumerate(classes) if d != c]
             spread = np.ceil(fewest[:, None] / self.per_node[None, :]).astype(int)
-            full = self._least(mask, volume, partners, spread)
+            joined = np.ceil((fewest[:, None] + 1) / self.per_node[None, :]).astype(int)
+            full = self._least(mask, volume, partners, spread, joined=joined)
             if self.zero3:
                 spread = np.ceil(most[:, None] / self.per_node[None, :]).astype(int)
                 sharded = np.where(most > 1, self._least(
@@ -109,18 +110,26 @@ class SyncFloor:
         return out
 
     def _least(self, mask: np.ndarray, volume: np.ndarray, partners: list[np.ndarray],
-               spread: np.ndarray, alone: float | None = None) -> np.ndarray:
+               spread: np.ndarray, alone: float | None = None,
+               joined: np.ndarray | None = None) -> np.ndarray:
         """The smallest, over the stage's type t, of the largest all-reduce floor its
         group must hold: k of t's nodes (`spread`), with one of some type of every
-        partner class; `alone`: the value without partners (None: the k nodes')."""
+        partner class; `alone`: the value without partners (None: the k nodes');
+        `joined`: the nodes of type t the group spans at least with one more stage of
+        that type (a partner's on type t may share none of the k nodes)."""
         rows, size = mask.shape
         k = np.minimum(spread, self.nodes[None, :])
         t = np.arange(size)[None, :]
         price = self.floor[0][t, k, :] + self.floor[1][t, k, :] * volume[:, None, None]
         value = price[:, :, size] if alone is None else np.full((rows, size), alone)
+        cross = price[:, :, :size]
+        if joined is not None:
+            more = np.minimum(joined, self.nodes[None, :])
+            same = self.floor[0][t, more, size] + self.floor[1][t, more, size] * volume[:, None]
+            cross = np.where(np.eye(size, dtype=bool)[None], same[:, :, None], cross)
         for partner in partners:
             present = partner.any(axis=1)[:, None]
-            held = np.where(partner[:, None, :], price[:, :, :size], INF).min(axis=2)
+            held = np.where(partner[:, None, :], cross, INF).min(axis=2)
             value = np.maximum(value, np.where(present, held, 0.0))
         return np.where(mask, value, INF).min(axis=1)
 
