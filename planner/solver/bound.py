@@ -183,6 +183,31 @@ def _best_link(table: CostTable, a: str, b: str) -> LinkSpec:
     return table.cache[key]
 
 
+def _boundary_links(table: CostTable, types: tuple[str, ...], tp: int) -> list[LinkSpec]:
+    """The fastest link each stage boundary of a family could have. A boundary whose
+    stages cannot share a node (different types, or a type whose nodes hold one stage)
+    crosses nodes, so its tp ranks' copies share the card, twice over where a stage
+    beside it holds a node of its own and has a boundary on the other side
+    (`comm.send_sharing`); consecutive stages of one type may share a node."""
+    alone = [max(d // tp for d in table.type(k).node_devices) == 1 for k in types]
+    out = []
+    for s, (a, b) in enumerate(itertools.pairwise(types)):
+        if a == b and not alone[s]:
+            out.append(_best_link(table, a, b))
+            continue
+        key = ("best cross link", a, b)
+        if key not in table.cache:
+            links = [table.link(x, y) for x in table.type(a).nodes for y in table.type(b).nodes
+                     if x != y] or [_best_link(table, a, b)]
+            fastest = max(links, key=lambda link: link.bandwidth)
+            table.cache[key] = LinkSpec(name=fastest.name, bandwidth=fastest.bandwidth,
+                                        latency=min(link.latency for link in links))
+        link = table.cache[key]
+        ways = tp * (2 if (s >= 1 and alone[s]) or (s + 2 < len(types) and alone[s + 1]) else 1)
+        out.append(dataclasses.replace(link, bandwidth=link.bandwidth / ways))
+    return out
+
+
 def cheapest_gather(table: CostTable, kind: str) -> tuple[float, float]:
     """A ZeRO-3 all-gather no group of type-`kind` replicas beats: two ranks (the
     smallest group, moving half the bytes) over the fastest link of that type."""
@@ -196,14 +221,13 @@ def cheapest_gather(table: CostTable, kind: str) -> tuple[float, float]:
 def tighten(table: CostTable, config: Config, space: Space, family: Family) -> None:
     """Replace the family's bounds by its exact split on optimistic terms, which no
     placement and no smaller count of its pipelines beats: ZeRO sharded over n_max
-    pipelines (the most memory relief), the fastest links any placement could give,
-    and the cheapest ZeRO-3 gathers any group could have."""
+    pipelines (the most memory relief), the fastest links any placement could give
+    (`_boundary_links`), and the cheapest ZeRO-3 gathers any group could have."""
     key = ("tight", family.types, family.n_max, config, space)
     if key not in table.cache:
-        pairs = zip(family.types, family.types[1:], strict=False)
-        links = [_best_link(table, a, b) for a, b in pairs]
         table.cache[key] = optimize(class_costs(
-            table, family.types, tp=config.tp, mb=config.mb, n=family.n_max, links=links,
+            table, family.types, tp=config.tp, mb=config.mb, n=family.n_max,
+            links=_boundary_links(table, family.types, config.tp),
             gathers=[cheapest_gather(table, kind) for kind in family.types],
             schedule=config.schedule, policies=space.policies, zeros=space.zeros))
     result = table.cache[key]
