@@ -342,6 +342,8 @@ class _Search:
                 if self.promising(alone):
                     self.leaf(_Node(alone, next(self.counter), node.config, base, len(levels),
                                     node.chosen, node.counts))
+                if self.is_leaf(node):  # (in the one-class part) priced just now
+                    return
             elif children and self.promising(children[0].bound):
                 node = children[0]  # settled on the next round
             else:
