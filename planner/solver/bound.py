@@ -328,16 +328,17 @@ class Bound:
     def _counts(self, f: Family | None) -> np.ndarray:
         return np.array([f.types.count(k) if f else 0 for k in self.kinds], dtype=float)
 
-    def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool
+    def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool,
+                     later: np.ndarray | float = 0.0
                      ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | float]]:
         """Per-slot values y (one row per t) that cover every open family at time t (the
-        micro-batches its pipelines finish, whole ones if `whole`), where each is valid
-        (None: everywhere), and what the open levels finish beyond their slots' worth at
-        y; see the class."""
+        micro-batches its pipelines finish, whole ones if `whole`; an open homogeneous
+        family starts `later` [row, family]), where each is valid (None: everywhere), and
+        what the open levels finish beyond their slots' worth at y; see the class."""
         y = np.zeros((len(t), len(self.kinds)))
         homes, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
         if len(homes):
-            per_slot = _done(t[:, None], total, inv_busy, whole) * inv_size
+            per_slot = _done(t[:, None], total + later, inv_busy, whole) * inv_size
             y[:, homes] = np.maximum.reduceat(per_slot, starts, axis=1)
         mixed = None
         for level in open_levels:
@@ -384,6 +385,34 @@ class Bound:
                   for i in (1, 5, 6)))
         return self._open[key]
 
+    def _open_families(self, open_levels: Sequence[int]) -> tuple[np.ndarray, ...]:
+        """Per family of the open homogeneous levels (in `_homogeneous`'s order): its
+        type as a mask, its stages and its optimizer floor."""
+        key = ("families", *open_levels)
+        if key not in self._joiners:
+            families = [f for level in open_levels if self._level(level)[4] >= 0
+                        for f in self.levels[level]]
+            self._joiners[key] = (
+                np.array([self._mask(f) for f in families]).reshape(-1, len(self.kinds)),
+                np.array([float(len(f.types)) for f in families]),
+                np.array([self.optimizer(f, f.n_max) for f in families]))
+        return self._joiners[key]
+
+    def _open_shift(self, open_levels: Sequence[int], classes: list, joined: list,
+                    live: np.ndarray, candidate: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """How much later than the fixed classes each open homogeneous family must finish
+        its micro-batches (a row per candidate), were it added: the sync it pays beyond
+        the largest floor the classes pay (the step pays the largest sync of any class,
+        so the fixed classes' floor leaves the rest to finish earlier), and its
+        optimizer floor (with the floors to compare it to in `_core`)."""
+        masks, stages, optimizer = self._open_families(open_levels)
+        if not len(stages):
+            return None
+        paid = [np.where(live, p, 0.0) if c == candidate else p
+                for c, (p, _, _) in enumerate(self.sync.terms(joined))]
+        own = self.sync.open_floors(masks, stages, [c[0] for c in classes])
+        return np.maximum(0.0, own - np.max(paid, axis=0)[:, None]), optimizer
+
     def _n_max(self, level: int) -> np.ndarray:
         """The most pipelines of each family of a level."""
         if level not in self._n_maxes:
@@ -408,7 +437,6 @@ class Bound:
             full, base = self._best_alone(open_levels)
             return (np.full(rows, max(full, at_least[0])),
                     np.full(rows, max(base, at_least[1])))
-        base = self._core(fixed, candidates, open_levels, fewer, at_least[1])
         classes = [(np.broadcast_to(self._mask(f), (rows, len(self.kinds))),
                     np.full(rows, float(len(f.types))), np.full(rows, float(n)),
                     np.full(rows, float(n))) for f, n in fixed]
@@ -420,14 +448,21 @@ class Bound:
                             np.array([float(max(n, 1)) for _, n in candidates])))
         joiner = self._joiner(open_levels)
         if joiner is None or not classes:
+            base = self._core(fixed, candidates, open_levels, fewer, at_least[1])
             full = self._synced(fixed, candidates, open_levels, fewer, at_least[1], base,
                                 classes, live)
         else:  # the open levels add a class, whose sync joins the fixed ones', or none
             stages, mask = joiner
             ones = np.ones(rows)
+            joined = [*classes, (np.broadcast_to(mask, (rows, len(self.kinds))),
+                                 np.full(rows, stages), ones, ones)]
+            shift = None if self.sync.zero3 else self._open_shift(
+                open_levels, classes, joined, live, len(fixed) if live.any() else -1)
+            base = self._core(fixed, candidates, open_levels, fewer, at_least[1], shift)
             full = self._synced(fixed, candidates, open_levels, fewer, at_least[1], base,
-                                [*classes, (np.broadcast_to(mask, (rows, len(self.kinds))),
-                                            np.full(rows, stages), ones, ones)], live)
+                                joined, live)
+            if shift is not None:  # that base holds some sync: the parent's stays valid
+                base = np.full(rows, at_least[1])
             alone = self._core(fixed, candidates, (), fewer, at_least[1])
             if (alone < full).any():  # the sync floors only raise it
                 full = np.minimum(full, self._synced(fixed, candidates, (), fewer,
@@ -518,8 +553,11 @@ class Bound:
 
     def _core(self, fixed: Sequence[tuple[Family, int]],
               candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-              fewer: bool, at_least: float) -> np.ndarray:
-        """`many`'s bound before sync."""
+              fewer: bool, at_least: float,
+              shift: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """`many`'s bound before sync; `shift`: per row and open homogeneous family, sync
+        it pays beyond the classes' floors, and per family its optimizer floor (see
+        `_open_shift`)."""
         dead = any(f.min_busy == INF for f, _ in fixed)
         free = np.array([float(self.slots[k]) for k in self.kinds])
         for f, n in fixed:
@@ -534,6 +572,8 @@ class Bound:
         optimizer = np.maximum(max((self.optimizer(f, n) for f, n in fixed), default=0.0),
                                [self.optimizer(f, n) if f else 0.0 for f, n in candidates])
         start = np.maximum(max((f.total for f, _ in fixed), default=0.0), total)
+        later = 0.0 if shift is None else shift[0] + np.maximum(
+            0.0, shift[1][None, :] - optimizer[:, None])
         open_levels = [level for level in open_levels if self.levels[level]]
         rows = len(candidates)
 
@@ -554,7 +594,7 @@ class Bound:
             ones = np.where(live, _done(t_fixed, fills, inv_busy, whole), 0.0)
             value = (pipes * ones).sum(axis=0)
             best = value if not open_levels else np.full(len(t_fixed), INF)
-            for y, valid, beyond in self._slot_values(t_open, open_levels, whole
+            for y, valid, beyond in self._slot_values(t_open, open_levels, whole, later
                                                       ) if open_levels else ():
                 more = value + (free * y).sum(axis=1) + beyond
                 if fewer:

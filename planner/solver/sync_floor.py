@@ -109,6 +109,23 @@ class SyncFloor:
             out.append((full, sharded, period))
         return out
 
+    def open_floors(self, masks: np.ndarray, stages: np.ndarray, partners: list[np.ndarray]
+                    ) -> np.ndarray:
+        """[row, f]: the sync a class of family f (its types `masks[f]`, `stages[f]`
+        stages, one pipeline or more) pays at least beside the partner classes (a mask
+        row each, as in `terms`), were it added: its largest stage all-reduced with a
+        stage of each partner."""
+        rows = partners[0].shape[0] if partners else 1
+        count = len(stages)
+        volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
+        spread = np.ceil(1 / self.per_node)[None, :].astype(int)
+        joined = np.ceil(2 / self.per_node)[None, :].astype(int)
+        return self._least(np.tile(masks, (rows, 1)), np.tile(volume, rows),
+                           [np.repeat(p, count, axis=0) for p in partners],
+                           np.broadcast_to(spread, (rows * count, len(self.kinds))),
+                           joined=np.broadcast_to(joined, (rows * count, len(self.kinds)))
+                           ).reshape(rows, count)
+
     def _least(self, mask: np.ndarray, volume: np.ndarray, partners: list[np.ndarray],
                spread: np.ndarray, alone: float | None = None,
                joined: np.ndarray | None = None) -> np.ndarray:
