@@ -270,6 +270,14 @@ class Bound:
     classes (some stage holds 1/S of the parameters) and, per fixed class, its sync
     floor (`many`).
 
+    With classes fixed, a structure below either adds none from the open levels
+    (bounded with the fixed classes alone) or adds one or more, and then the smaller
+    of the two bounds holds: the added class's stages join the fixed classes' sync
+    groups, it pays a floor of its own (its stages at most the longest open
+    family's), and, as the step pays the largest sync and the largest optimizer
+    step of any class, each open homogeneous family must finish that much earlier
+    than the fixed classes by what its own floors exceed theirs (`_open_shift`).
+
     `fewer`: the last fixed class stands for 1..n pipelines (its smaller counts
     are searched later); its slots then go to the open levels, and since the
     capacity is linear in its count, the larger of the two ends bounds them all.
@@ -294,6 +302,7 @@ class Bound:
         self._joiners: dict[tuple[int, ...], tuple[float, np.ndarray] | None] = {}
         self._open: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
         self._alone: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._families: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
 
     def _level(self, level: int) -> tuple:
         """Per family of a level: stages per type, 1 / min_busy, total (infinite for a
@@ -388,15 +397,15 @@ class Bound:
     def _open_families(self, open_levels: Sequence[int]) -> tuple[np.ndarray, ...]:
         """Per family of the open homogeneous levels (in `_homogeneous`'s order): its
         type as a mask, its stages and its optimizer floor."""
-        key = ("families", *open_levels)
-        if key not in self._joiners:
+        key = tuple(open_levels)
+        if key not in self._families:
             families = [f for level in open_levels if self._level(level)[4] >= 0
                         for f in self.levels[level]]
-            self._joiners[key] = (
+            self._families[key] = (
                 np.array([self._mask(f) for f in families]).reshape(-1, len(self.kinds)),
                 np.array([float(len(f.types)) for f in families]),
                 np.array([self.optimizer(f, f.n_max) for f in families]))
-        return self._joiners[key]
+        return self._families[key]
 
     def _open_shift(self, open_levels: Sequence[int], classes: list, joined: list,
                     live: np.ndarray, candidate: int) -> tuple[np.ndarray, np.ndarray] | None:
