@@ -20,17 +20,17 @@ best per-slot rates any of their families could reach (an LP dual: no assignment
 of slots does better), plus the gradient sync its fixed classes pay at least
 (`sync_floor`). Nodes are expanded in order of bound, so when the queue's
 best bound reaches the k-th best plan found, no unexplored structure can beat it:
-the search is optimal.
+the search is optimal. Before that, a greedy plan (one homogeneous class per
+type, fastest first), dives down the tree and the best structure so far tried in
+every other configuration give it a good plan to prune with. A time limit stops
+the search early and reports the queue's best bound.
 
 The space is searched in two parts, each a tree of its own whose nodes share one
 queue (`_parts`): structures of several classes run without ZeRO (the runtime
 shards only layers one replica set holds), so one part bounds every structure as if
 ZeRO-free, which makes its families deeper and its bounds far tighter where the
 states are large; the other holds the structures of one class, with ZeRO allowed,
-and its nodes that fix a class are leaves. Before that, a greedy plan (one homogeneous class per
-type, fastest first), dives down the tree and the best structure so far tried in
-every other configuration give it a good plan to prune with. A time limit stops
-the search early and reports the queue's best bound.
+and its nodes that fix a class are leaves.
 """
 
 from __future__ import annotations
@@ -209,7 +209,8 @@ class _Search:
             options = options[1:]  # a structure needs at least one class
         groups = [(options, node.level + 1)]
         if self.single:  # a class ends the structure: its child is a leaf
-            groups = [(options[:1], node.level + 1), (options[1:], len(levels))]
+            groups = [([o for o in options if o[0] is None], node.level + 1),
+                      ([o for o in options if o[0] is not None], len(levels))]
         out = []
         for group, level in groups:
             if not group:
