@@ -171,12 +171,15 @@ def _recompute_per_byte(table: CostTable, kind: str, config: Config, space: Spac
     return best
 
 
-def _best_link(table: CostTable, a: str, b: str) -> LinkSpec:
-    """The fastest link any stage of type a could have to a next stage of type b."""
-    key = ("best link", a, b)
+def _best_link(table: CostTable, a: str, b: str, across: bool = False) -> LinkSpec:
+    """The fastest link any stage of type a could have to a next stage of type b (on
+    another node if `across`; any link if none is)."""
+    key = ("best link", a, b, across)
     if key not in table.cache:
         nodes_a, nodes_b = table.type(a).nodes, table.type(b).nodes
-        links = [table.link(x, y) for x in nodes_a for y in nodes_b]
+        links = [table.link(x, y) for x in nodes_a for y in nodes_b if not across or x != y]
+        if not links:
+            return _best_link(table, a, b)
         fastest = max(links, key=lambda link: link.bandwidth)
         table.cache[key] = LinkSpec(name=fastest.name, bandwidth=fastest.bandwidth,
                                     latency=min(link.latency for link in links))
@@ -195,14 +198,7 @@ def _boundary_links(table: CostTable, types: tuple[str, ...], tp: int) -> list[L
         if a == b and not alone[s]:
             out.append(_best_link(table, a, b))
             continue
-        key = ("best cross link", a, b)
-        if key not in table.cache:
-            links = [table.link(x, y) for x in table.type(a).nodes for y in table.type(b).nodes
-                     if x != y] or [_best_link(table, a, b)]
-            fastest = max(links, key=lambda link: link.bandwidth)
-            table.cache[key] = LinkSpec(name=fastest.name, bandwidth=fastest.bandwidth,
-                                        latency=min(link.latency for link in links))
-        link = table.cache[key]
+        link = _best_link(table, a, b, across=True)
         ways = tp * (2 if (s >= 1 and alone[s]) or (s + 2 < len(types) and alone[s + 1]) else 1)
         out.append(dataclasses.replace(link, bandwidth=link.bandwidth / ways))
     return out
@@ -407,18 +403,19 @@ class Bound:
                 np.array([self.optimizer(f, f.n_max) for f in families]))
         return self._families[key]
 
-    def _open_shift(self, open_levels: Sequence[int], classes: list, joined: list,
+    def _open_shift(self, open_levels: Sequence[int], classes: list, terms: list,
                     live: np.ndarray, candidate: int) -> tuple[np.ndarray, np.ndarray] | None:
         """How much later than the fixed classes each open homogeneous family must finish
         its micro-batches (a row per candidate), were it added: the sync it pays beyond
         the largest floor the classes pay (the step pays the largest sync of any class,
         so the fixed classes' floor leaves the rest to finish earlier), and its
-        optimizer floor (with the floors to compare it to in `_core`)."""
+        optimizer floor (with the floors to compare it to in `_core`). terms: the sync
+        floors of the classes and the one added (`SyncFloor.terms`)."""
         masks, stages, optimizer = self._open_families(open_levels)
         if not len(stages):
             return None
         paid = [np.where(live, p, 0.0) if c == candidate else p
-                for c, (p, _, _) in enumerate(self.sync.terms(joined))]
+                for c, (p, _, _) in enumerate(terms)]
         own = self.sync.open_floors(masks, stages, [c[0] for c in classes])
         return np.maximum(0.0, own - np.max(paid, axis=0)[:, None]), optimizer
 
@@ -465,11 +462,12 @@ class Bound:
             ones = np.ones(rows)
             joined = [*classes, (np.broadcast_to(mask, (rows, len(self.kinds))),
                                  np.full(rows, stages), ones, ones)]
+            terms = self.sync.terms(joined)
             shift = None if self.sync.zero3 else self._open_shift(
-                open_levels, classes, joined, live, len(fixed) if live.any() else -1)
+                open_levels, classes, terms, live, len(fixed) if live.any() else -1)
             base = self._core(fixed, candidates, open_levels, fewer, at_least[1], shift)
             full = self._synced(fixed, candidates, open_levels, fewer, at_least[1], base,
-                                joined, live)
+                                joined, live, terms)
             if shift is not None:  # that base holds some sync: the parent's stays valid
                 base = np.full(rows, at_least[1])
             alone = self._core(fixed, candidates, (), fewer, at_least[1])
@@ -508,15 +506,16 @@ class Bound:
     def _synced(self, fixed: Sequence[tuple[Family, int]],
                 candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
                 fewer: bool, at_least: float, base: np.ndarray, classes: list,
-                live: np.ndarray) -> np.ndarray:
+                live: np.ndarray, terms: list | None = None) -> np.ndarray:
         """`many`'s bound from its base and the sync floors of the classes (the fixed
         ones, the candidates' if any is live, then maybe one the open levels add, which
-        never takes ZeRO-3: they are searched without it where they join others)."""
+        never takes ZeRO-3: they are searched without it where they join others);
+        `terms`: their floors if already known."""
         full = base
         if len(classes) < 2 and not any(np.any(c[2] > 1) for c in classes):
             return full
         candidate = len(fixed) if live.any() else -1
-        for c, (paid, sharded, period) in enumerate(self.sync.terms(classes)):
+        for c, (paid, sharded, period) in enumerate(terms or self.sync.terms(classes)):
             if c == candidate:
                 paid = np.where(live, paid, 0.0)
                 sharded = np.where(live, sharded, INF)
