@@ -515,12 +515,13 @@ class Bound:
         if len(classes) < 2 and not any(np.any(c[2] > 1) for c in classes):
             return full
         candidate = len(fixed) if live.any() else -1
+        searched = len(fixed) + (candidate >= 0)  # classes past these: the one added
         for c, (paid, sharded, period) in enumerate(terms or self.sync.terms(classes)):
             if c == candidate:
                 paid = np.where(live, paid, 0.0)
                 sharded = np.where(live, sharded, INF)
             term = base + paid
-            cheaper = (sharded < paid) & (c <= candidate or c < len(fixed))
+            cheaper = (sharded < paid) & (c < searched)
             if cheaper.any():
                 raised = self._raised(fixed, candidates, open_levels, fewer, at_least, c,
                                       period, cheaper, base)

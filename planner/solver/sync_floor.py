@@ -118,12 +118,11 @@ class SyncFloor:
         rows = partners[0].shape[0] if partners else 1
         count = len(stages)
         volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
-        spread = np.ceil(1 / self.per_node)[None, :].astype(int)
-        joined = np.ceil(2 / self.per_node)[None, :].astype(int)
+        shape = (rows * count, len(self.kinds))
+        joined = np.ceil(2 / self.per_node)[None, :].astype(int)  # its stage and a partner's
         return self._least(np.tile(masks, (rows, 1)), np.tile(volume, rows),
                            [np.repeat(p, count, axis=0) for p in partners],
-                           np.broadcast_to(spread, (rows * count, len(self.kinds))),
-                           joined=np.broadcast_to(joined, (rows * count, len(self.kinds)))
+                           np.ones(shape, dtype=int), joined=np.broadcast_to(joined, shape)
                            ).reshape(rows, count)
 
     def _least(self, mask: np.ndarray, volume: np.ndarray, partners: list[np.ndarray],
