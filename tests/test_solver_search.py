@@ -207,6 +207,7 @@ def _consistent(shapes, node, levels, shrinks: bool) -> bool:
 @example(12)  # a sync floor added to a bound that already held one
 @example(33)  # a class escapes its sync floor through ZeRO-3
 @example(5)  # the one mixed class counted with fewer pipelines than it may hold
+@example(8299)  # whole micro-batches of fractional per-slot values summed just under m
 def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
     """The branch and bound's bounds, before and after pricing a node's classes, for every
     node of the tree of each part of the search (a child stands for 1..n pipelines of its

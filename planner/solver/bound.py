@@ -641,7 +641,8 @@ class Bound:
             step = np.where(step > times, step, step + busy)
             after = np.where(usable, np.where(times >= total, step, total), INF).min(axis=0)
             behind = np.isfinite(times) & np.isfinite(after) & (
-                done(times, np.where(np.isfinite(after), after, times), True) < self.m)
+                done(times, np.where(np.isfinite(after), after, times), True)
+                < self.m * (1 - 1e-9))  # (per-slot values are fractions: sums round)
             if not behind.any():
                 break
             times = np.where(behind, after, times)
