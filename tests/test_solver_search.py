@@ -247,3 +247,66 @@ def _check_subtree_bounds(table, batch, limits, single, values, rng):
         sibling = run.sibling(node)
         if sibling is not None:
             stack.append(sibling)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**9))
+@example(135)  # a bisection point above where the window floor meets it
+def test_no_split_has_a_shorter_period_than_the_class_floor(seed):
+    """`optimize`'s period floor (windows of the whole pipeline and of the stage pairs
+    around its slow sends) and total floor hold for every split, on links of mixed
+    speeds."""
+    from planner.solver.partition import class_costs, optimize
+    from planner.types import LinkSpec, Schedule
+
+    rng = random.Random(seed)
+    layers = rng.randint(3, 8)
+    table = random_table(seed, layers=layers, types=[("a", [2]), ("b", [2])],
+                         memory=rng.choice([2, 8]) * 2.0**30)
+    stages = rng.randint(2, min(layers, 5))
+    types = tuple(sorted(rng.choice("ab") for _ in range(stages)))
+    links = [LinkSpec(name="l", bandwidth=rng.choice([1e8, 1e9, 5e10]), latency=1e-4)
+             for _ in range(stages - 1)]
+    costs = class_costs(table, types, tp=1, mb=1, n=1, links=links,
+                        gathers=[(0.0, 0.0)] * stages, schedule=Schedule.ONE_F_ONE_B,
+                        policies=Space().policies, zeros=(0,))
+    result = optimize(costs)
+    splits = [s for cuts in itertools.combinations(range(1, layers), stages - 1)
+              if (s := costs.split_at((0, *cuts, layers))) is not None]
+    if result is None:
+        assert not splits
+        return
+    assert result.min_period >= max(result.smallest_max, result.floor / stages)
+    for split in splits:
+        assert split.bottleneck >= result.min_period * (1 - 1e-12)
+        assert split.total >= result.floor * (1 - 1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**9))
+def test_node_labels_tell_which_stages_placement_puts_together(seed):
+    """Stages with different labels are on different nodes in every placement, and on
+    one node where the type's nodes all hold as many slots."""
+    from planner.solver.structure import ClassShape, node_labels, place
+
+    rng = random.Random(seed)
+    uniform = {k: rng.random() < 0.6 for k in "ab"}
+    types = [(k, [rng.randint(1, 4)] * rng.randint(1, 3) if uniform[k]
+              else [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]) for k in "ab"]
+    table = random_table(seed, layers=8, types=types)
+    shapes = []
+    for _ in range(rng.randint(1, 3)):
+        blocks = rng.sample("ab", rng.randint(1, 2))
+        shapes.append(ClassShape(tuple(k for k in blocks for _ in range(rng.randint(1, 5))),
+                                 rng.randint(1, 3)))
+    placement = place(table, tuple(shapes), 1)
+    if placement is None:
+        return
+    for shape, slots in zip(shapes, placement, strict=True):
+        labels = node_labels(table, shape.types, 1)
+        for pipeline in slots:
+            for i, j in itertools.combinations(range(shape.stages), 2):
+                if labels[i] != labels[j]:
+                    assert pipeline[i].node != pipeline[j].node
+                elif uniform[shape.types[i]]:
+                    assert pipeline[i].node == pipeline[j].node

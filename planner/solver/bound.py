@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cost_models.comm import send_sharing, shared_by
 from planner.solver.evaluate import Config, Space
 from planner.solver.limits import Limits
 from planner.solver.partition import INF, ZERO_GATHER_REF, class_costs, optimize
-from planner.solver.structure import capacity
+from planner.solver.structure import capacity, node_labels
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
 from planner.solver.timing import in_flight
@@ -188,18 +189,19 @@ def _best_link(table: CostTable, a: str, b: str, across: bool = False) -> LinkSp
 
 def _boundary_links(table: CostTable, types: tuple[str, ...], tp: int) -> list[LinkSpec]:
     """The fastest link each stage boundary of a family could have. A boundary whose
-    stages cannot share a node (different types, or a type whose nodes hold one stage)
-    crosses nodes, so its tp ranks' copies share the card, twice over where a stage
-    beside it holds a node of its own and has a boundary on the other side
-    (`comm.send_sharing`); consecutive stages of one type may share a node."""
-    alone = [max(d // tp for d in table.type(k).node_devices) == 1 for k in types]
+    stages `place` puts on different nodes (`structure.node_labels`) crosses them, so
+    its tp ranks' copies share the busier card with the pipeline's other sends through
+    it (`comm.send_sharing`; other pipelines' sends only add to them); the other
+    boundaries take the fastest link of their types."""
+    labels = node_labels(table, types, tp)
+    flows = send_sharing((x, y, tp) for x, y in itertools.pairwise(labels))
     out = []
     for s, (a, b) in enumerate(itertools.pairwise(types)):
-        if a == b and not alone[s]:
+        if labels[s] == labels[s + 1]:
             out.append(_best_link(table, a, b))
             continue
         link = _best_link(table, a, b, across=True)
-        ways = tp * (2 if (s >= 1 and alone[s]) or (s + 2 < len(types) and alone[s + 1]) else 1)
+        ways = shared_by(flows, labels[s], labels[s + 1])
         out.append(dataclasses.replace(link, bandwidth=link.bandwidth / ways))
     return out
 

@@ -339,8 +339,8 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
     count = 1  # the first step (the upper plan's)
     while count < len(stair.points) or stair.extend():
         point = stair.points[count]
-        lines[index] = (lines[index][0], max(point.largest_h, result.floor / len(
-            point.stages)), result.floor)
+        lines[index] = (lines[index][0], max(point.largest_h, result.min_period),
+                        result.floor)
         if _fastest(lines, microbatches) + priced.extra >= bar:
             break
         count += 1

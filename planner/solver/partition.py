@@ -14,8 +14,10 @@ is a dynamic program over (stage, boundary) [Alpa, Metis]; G is a
 non-increasing step function of M, and every split's T(m) is at least
 (m - 1) * max(M, G(M) / S) + G(M) at the step it falls on (the whole pipeline's
 round trip is one of the round trips). `optimize` finds the first step (the
-smallest feasible bottleneck M0) and G's floor G(inf), which bound T(m) from
-below; `Staircase` lists the steps, each priced with its exact period.
+smallest feasible bottleneck M0), G's floor G(inf) and, from the round trips of
+the whole pipeline and of the stage pairs around its slow sends, a floor on the
+period (`_least_period`), which bound T(m) from below; `Staircase` lists the
+steps, each priced with its exact period.
 
 The search space uses exactly these splits for a class: the steps of G, the
 splits with no other split both faster in largest stage and in total. Gradient
@@ -107,15 +109,33 @@ class ClassCosts:
             choices.append(arg)
         return float(g[-1]), choices
 
-    def cost(self, bound: float) -> float:
-        """G(bound) alone (`solve` without the argmin tables)."""
+    def cost(self, bound: float, pairs: Sequence[int] = ()) -> float:
+        """G(bound) alone (`solve` without the argmin tables); with `pairs` (stages s
+        that open a window with s + 1, disjoint), the least sum over those windows of
+        their busy times and the sends inside them instead."""
         size = self.busy[0].shape[0]
         g = np.full(size, INF)
         g[0] = 0.0
+        firsts = set(pairs) if pairs else None
         for s in range(self.stages):
             h, w = self.h_w(s)
+            if firsts is not None:
+                w = w if s in firsts else self.busy[s] if s - 1 in firsts else 0.0
             g = (g[:, None] + np.where(h <= bound, w, INF)).min(axis=0)
         return float(g[-1])
+
+    def slow_pairs(self) -> tuple[int, ...]:
+        """Stages s whose send to s + 1 takes a link slower than the class's fastest
+        (e.g. across nodes), as windows of two stages, disjoint, slowest first."""
+        links = [link for link in self.links[:-1] if link is not None]
+        if len(links) < self.stages - 1 or not links:
+            return ()
+        fastest = max(link.bandwidth for link in links)
+        chosen: set[int] = set()
+        for s in sorted(range(len(links)), key=lambda s: (links[s].bandwidth, s)):
+            if links[s].bandwidth < fastest and not {s - 1, s, s + 1} & chosen:
+                chosen.add(s)
+        return tuple(sorted(chosen))
 
     def min_bottleneck(self) -> float:
         """The smallest achievable max_s h_s (a min-max dynamic program)."""
@@ -315,11 +335,12 @@ def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: 
 
 @dataclass(frozen=True)
 class ClassResult:
-    """The first step of G (smallest bottleneck) and G's floor."""
+    """The first step of G (smallest bottleneck), G's floor and a floor on the period."""
 
     costs: ClassCosts
     floor: float  # G(inf): no split has a smaller sum_s w_s
     smallest_max: float  # M0: no split has a smaller max_s h_s
+    min_period: float  # no split of this class has a shorter period (`_least_period`)
 
     @cached_property
     def first(self) -> Split:
@@ -327,14 +348,12 @@ class ClassResult:
         bounds need M0 and the floor alone)."""
         return self.costs.split(self.costs.solve(self.smallest_max)[1])
 
-    @property
-    def min_period(self) -> float:
-        """No split of this class has a shorter period."""
-        return max(self.smallest_max, self.floor / self.costs.stages)
-
     def lower(self, m: int) -> float:
         """No split of this class runs m micro-batches faster."""
         return (m - 1) * self.min_period + self.floor
+
+
+_PERIOD_TRIES = 3  # bisections of `_least_period`
 
 
 def optimize(costs: ClassCosts) -> ClassResult | None:
@@ -343,7 +362,32 @@ def optimize(costs: ClassCosts) -> ClassResult | None:
     if not np.isfinite(bottleneck):
         return None
     floor = costs.cost(INF)
-    return ClassResult(costs=costs, floor=floor, smallest_max=bottleneck)
+    return ClassResult(costs=costs, floor=floor, smallest_max=bottleneck,
+                       min_period=_least_period(costs, bottleneck, floor))
+
+
+def _least_period(costs: ClassCosts, smallest_max: float, floor: float) -> float:
+    """A floor on every split's period. A split whose largest h_s is M has a period of
+    at least M and at least the mean of any window of its stages' round trips (the
+    busy times and both ways of the sends inside a run of stages, over its stages):
+    the whole pipeline (total / S, at least G(M) / S) and, where some sends are
+    slower than others, the pairs of stages around them (their least sum over a
+    split below M, over their stages). So for any x, every split's period is at
+    least min(x, that least sum at x over the stages): those with M <= x sum at
+    least that much, the others have a period above x. That is largest where the
+    two meet, which a few bisections approach from max(M0, G(inf) / S)."""
+    best = max(smallest_max, floor / costs.stages)
+    pairs = costs.slow_pairs()
+    for windows, stages in (((), costs.stages), (pairs, 2 * len(pairs))):
+        if not stages:
+            continue
+        low, high = best, costs.cost(best, windows) / stages
+        for _ in range(_PERIOD_TRIES if high > low * (1 + 1e-6) else 0):
+            x = (low + high) / 2
+            g = costs.cost(x, windows) / stages
+            best = max(best, min(x, g))
+            low, high = (x, high) if g >= x else (low, x)
+    return best
 
 
 class Staircase:

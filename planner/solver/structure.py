@@ -90,6 +90,20 @@ def _take(nodes: list[list], count: int) -> list[Slot] | None:
     return out[:count]
 
 
+def node_labels(table: CostTable, types: tuple[str, ...], tp: int) -> list[str]:
+    """A label per stage of one pipeline of these stage types: stages with different
+    labels are on different nodes wherever `place` puts the pipeline, and stages with
+    one label on one node where the type's nodes all hold the same number of slots
+    (a block that fits in a node stays in one, a longer one fills whole nodes in
+    order); where they do not, a block's stages share a label."""
+    out = []
+    for b, (kind, count) in enumerate(ClassShape(types, 1).blocks()):
+        slots = {d // tp for d in table.type(kind).node_devices} - {0}
+        per_node = next(iter(slots)) if len(slots) == 1 else count
+        out.extend(f"{b}.{i // per_node if count > per_node else 0}" for i in range(count))
+    return out
+
+
 def capacity(table: CostTable, tp: int, kind: str, count: int) -> int:
     """How many blocks of `count` stages of type `kind` fit on an empty cluster."""
     key = ("capacity", tp, kind, count)
