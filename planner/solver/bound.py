@@ -445,15 +445,19 @@ class Bound:
             full, base = self._best_alone(open_levels)
             return (np.full(rows, max(full, at_least[0])),
                     np.full(rows, max(base, at_least[1])))
-        classes = [(np.broadcast_to(self._mask(f), (rows, len(self.kinds))),
+        size = (rows, len(self.kinds))
+        classes = [(np.broadcast_to(self._mask(f), size),
                     np.full(rows, float(len(f.types))), np.full(rows, float(n)),
-                    np.full(rows, float(n))) for f, n in fixed]
+                    np.full(rows, float(n)), np.broadcast_to(self.sync.copies(f.types), size))
+                   for f, n in fixed]
         live = np.array([f is not None for f, _ in candidates])
         if live.any():
             classes.append((np.array([self._mask(f) for f, _ in candidates]),
                             np.array([float(len(f.types)) if f else 1.0 for f, _ in candidates]),
                             np.array([1.0 if fewer else float(n) for _, n in candidates]),
-                            np.array([float(max(n, 1)) for _, n in candidates])))
+                            np.array([float(max(n, 1)) for _, n in candidates]),
+                            np.array([self.sync.copies(f.types if f else None)
+                                      for f, _ in candidates])))
         joiner = self._joiner(open_levels)
         if joiner is None or not classes:
             base = self._core(fixed, candidates, open_levels, fewer, at_least[1])
@@ -462,8 +466,8 @@ class Bound:
         else:  # the open levels add a class, whose sync joins the fixed ones', or none
             stages, mask = joiner
             ones = np.ones(rows)
-            joined = [*classes, (np.broadcast_to(mask, (rows, len(self.kinds))),
-                                 np.full(rows, stages), ones, ones)]
+            joined = [*classes, (np.broadcast_to(mask, size), np.full(rows, stages), ones,
+                                 ones, np.broadcast_to(self.sync.copies(None), size))]
             terms = self.sync.terms(joined)
             shift = None if self.sync.zero3 else self._open_shift(
                 open_levels, classes, terms, live, len(fixed) if live.any() else -1)

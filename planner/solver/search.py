@@ -205,11 +205,12 @@ class _Search:
                        for k in set(f.types)])
             if n >= 1:
                 options.append((f, n))
-        if node.level == len(levels) - 1 and not node.chosen:
+        after = self.next_level(levels, node.level + 1)
+        if after == len(levels) and not node.chosen:
             options = options[1:]  # a structure needs at least one class
-        groups = [(options, node.level + 1)]
+        groups = [(options, after)]
         if self.single:  # a class ends the structure: its child is a leaf
-            groups = [([o for o in options if o[0] is None], node.level + 1),
+            groups = [([o for o in options if o[0] is None], after),
                       ([o for o in options if o[0] is not None], len(levels))]
         out = []
         for group, level in groups:
@@ -223,6 +224,14 @@ class _Search:
                                  node.counts + ((n,) if f else ()),
                                  frozenset([f.types]) if f else frozenset()))
         return out
+
+    @staticmethod
+    def next_level(levels: list[list[Family]], level: int) -> int:
+        """The first level from `level` on with a family that can run (past the last
+        one: the leaves); the levels between add nothing."""
+        while level < len(levels) and all(f.min_busy == INF for f in levels[level]):
+            level += 1
+        return level
 
     def sibling(self, node: _Node) -> _Node | None:
         """The same last family with one pipeline fewer (made only when needed)."""

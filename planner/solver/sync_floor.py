@@ -3,7 +3,8 @@
 Every pipeline holds every layer, so the stage of class c that holds the most
 parameters (x >= P / S_c, S_c its stages) is all-reduced among one stage of every
 pipeline of every class (`evaluate.sync_and_optimizer`). On the stage's type t its
-group spans at least k = ceil(n_c / (stages of t one node holds)) nodes, and for
+group spans at least k = ceil(n_c / (pipelines of c one node holds a stage of:
+`copies`)) nodes, and for
 each other class d it holds a stage of one of d's types. A collective costs at least
 what it costs among a subset of its members (a ring over fewer ranks and links no
 slower), and one rank per node costs what the nodes' links allow: so where all
@@ -49,6 +50,7 @@ class SyncFloor:
         self.per_node = np.array([max(1, *(d // config.tp for d in t.node_devices))
                                   for t in infos], dtype=float)  # 0: no class uses the type
         self.nodes = np.array([len(t.nodes) for t in infos])
+        self._copies: dict[tuple[str, ...], np.ndarray] = {}
         self._table, self._config, self._gathers = table, config, gathers
 
     @functools.cached_property
@@ -85,21 +87,37 @@ class SyncFloor:
             period[i, 1:] = gather + _least_work(held, work, need)
         return period
 
-    def terms(self, classes: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    def copies(self, types: tuple[str, ...] | None) -> np.ndarray:
+        """Per type, the most pipelines of a class of these stage types (None: of any)
+        one node holds a stage of: a block that fits in a node stays in one, beside
+        others as long as they fit, and a longer one takes whole nodes
+        (`structure.place`)."""
+        if types is None:
+            return self.per_node
+        if types not in self._copies:
+            counts = np.array([types.count(k) for k in self.kinds], dtype=float)
+            self._copies[types] = np.where(
+                (counts > 0) & (counts <= self.per_node),
+                np.floor(self.per_node / np.maximum(counts, 1)), np.where(
+                    counts > 0, 1.0, self.per_node))
+        return self._copies[types]
+
+    def terms(self, classes: Sequence[tuple[np.ndarray, ...]]
               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Per class (a mask of its types, its stages, its fewest and most pipelines, a
-        row each): the sync it pays at least if its largest stage is not on ZeRO-3, if
-        it is (infinite where ZeRO-3 is not allowed), and the period its pipelines
-        then take at least."""
+        """Per class (a mask of its types, its stages, its fewest and most pipelines and
+        `copies` per type, a row each): the sync it pays at least if its largest stage
+        is not on ZeRO-3, if it is (infinite where ZeRO-3 is not allowed), and the
+        period its pipelines then take at least."""
         out = []
-        for c, (mask, stages, fewest, most) in enumerate(classes):
+        for c, (mask, stages, fewest, most, copies) in enumerate(classes):
             volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
-            partners = [m for d, (m, _, _, _) in enumerate(classes) if d != c]
-            spread = np.ceil(fewest[:, None] / self.per_node[None, :]).astype(int)
-            joined = np.ceil((fewest[:, None] + 1) / self.per_node[None, :]).astype(int)
+            partners = [m[0] for d, m in enumerate(classes) if d != c]
+            spread = np.ceil(fewest[:, None] / copies).astype(int)
+            joined = np.maximum(spread, np.ceil(
+                (fewest[:, None] + 1) / self.per_node[None, :]).astype(int))
             full = self._least(mask, volume, partners, spread, joined=joined)
             if self.zero3:
-                spread = np.ceil(most[:, None] / self.per_node[None, :]).astype(int)
+                spread = np.ceil(most[:, None] / copies).astype(int)
                 sharded = np.where(most > 1, self._least(
                     mask, volume / np.maximum(most, 1), partners, spread, alone=0.0), INF)
                 steps = np.clip(stages.astype(int), 1, self.period.shape[1] - 1)
