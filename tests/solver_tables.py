@@ -108,9 +108,14 @@ def brute_force(table: CostTable, batch: int, limits: Limits, space: Space) -> f
 def every_structure(table: CostTable, batch: int, limits: Limits, space: Space):
     """(config, class shapes, best step time over their splits and shares) for every
     structure of the search space."""
+    for config, shapes in structures(table, batch, limits):
+        yield config, shapes, _structure(table, config, space, shapes, batch // config.mb)
+
+
+def structures(table: CostTable, batch: int, limits: Limits):
+    """(config, class shapes) of every structure of the search space."""
     names = [t.name for t in table.types]
     for config in configs(table, batch, limits):
-        microbatches = batch // config.mb
         lengths = (range(limits.pp, limits.pp + 1) if limits.pp else
                    range(1, min(limits.max_stages, table.num_layers) + 1))
         mixed: list[tuple[str, ...] | None] = [None]
@@ -128,9 +133,8 @@ def every_structure(table: CostTable, batch: int, limits: Limits, space: Space):
             for counts in itertools.product(*(range(1, m + 1) for m in maxima)):
                 if limits.dp is not None and sum(counts) != limits.dp:
                     continue
-                shapes = tuple(ClassShape(types=p, n=n) for p, n in zip(patterns, counts,
-                                                                        strict=True))
-                yield config, shapes, _structure(table, config, space, shapes, microbatches)
+                yield config, tuple(ClassShape(types=p, n=n) for p, n in zip(
+                    patterns, counts, strict=True))
 
 
 def _structure(table: CostTable, config: Config, space: Space,

@@ -19,6 +19,7 @@ from tests.solver_tables import (
     every_structure,
     random_instance,
     random_table,
+    structures,
     with_extra_node,
 )
 
@@ -219,6 +220,26 @@ def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
         values = [(config, shapes, v) for config, shapes, v in every_structure(
             table, batch, limits, space) if len(shapes) == 1 or not single]
         _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_node_bounds_hold_on_clusters_of_many_nodes(seed):
+    """As above, on clusters whose classes span several nodes (the bounds' node counts,
+    pipeline counts and open classes' sync by count), each structure priced by
+    `refine` (equal to brute force, as tested above)."""
+    rng = random.Random(seed)
+    table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(3, 5)),
+                                                ("b", [1] * rng.randint(3, 5))],
+                         link_speed=rng.choice([0.1, 1.0]))
+    batch, limits, space = 8, Limits(max_stages=3), Space(zeros=(0,))
+    values = []
+    for config, shapes in structures(table, batch, limits):
+        if sum(s.n for s in shapes) <= batch // config.mb:
+            priced = price(table, config, space, shapes, batch // config.mb)
+            best = priced and refine(table, priced, batch // config.mb)
+            values.append((config, shapes, best.step_time if best else float("inf")))
+    _check_subtree_bounds(table, batch, limits, False, values, rng)
 
 
 def _check_subtree_bounds(table, batch, limits, single, values, rng):

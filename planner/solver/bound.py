@@ -394,16 +394,50 @@ class Bound:
 
     def _open_families(self, open_levels: Sequence[int]) -> tuple[np.ndarray, ...]:
         """Per family of the open homogeneous levels (in `_homogeneous`'s order): its
-        type as a mask, its stages and its optimizer floor."""
+        type as a mask, its stages, its optimizer floor, its type's index and its most
+        pipelines; and per family and rung (`_rungs`) the most pipelines the rung
+        stands for, the most of the rung below and the nodes of its type that many
+        more than that span at least."""
         key = tuple(open_levels)
         if key not in self._families:
             families = [f for level in open_levels if self._level(level)[4] >= 0
                         for f in self.levels[level]]
+            homes = np.array([self.kinds.index(f.types[0]) for f in families], dtype=int)
+            copies = np.array([self.sync.copies(f.types)[k] for f, k in zip(
+                families, homes, strict=True)])
+            n_max = np.array([float(f.n_max) for f in families])
+            rungs = 1 + int(np.ceil(np.log2(max(1.0, *(n_max / copies))))) if families else 1
+            caps = copies[:, None] * 2.0 ** np.arange(rungs)[None, :]
+            lows = np.concatenate([np.zeros((len(families), 1)), caps[:, :-1]], axis=1)
             self._families[key] = (
                 np.array([self._mask(f) for f in families]).reshape(-1, len(self.kinds)),
                 np.array([float(len(f.types)) for f in families]),
-                np.array([self.optimizer(f, f.n_max) for f in families]))
+                np.array([self.optimizer(f, f.n_max) for f in families]),
+                homes, n_max, caps, lows, np.ceil((lows + 1) / copies[:, None]))
         return self._families[key]
+
+    def _open_done(self, t: np.ndarray, open_levels: Sequence[int], whole: bool,
+                   later: np.ndarray | float, free: np.ndarray) -> np.ndarray:
+        """The most micro-batches the open homogeneous levels can finish by t (a row per
+        t) on `free` slots per type (a row each): each level adds one class, so at
+        most the best of its families' pipelines that fit, those of an open family
+        starting `later` [row, family, rung]: a rung stands for its counts above the
+        rung below, all paying at least the sync of the smallest (more nodes never
+        sync faster), so none finishes more than the rung's most at that sync."""
+        _, starts, _, inv_busy, total = self._homogeneous(open_levels)
+        _, stages, _, homes, n_max, caps, lows, _ = self._open_families(open_levels)
+        if not len(stages):
+            return np.zeros(len(t))
+        n = np.minimum(n_max[None, :], np.floor(
+            np.maximum(free[:, homes], 0.0) / stages[None, :] + 1e-9))
+        if np.ndim(later) < 3:  # no sync beyond the fixed classes': the most pipelines
+            per = n * _done(t[:, None], total + later, inv_busy, whole)
+        else:
+            ends = _done(t[:, None, None], total[None, :, None] + later,
+                         inv_busy[None, :, None], whole)
+            per = np.where(n[:, :, None] > lows[None], np.minimum(n[:, :, None], caps[None])
+                           * ends, 0.0).max(axis=2)
+        return np.maximum.reduceat(per, starts, axis=1).sum(axis=1)
 
     def _open_shift(self, open_levels: Sequence[int], classes: list, terms: list,
                     live: np.ndarray, candidate: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -413,13 +447,14 @@ class Bound:
         so the fixed classes' floor leaves the rest to finish earlier), and its
         optimizer floor (with the floors to compare it to in `_core`). terms: the sync
         floors of the classes and the one added (`SyncFloor.terms`)."""
-        masks, stages, optimizer = self._open_families(open_levels)
+        masks, stages, optimizer, homes, _, _, lows, spread = self._open_families(open_levels)
         if not len(stages):
             return None
         paid = [np.where(live, p, 0.0) if c == candidate else p
                 for c, (p, _, _) in enumerate(terms)]
-        own = self.sync.open_floors(masks, stages, [c[0] for c in classes])
-        return np.maximum(0.0, own - np.max(paid, axis=0)[:, None]), optimizer
+        joined = np.maximum(spread, np.ceil((lows + 2) / self.sync.per_node[homes][:, None]))
+        own = self.sync.open_floors(masks, stages, [c[0] for c in classes], spread, joined)
+        return np.maximum(0.0, own - np.max(paid, axis=0)[:, None, None]), optimizer
 
     def _n_max(self, level: int) -> np.ndarray:
         """The most pipelines of each family of a level."""
@@ -588,8 +623,9 @@ class Bound:
                                [self.optimizer(f, n) if f else 0.0 for f, n in candidates])
         start = np.maximum(max((f.total for f, _ in fixed), default=0.0), total)
         later = 0.0 if shift is None else shift[0] + np.maximum(
-            0.0, shift[1][None, :] - optimizer[:, None])
+            0.0, shift[1][None, :] - optimizer[:, None])[:, :, None]
         open_levels = [level for level in open_levels if self.levels[level]]
+        mixed = any(self._level(level)[4] < 0 for level in open_levels)
         rows = len(candidates)
 
         def stacked(values: list, last: np.ndarray) -> np.ndarray:
@@ -608,6 +644,12 @@ class Bound:
             (whole ones or run fluidly), by the open levels at t_open."""
             ones = np.where(live, _done(t_fixed, fills, inv_busy, whole), 0.0)
             value = (pipes * ones).sum(axis=0)
+            if open_levels and not mixed:
+                more = value + self._open_done(t_open, open_levels, whole, later, free)
+                if fewer:  # or the one pipeline, its other slots left to the open levels
+                    more = np.maximum(more, value - (n_c - 1) * ones[-1] + self._open_done(
+                        t_open, open_levels, whole, later, free + (n_c - 1)[:, None] * counts))
+                return more
             best = value if not open_levels else np.full(len(t_fixed), INF)
             for y, valid, beyond in self._slot_values(t_open, open_levels, whole, later
                                                       ) if open_levels else ():

@@ -127,21 +127,27 @@ class SyncFloor:
             out.append((full, sharded, period))
         return out
 
-    def open_floors(self, masks: np.ndarray, stages: np.ndarray, partners: list[np.ndarray]
-                    ) -> np.ndarray:
-        """[row, f]: the sync a class of family f (its types `masks[f]`, `stages[f]`
-        stages, one pipeline or more) pays at least beside the partner classes (a mask
-        row each, as in `terms`), were it added: its largest stage all-reduced with a
-        stage of each partner."""
+    def open_floors(self, masks: np.ndarray, stages: np.ndarray, partners: list[np.ndarray],
+                    spread: np.ndarray, joined: np.ndarray) -> np.ndarray:
+        """[row, f, r]: the sync a class of family f (its types `masks[f]`, `stages[f]`
+        stages) pays at least beside the partner classes (a mask row each, as in
+        `terms`), were it added with its stage copies on `spread[f, r]` nodes of its
+        type at least (`joined[f, r]` with a partner's stage): its largest stage
+        all-reduced with a stage of each partner."""
         rows = partners[0].shape[0] if partners else 1
-        count = len(stages)
+        count, rungs = spread.shape
+        entries = rows * count * rungs
         volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
-        shape = (rows * count, len(self.kinds))
-        joined = np.ceil(2 / self.per_node)[None, :].astype(int)  # its stage and a partner's
-        return self._least(np.tile(masks, (rows, 1)), np.tile(volume, rows),
-                           [np.repeat(p, count, axis=0) for p in partners],
-                           np.ones(shape, dtype=int), joined=np.broadcast_to(joined, shape)
-                           ).reshape(rows, count)
+        size = len(self.kinds)
+        return self._least(
+            np.tile(np.repeat(masks, rungs, axis=0), (rows, 1)),
+            np.tile(np.repeat(volume, rungs), rows),
+            [np.repeat(p, count * rungs, axis=0) for p in partners],
+            np.broadcast_to(np.tile(spread.reshape(-1), rows)[:, None], (entries, size)
+                            ).astype(int),
+            joined=np.broadcast_to(np.tile(joined.reshape(-1), rows)[:, None],
+                                   (entries, size)).astype(int)
+            ).reshape(rows, count, rungs)
 
     def _least(self, mask: np.ndarray, volume: np.ndarray, partners: list[np.ndarray],
                spread: np.ndarray, alone: float | None = None,
