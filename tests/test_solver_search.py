@@ -242,6 +242,42 @@ def test_node_bounds_hold_on_clusters_of_many_nodes(seed):
     _check_subtree_bounds(table, batch, limits, False, values, rng)
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_a_bound_for_up_to_n_pipelines_is_below_each_counts_bound(seed):
+    """A node's last class stands for 1..n pipelines: its bound before sync is no
+    higher than that of any one of those counts, the open families paying the same
+    sync, more the more pipelines (a count between the ends can leave the open levels
+    more than either end)."""
+    import numpy as np
+
+    from planner.solver.search import _Search
+
+    rng = random.Random(seed)
+    table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(3, 6)),
+                                                ("b", [1] * rng.randint(3, 6))])
+    run = _Search(table, 12, Limits(max_stages=3), Space(), 1, 0.0, False, [],
+                  itertools.count())
+    stack = list(run.heap)
+    for _ in range(200):
+        if not stack:
+            break
+        node = stack.pop(rng.randrange(len(stack)))
+        levels, bound, _ = run.state[node.config]
+        families = bound._open_families(range(node.level, len(levels)))
+        if run.shrinks(node) and len(families[1]):
+            fixed, opened = run.fixed(node), range(node.level, len(levels))
+            f, n = fixed[-1]
+            shift = (np.cumsum([[[rng.random() for _ in range(families[5].shape[1])]
+                                for _ in families[1]]], axis=2), families[2])
+            up_to_n = bound._core(fixed[:-1], [(f, n)], opened, True, 0.0, shift)
+            for count in range(1, n + 1):
+                exact = bound._core(fixed[:-1], [(f, count)], opened, False, 0.0, shift)
+                assert up_to_n[0] <= exact[0] * (1 + 2e-4)  # (each within 0.01%)
+        if not run.is_leaf(node):
+            stack.extend(run.children(node))
+
+
 def _check_subtree_bounds(table, batch, limits, single, values, rng):
     from planner.solver.search import _Search
 

@@ -261,12 +261,14 @@ class Bound:
     t / W_k scaled by the best mixed family's share of it; the homogeneous values
     scaled up until they cover the mixed families; and the homogeneous values alone,
     with each of the one mixed class's pipelines (at most n_max) adding what its c_f
-    exceeds its slots' worth by. The bound is the smallest t at which fixed and open
-    pipelines can have finished the global number of micro-batches (found fluidly,
-    then walked on to the next time a fixed pipeline completes one while even the
-    open levels' count by then falls short), plus the optimizer step of the fixed
-    classes (some stage holds 1/S of the parameters) and, per fixed class, its sync
-    floor (`many`).
+    exceeds its slots' worth by. Where only homogeneous levels are open (below the
+    root), each adds one class on its own type's free slots, so it finishes at most
+    what its best family's whole pipelines that fit do (`_open_done`). The bound is
+    the smallest t at which fixed and open pipelines can have finished the global
+    number of micro-batches (found fluidly, then walked on to the next time a fixed
+    pipeline completes one while even the open levels' count by then falls short),
+    plus the optimizer step of the fixed classes (some stage holds 1/S of the
+    parameters) and, per fixed class, its sync floor (`many`).
 
     With classes fixed, a structure below either adds none from the open levels
     (bounded with the fixed classes alone) or adds one or more, and then the smaller
@@ -275,10 +277,15 @@ class Bound:
     family's), and, as the step pays the largest sync and the largest optimizer
     step of any class, each open homogeneous family must finish that much earlier
     than the fixed classes by what its own floors exceed theirs (`_open_shift`).
+    Its own sync grows with its pipelines' count, so each count pays that of the
+    smallest count of its rung (1, 2, 3-4, 5-8, ... times the pipelines one node
+    holds a stage of).
 
     `fewer`: the last fixed class stands for 1..n pipelines (its smaller counts
-    are searched later); its slots then go to the open levels, and since the
-    capacity is linear in its count, the larger of the two ends bounds them all.
+    are searched later); its slots then go to the open levels. On the types it
+    uses they are valued per slot as above (linear in its count, so the larger of
+    the two ends bounds them all: whole classes are not, and a count between could
+    finish more); the other types' levels do not depend on its count.
     """
 
     def __init__(self, levels: list[list[Family]], microbatches: int,
@@ -417,27 +424,32 @@ class Bound:
         return self._families[key]
 
     def _open_done(self, t: np.ndarray, open_levels: Sequence[int], whole: bool,
-                   later: np.ndarray | float, free: np.ndarray) -> np.ndarray:
-        """The most micro-batches the open homogeneous levels can finish by t (a row per
-        t) on `free` slots per type (a row each): each level adds one class, so at
-        most the best of its families' pipelines that fit, those of an open family
-        starting `later` [row, family, rung]: a rung stands for its counts above the
-        rung below, all paying at least the sync of the smallest (more nodes never
-        sync faster), so none finishes more than the rung's most at that sync."""
-        _, starts, _, inv_busy, total = self._homogeneous(open_levels)
+                   later: np.ndarray | float, free: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """Per open homogeneous level (a column; a row per t): the most micro-batches
+        it can finish by t on `free` slots per type (a row each), and the most per slot
+        of its type. A level adds one class, so at most the best of its families'
+        pipelines that fit, an open family starting `later` [row, family, rung]: a
+        rung stands for its counts above the rung below, all paying at least the
+        sync of the smallest (more nodes never sync faster), so none finishes more
+        than the rung's most at that sync; per slot, the first rung's pace."""
+        _, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
         _, stages, _, homes, n_max, caps, lows, _ = self._open_families(open_levels)
         if not len(stages):
-            return np.zeros(len(t))
+            return np.zeros((len(t), 0)), np.zeros((len(t), 0))
         n = np.minimum(n_max[None, :], np.floor(
             np.maximum(free[:, homes], 0.0) / stages[None, :] + 1e-9))
         if np.ndim(later) < 3:  # no sync beyond the fixed classes': the most pipelines
-            per = n * _done(t[:, None], total + later, inv_busy, whole)
+            ends = _done(t[:, None], total + later, inv_busy, whole)
+            per, first = n * ends, ends
         else:
             ends = _done(t[:, None, None], total[None, :, None] + later,
                          inv_busy[None, :, None], whole)
             per = np.where(n[:, :, None] > lows[None], np.minimum(n[:, :, None], caps[None])
                            * ends, 0.0).max(axis=2)
-        return np.maximum.reduceat(per, starts, axis=1).sum(axis=1)
+            first = ends[:, :, 0]
+        return (np.maximum.reduceat(per, starts, axis=1),
+                np.maximum.reduceat(first * inv_size, starts, axis=1))
 
     def _open_shift(self, open_levels: Sequence[int], classes: list, terms: list,
                     live: np.ndarray, candidate: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -645,11 +657,17 @@ class Bound:
             ones = np.where(live, _done(t_fixed, fills, inv_busy, whole), 0.0)
             value = (pipes * ones).sum(axis=0)
             if open_levels and not mixed:
-                more = value + self._open_done(t_open, open_levels, whole, later, free)
-                if fewer:  # or the one pipeline, its other slots left to the open levels
-                    more = np.maximum(more, value - (n_c - 1) * ones[-1] + self._open_done(
-                        t_open, open_levels, whole, later, free + (n_c - 1)[:, None] * counts))
-                return more
+                levels, per_slot = self._open_done(t_open, open_levels, whole, later, free)
+                if not fewer:
+                    return value + levels.sum(axis=1)
+                # the levels of the types the last class uses, per slot at either end
+                homes = self._homogeneous(open_levels)[0]
+                touched = (counts[:, homes] > 0) & (n_c > 1)[:, None]
+                slots = free[:, homes] * per_slot
+                freed = (counts[:, homes] * per_slot).sum(axis=1)
+                linear = np.where(touched, slots, 0.0).sum(axis=1)
+                return (value + np.where(touched, 0.0, levels).sum(axis=1) + linear
+                        + np.maximum(0.0, (n_c - 1) * (freed - ones[-1])))
             best = value if not open_levels else np.full(len(t_fixed), INF)
             for y, valid, beyond in self._slot_values(t_open, open_levels, whole, later
                                                       ) if open_levels else ():
