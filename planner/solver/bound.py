@@ -308,6 +308,7 @@ class Bound:
         self._open: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
         self._alone: dict[tuple[int, ...], tuple[float, float]] = {}
         self._families: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
+        self._owns: dict[tuple, np.ndarray] = {}  # `_open_shift`'s floors
 
     def _level(self, level: int) -> tuple:
         """Per family of a level: stages per type, 1 / min_busy, total (infinite for a
@@ -464,8 +465,15 @@ class Bound:
             return None
         paid = [np.where(live, p, 0.0) if c == candidate else p
                 for c, (p, _, _) in enumerate(terms)]
-        joined = np.maximum(spread, np.ceil((lows + 2) / self.sync.per_node[homes][:, None]))
-        own = self.sync.open_floors(masks, stages, [c[0] for c in classes], spread, joined)
+        # the floors depend on the classes' types alone, which few rows tell apart
+        together = np.concatenate([c[0] for c in classes], axis=1)
+        kinds, rows = np.unique(together, axis=0, return_inverse=True)
+        key = (tuple(open_levels), kinds.tobytes(), kinds.shape)
+        if key not in self._owns:
+            joined = np.maximum(spread, np.ceil((lows + 2) / self.sync.per_node[homes][:, None]))
+            self._owns[key] = self.sync.open_floors(
+                masks, stages, np.split(kinds, len(classes), axis=1), spread, joined)
+        own = self._owns[key][rows.reshape(-1)]
         return np.maximum(0.0, own - np.max(paid, axis=0)[:, None, None]), optimizer
 
     def _n_max(self, level: int) -> np.ndarray:
