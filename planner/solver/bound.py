@@ -343,17 +343,17 @@ class Bound:
     def _counts(self, f: Family | None) -> np.ndarray:
         return np.array([f.types.count(k) if f else 0 for k in self.kinds], dtype=float)
 
-    def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool,
-                     later: np.ndarray | float = 0.0
+    def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool
                      ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | float]]:
         """Per-slot values y (one row per t) that cover every open family at time t (the
-        micro-batches its pipelines finish, whole ones if `whole`; an open homogeneous
-        family starts `later` [row, family]), where each is valid (None: everywhere), and
-        what the open levels finish beyond their slots' worth at y; see the class."""
+        micro-batches its pipelines finish, whole ones if `whole`), where each is valid
+        (None: everywhere), and what the open levels finish beyond their slots' worth
+        at y; see the class. (Only the root's levels, the mixed one open and nothing
+        fixed, are valued so: no open family starts later there.)"""
         y = np.zeros((len(t), len(self.kinds)))
         homes, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
         if len(homes):
-            per_slot = _done(t[:, None], total + later, inv_busy, whole) * inv_size
+            per_slot = _done(t[:, None], total, inv_busy, whole) * inv_size
             y[:, homes] = np.maximum.reduceat(per_slot, starts, axis=1)
         mixed = None
         for level in open_levels:
@@ -403,9 +403,9 @@ class Bound:
     def _open_families(self, open_levels: Sequence[int]) -> tuple[np.ndarray, ...]:
         """Per family of the open homogeneous levels (in `_homogeneous`'s order): its
         type as a mask, its stages, its optimizer floor, its type's index and its most
-        pipelines; and per family and rung (`_rungs`) the most pipelines the rung
-        stands for, the most of the rung below and the nodes of its type that many
-        more than that span at least."""
+        pipelines; and per family and rung of counts (see the class) the rung's most
+        pipelines, the most of the rung below, and the nodes of its type the rung's
+        fewest span at least."""
         key = tuple(open_levels)
         if key not in self._families:
             families = [f for level in open_levels if self._level(level)[4] >= 0
@@ -455,10 +455,10 @@ class Bound:
     def _open_shift(self, open_levels: Sequence[int], classes: list, terms: list,
                     live: np.ndarray, candidate: int) -> tuple[np.ndarray, np.ndarray] | None:
         """How much later than the fixed classes each open homogeneous family must finish
-        its micro-batches (a row per candidate), were it added: the sync it pays beyond
-        the largest floor the classes pay (the step pays the largest sync of any class,
-        so the fixed classes' floor leaves the rest to finish earlier), and its
-        optimizer floor (with the floors to compare it to in `_core`). terms: the sync
+        its micro-batches ([candidate, family, rung of counts]), were it added: the sync
+        it pays beyond the largest floor the classes pay (the step pays the largest sync
+        of any class, so the fixed classes' floor leaves the rest to finish earlier),
+        and its optimizer floor (with the floors to compare it to in `_core`). terms: the sync
         floors of the classes and the one added (`SyncFloor.terms`)."""
         masks, stages, optimizer, homes, _, _, lows, spread = self._open_families(open_levels)
         if not len(stages):
@@ -677,7 +677,7 @@ class Bound:
                 return (value + np.where(touched, 0.0, levels).sum(axis=1) + linear
                         + np.maximum(0.0, (n_c - 1) * (freed - ones[-1])))
             best = value if not open_levels else np.full(len(t_fixed), INF)
-            for y, valid, beyond in self._slot_values(t_open, open_levels, whole, later
+            for y, valid, beyond in self._slot_values(t_open, open_levels, whole
                                                       ) if open_levels else ():
                 more = value + (free * y).sum(axis=1) + beyond
                 if fewer:

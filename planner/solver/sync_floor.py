@@ -4,13 +4,12 @@ Every pipeline holds every layer, so the stage of class c that holds the most
 parameters (x >= P / S_c, S_c its stages) is all-reduced among one stage of every
 pipeline of every class (`evaluate.sync_and_optimizer`). On the stage's type t its
 group spans at least k = ceil(n_c / (pipelines of c one node holds a stage of:
-`copies`)) nodes, and for
-each other class d it holds a stage of one of d's types. A collective costs at least
-what it costs among a subset of its members (a ring over fewer ranks and links no
-slower), and one rank per node costs what the nodes' links allow: so where all
-nodes of a type are linked alike, the step pays at least the all-reduce of x's
-gradients over k of them (plus one node of d's type); elsewhere, over the cheapest
-pair of different nodes.
+`copies`)) nodes, and for each other class d it holds a stage of one of d's types.
+A collective costs at least what it costs among a subset of its members (a ring
+over fewer ranks and links no slower), and one rank per node costs what the
+nodes' links allow: so where all nodes of a type are linked alike, the step pays
+at least the all-reduce of x's gradients over k of them (plus one node of d's
+type); elsewhere, over the cheapest pair of different nodes.
 
 Unless that stage is on ZeRO-3: then only each device's 1/n_c shard is all-reduced
 across classes, and nothing within c, but every micro-batch the stage computes its
