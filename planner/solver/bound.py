@@ -425,11 +425,11 @@ class Bound:
         return self._families[key]
 
     def _open_done(self, t: np.ndarray, open_levels: Sequence[int], whole: bool,
-                   later: np.ndarray | float, free: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   later: np.ndarray | float, free: np.ndarray, per_slot: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray | None]:
         """Per open homogeneous level (a column; a row per t): the most micro-batches
-        it can finish by t on `free` slots per type (a row each), and the most per slot
-        of its type. A level adds one class, so at most the best of its families'
+        it can finish by t on `free` slots per type (a row each), and (if `per_slot`)
+        the most per slot of its type. A level adds one class, so at most the best of its families'
         pipelines that fit, an open family starting `later` [row, family, rung]: a
         rung stands for its counts above the rung below, all paying at least the
         sync of the smallest (more nodes never sync faster), so none finishes more
@@ -437,7 +437,7 @@ class Bound:
         _, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
         _, stages, _, homes, n_max, caps, lows, _ = self._open_families(open_levels)
         if not len(stages):
-            return np.zeros((len(t), 0)), np.zeros((len(t), 0))
+            return np.zeros((len(t), 0)), np.zeros((len(t), 0)) if per_slot else None
         n = np.minimum(n_max[None, :], np.floor(
             np.maximum(free[:, homes], 0.0) / stages[None, :] + 1e-9))
         if np.ndim(later) < 3:  # no sync beyond the fixed classes': the most pipelines
@@ -450,7 +450,7 @@ class Bound:
                            * ends, 0.0).max(axis=2)
             first = ends[:, :, 0]
         return (np.maximum.reduceat(per, starts, axis=1),
-                np.maximum.reduceat(first * inv_size, starts, axis=1))
+                np.maximum.reduceat(first * inv_size, starts, axis=1) if per_slot else None)
 
     def _open_shift(self, open_levels: Sequence[int], classes: list, terms: list,
                     live: np.ndarray, candidate: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -646,6 +646,7 @@ class Bound:
             0.0, shift[1][None, :] - optimizer[:, None])[:, :, None]
         open_levels = [level for level in open_levels if self.levels[level]]
         mixed = any(self._level(level)[4] < 0 for level in open_levels)
+        homes = self._homogeneous(open_levels)[0] if fewer and not mixed else None
         rows = len(candidates)
 
         def stacked(values: list, last: np.ndarray) -> np.ndarray:
@@ -665,11 +666,11 @@ class Bound:
             ones = np.where(live, _done(t_fixed, fills, inv_busy, whole), 0.0)
             value = (pipes * ones).sum(axis=0)
             if open_levels and not mixed:
-                levels, per_slot = self._open_done(t_open, open_levels, whole, later, free)
+                levels, per_slot = self._open_done(t_open, open_levels, whole, later, free,
+                                                   fewer)
                 if not fewer:
                     return value + levels.sum(axis=1)
                 # the levels of the types the last class uses, per slot at either end
-                homes = self._homogeneous(open_levels)[0]
                 touched = (counts[:, homes] > 0) & (n_c > 1)[:, None]
                 slots = free[:, homes] * per_slot
                 freed = (counts[:, homes] * per_slot).sum(axis=1)

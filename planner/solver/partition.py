@@ -127,8 +127,8 @@ class ClassCosts:
     def slow_pairs(self) -> tuple[int, ...]:
         """Stages s whose send to s + 1 takes a link slower than the class's fastest
         (e.g. across nodes), as windows of two stages, disjoint, slowest first."""
-        links = [link for link in self.links[:-1] if link is not None]
-        if len(links) < self.stages - 1 or not links:
+        links = self.links[:-1]  # (the last stage sends nothing)
+        if not links:
             return ()
         fastest = max(link.bandwidth for link in links)
         chosen: set[int] = set()
