@@ -295,24 +295,26 @@ def _check_subtree_bounds(table, batch, limits, single, values, rng):
         while not run.settle(node):
             pass
         assert node.bound <= best * (1 + 1e-9)
+        exact = min((v for config, shapes, v in values if config == node.config
+                     and _consistent(shapes, node, levels, False)), default=float("inf"))
+        if (parts := run.split(node)) is not None:  # n alone, and a sibling of 1..n - 1
+            node, sibling = parts
+            assert node.bound <= exact * (1 + 1e-9)
+            stack.append(sibling)
         if run.is_leaf(node):  # what decides whether a leaf (its counts as they are) is priced
-            exact = min((v for config, shapes, v in values if config == node.config
-                         and _consistent(shapes, node, levels, False)), default=float("inf"))
             assert run.sync_floor(node) <= exact * (1 + 1e-9)
         else:
             stack.extend(run.children(node))
-        sibling = run.sibling(node)
-        if sibling is not None:
-            stack.append(sibling)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10**9))
 @example(135)  # a bisection point above where the window floor meets it
 def test_no_split_has_a_shorter_period_than_the_class_floor(seed):
-    """`optimize`'s period floor (windows of the whole pipeline and of the stage pairs
-    around its slow sends) and total floor hold for every split, on links of mixed
-    speeds."""
+    """`optimize`'s period floor (windows of the whole pipeline, of the stage pairs
+    around its slow sends and of all neighbours) and total floor hold for every split,
+    on links of mixed speeds; the neighbours' windows fit a period exactly when some
+    split's do."""
     from planner.solver.partition import class_costs, optimize
     from planner.types import LinkSpec, Schedule
 
@@ -337,6 +339,19 @@ def test_no_split_has_a_shorter_period_than_the_class_floor(seed):
     for split in splits:
         assert split.bottleneck >= result.min_period * (1 - 1e-12)
         assert split.total >= result.floor * (1 - 1e-12)
+    if stages == 2:  # the neighbours' windows are all of a two-stage period
+        assert result.min_period >= min(s.bottleneck for s in splits) / (1 + 1e-3)
+
+    def neighbours(split):
+        busy = [s.busy for s in split.stages]
+        return max(max(max(s.busy, s.send) for s in split.stages),
+                   *((busy[s] + busy[s + 1] + 2 * split.stages[s].send) / 2
+                     for s in range(stages - 1)))
+
+    needs = sorted(neighbours(s) for s in splits)
+    for period in [*needs, *(rng.uniform(0, 2 * needs[-1]) for _ in range(10))]:
+        for nudge in (1 - 1e-9, 1 + 1e-9):  # (sums in another order round apart)
+            assert costs.windows_fit(period * nudge) == (needs[0] <= period * nudge)
 
 
 @settings(max_examples=40, deadline=None)

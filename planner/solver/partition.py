@@ -37,7 +37,6 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 
@@ -82,6 +81,7 @@ class ClassCosts:
     parts: dict  # per-stage sums for rebuilding StageTiming
     links: tuple  # what each stage's send depends on (None for the last stage)
     _hw: dict = field(default_factory=dict, repr=False)  # shared between classes
+    _trips: list = field(default_factory=list, repr=False, init=False)  # `_windows`
 
     @property
     def stages(self) -> int:
@@ -136,6 +136,31 @@ class ClassCosts:
             if links[s].bandwidth < fastest and not {s - 1, s, s + 1} & chosen:
                 chosen.add(s)
         return tuple(sorted(chosen))
+
+    def windows_fit(self, period: float) -> bool:
+        """Whether some split keeps every stage's h_s and every two neighbours' round
+        trip ((busy_s + busy_s+1 + 2 c_s) / 2) within `period`: a dynamic program over
+        the least busy time of stage s ending at each layer boundary (the only thing of
+        a feasible prefix the next window depends on)."""
+        g = np.zeros(1)  # per boundary reached (`rows`)
+        rows = np.zeros(1, dtype=int)
+        for s, (h, trip) in enumerate(self._windows()):
+            ok = (h[rows] <= period) & (g[:, None] + trip[rows] <= 2 * period)
+            g = np.where(ok, self.busy[s][rows], INF).min(axis=0)
+            rows = np.flatnonzero(g < INF)
+            if not len(rows):
+                return False
+            g = g[rows]
+        return bool(rows[-1] == self.busy[0].shape[0] - 1)
+
+    def _windows(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per stage, h and its busy time plus both ways of the send into it."""
+        if not self._trips:
+            before = np.zeros(self.busy[0].shape[0])  # (none into stage 0)
+            for s in range(self.stages):
+                self._trips.append((self.h_w(s)[0], self.busy[s] + 2 * before[:, None]))
+                before = self.send[s]
+        return self._trips
 
     def min_bottleneck(self) -> float:
         """The smallest achievable max_s h_s (a min-max dynamic program)."""
@@ -340,13 +365,8 @@ class ClassResult:
     costs: ClassCosts
     floor: float  # G(inf): no split has a smaller sum_s w_s
     smallest_max: float  # M0: no split has a smaller max_s h_s
-    min_period: float  # no split of this class has a shorter period (`_least_period`)
-
-    @cached_property
-    def first(self) -> Split:
-        """The cheapest split with the smallest bottleneck (found only when asked for:
-        bounds need M0 and the floor alone)."""
-        return self.costs.split(self.costs.solve(self.smallest_max)[1])
+    first: Split  # the cheapest split with the smallest bottleneck
+    min_period: float  # no split of this class has a shorter period (`_neighbours_period`)
 
     def lower(self, m: int) -> float:
         """No split of this class runs m micro-batches faster."""
@@ -362,8 +382,24 @@ def optimize(costs: ClassCosts) -> ClassResult | None:
     if not np.isfinite(bottleneck):
         return None
     floor = costs.cost(INF)
-    return ClassResult(costs=costs, floor=floor, smallest_max=bottleneck,
-                       min_period=_least_period(costs, bottleneck, floor))
+    first = costs.split(costs.solve(bottleneck)[1])
+    return ClassResult(costs=costs, floor=floor, smallest_max=bottleneck, first=first,
+                       min_period=_neighbours_period(
+                           costs, _least_period(costs, bottleneck, floor), first.bottleneck))
+
+
+def _neighbours_period(costs: ClassCosts, low: float, high: float) -> float:
+    """The larger of `low` (a floor on every split's period) and the least period
+    that keeps every stage and every two neighbours' round trip within it (exact for
+    two stages), found by bisection from `high` (a split's period) to within 0.1%:
+    a split whose largest stage holds one layer more than the fluid share shows in
+    its neighbours' windows, not in the means `_least_period` takes."""
+    if high <= low or costs.windows_fit(low):
+        return low
+    while high > low * (1 + 1e-3):
+        middle = (low + high) / 2
+        low, high = (low, middle) if costs.windows_fit(middle) else (middle, high)
+    return low
 
 
 def _least_period(costs: ClassCosts, smallest_max: float, floor: float) -> float:

@@ -90,6 +90,8 @@ class _Node:
     counts: tuple[int, ...] = field(compare=False)
     # the last family may still shrink by one pipeline (its siblings are made lazily)
     fewer: frozenset = field(compare=False, default=frozenset())
+    # with `fewer`: per count 1..n of the last family, its own bound and base
+    counted: tuple = field(compare=False, default=())
 
 
 def configs(table: CostTable, batch: int, limits: Limits) -> list[Config]:
@@ -233,17 +235,27 @@ class _Search:
             level += 1
         return level
 
-    def sibling(self, node: _Node) -> _Node | None:
-        """The same last family with one pipeline fewer (made only when needed)."""
+    def split(self, node: _Node) -> tuple[_Node, _Node] | None:
+        """A (settled) node of 1..n pipelines as the node of n alone and its sibling of
+        1..n - 1, each bounded by the least of its counts' own bounds (found for all
+        counts at once, the first time; None if the node stands for one count)."""
         if not self.shrinks(node):
             return None
         levels, bound, _ = self.state[node.config]
-        fixed = self.fixed(node)
-        counts = (*node.counts[:-1], node.counts[-1] - 1)
-        b, base = bound([*fixed[:-1], (fixed[-1][0], counts[-1])],
-                        range(node.level, len(levels)), counts[-1] > 1, (node.bound, node.base))
-        return _Node(b, next(self.counter), node.config, base, node.level, node.chosen,
-                     counts, node.fewer)
+        counted = node.counted
+        if not counted:
+            fixed = self.fixed(node)
+            family, n = fixed[-1]
+            counted = tuple(zip(*bound.many(
+                fixed[:-1], [(family, k) for k in range(1, n + 1)],
+                range(node.level, len(levels)), False, (node.bound, node.base)), strict=True))
+        exact = dataclasses.replace(node, bound=float(counted[-1][0]),
+                                    base=float(counted[-1][1]), fewer=frozenset(), counted=())
+        rest = counted[:-1]
+        sibling = _Node(float(min(b for b, _ in rest)), next(self.counter), node.config,
+                        float(min(b for _, b in rest)), node.level, node.chosen,
+                        (*node.counts[:-1], node.counts[-1] - 1), node.fewer, rest)
+        return exact, sibling
 
     def greedy(self, config: Config) -> None:
         """A first plan built one device type at a time, fastest first: each type adds
@@ -399,9 +411,15 @@ class _Search:
             if self.keep(node.bound):
                 heapq.heappush(self.heap, node)
             return True
-        sibling = self.sibling(node)
-        if sibling is not None and self.keep(sibling.bound):
-            heapq.heappush(self.heap, sibling)
+        if (parts := self.split(node)) is not None:
+            exact, sibling = parts
+            if self.keep(sibling.bound):
+                heapq.heappush(self.heap, sibling)
+            if exact.bound > node.bound * (1 + 1e-12):  # it may wait its turn again
+                if self.keep(exact.bound):
+                    heapq.heappush(self.heap, exact)
+                return True
+            node = exact
         self.explored += 1
         if self.is_leaf(node):
             self.leaf(node)
