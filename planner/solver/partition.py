@@ -15,8 +15,9 @@ non-increasing step function of M, and every split's T(m) is at least
 (m - 1) * max(M, G(M) / S) + G(M) at the step it falls on (the whole pipeline's
 round trip is one of the round trips). `optimize` finds the first step (the
 smallest feasible bottleneck M0), G's floor G(inf) and, from the round trips of
-the whole pipeline and of the stage pairs around its slow sends, a floor on the
-period (`_least_period`), which bound T(m) from below; `Staircase` lists the
+the whole pipeline and of the stage pairs around its slow sends (`_least_period`)
+and of every two neighbouring stages (`_neighbours_period`), a floor on the
+period, which bound T(m) from below; `Staircase` lists the
 steps, each priced with its exact period.
 
 The search space uses exactly these splits for a class: the steps of G, the
