@@ -63,17 +63,28 @@ def test_hand_computed_unbalanced_one_f_one_b():
     assert pipeline_time(stages, 2).total == pytest.approx(8.1)
 
 
-def test_gpipe_matches_closed_form_when_backward_is_proportional_to_forward():
-    # GPipe runs a forward and a backward pipeline, each (m-1) * max + sum (+ 2 sum send):
-    # the closed form is exact when the slowest forward and backward are on the same stage.
+def test_gpipe_matches_closed_form_exactly():
+    # GPipe runs a forward pipeline, then a backward one, each paced by its slowest
+    # compute or send: (m-1) * (max(max f, max c) + max(max b, max c)) + sum + 2 sum c,
+    # for any stages, micro-batch counts and sends, slower than compute included
     rng = random.Random(11)
-    for _ in range(100):
+    for _ in range(300):
         num_stages = rng.randint(2, 6)
-        m = rng.randint(num_stages, 4 * num_stages)
-        stages = random_stages(rng, num_stages, 0.3, 0.2, proportional=True)
+        m = rng.randint(1, 4 * num_stages)
+        stages = random_stages(rng, num_stages, 0.3, rng.choice([0.2, 1.0]))
         sim = simulate([stages], [m], schedule=GPIPE)
         closed = pipeline_time(stages, m, schedule=GPIPE).total
         assert sim.step_time == pytest.approx(closed, rel=1e-12)
+
+
+def test_gpipe_send_slower_than_forward_paces_both_pipelines():
+    # forward: 1 s per stage, backward 2 s, send 1.5 s: the forward pipeline runs at the
+    # send's pace (1.5 s), the backward at its compute's (2 s)
+    stages = balanced(4, send=1.5)
+    closed = pipeline_time(stages, 32, schedule=GPIPE)
+    assert closed.period == pytest.approx(3.5)
+    assert closed.total == pytest.approx(31 * 3.5 + 4 * 3.0 + 2 * 3 * 1.5)
+    assert simulate([stages], [32], schedule=GPIPE).step_time == pytest.approx(closed.total)
 
 
 def test_interleaved_balanced_is_megatron_bubble():

@@ -16,8 +16,10 @@ flight, so the steady-state period is bounded by the round trip over S:
     stage s to stage u and back, which stage u's own order paces, passes u - s + 1
     micro-batches per period; the window of one stage is its busy time, the whole
     pipeline the full round trip, and two stages joined by a slow link the pair)
-    GPipe        as 1F1B with max_s f_s + max_s b_s for the first term (all forwards
-                 run before all backwards) and without the round-trip term
+    GPipe        P = max(max_s f_s, max_s c_s) + max(max_s b_s, max_s c_s)
+                 T as 1F1B (all forwards run before all backwards: a forward
+                 pipeline, then a backward one, each paced by its slowest compute or
+                 send; no in-flight limit, so no round trips)
     interleaved  v model chunks per device (Megatron):
                  P = max( max_s (f_s + b_s), v max_s c_s )
                  T = (m - 1) P + sum_s (f_s + b_s) / v + (1 - 1/v) P + 2 (S v - 1) mean_s c_s
@@ -80,7 +82,8 @@ def pipeline_time(stages: Sequence[StageTiming], m: int, *,
     sends = [s.send for s in stages[:-1]]
     bottleneck = max(range(count), key=lambda i: busy[i])
     if schedule is Schedule.GPIPE:
-        compute_period = max(s.fwd for s in stages) + max(s.bwd for s in stages)
+        fwd, bwd = max(s.fwd for s in stages), max(s.bwd for s in stages)
+        compute_period = fwd + bwd
     else:
         compute_period = busy[bottleneck]
     if v > 1:
@@ -89,8 +92,11 @@ def pipeline_time(stages: Sequence[StageTiming], m: int, *,
         fill = sum(busy) / v + (1 - 1 / v) * period + comm_fill
     else:
         comm_fill = 2 * sum(sends)
-        trips = round_trip(busy, sends) if schedule is not Schedule.GPIPE else 0.0
-        period = max(compute_period, max(sends, default=0.0), trips)
+        slowest = max(sends, default=0.0)
+        if schedule is Schedule.GPIPE:  # a forward pipeline, then a backward one
+            period = max(fwd, slowest) + max(bwd, slowest)
+        else:
+            period = max(compute_period, slowest, round_trip(busy, sends))
         fill = sum(busy) + comm_fill
     total = (m - 1) * period + fill
     slow = stages[bottleneck]
