@@ -82,7 +82,6 @@ class ClassCosts:
     parts: dict  # per-stage sums for rebuilding StageTiming
     links: tuple  # what each stage's send depends on (None for the last stage)
     _hw: dict = field(default_factory=dict, repr=False)  # shared between classes
-    _trips: list = field(default_factory=list, repr=False, init=False)  # `_windows`
 
     @property
     def stages(self) -> int:
@@ -98,32 +97,44 @@ class ClassCosts:
 
     def solve(self, bound: float) -> tuple[float, list[np.ndarray]]:
         """G(bound) and the argmin tables to rebuild the split."""
-        size = self.busy[0].shape[0]
-        g = np.full(size, INF)
-        g[0] = 0.0
-        choices = []
+        g = self._start()
+        rows, choices = slice(0, 1), []
         for s in range(self.stages):
             h, w = self.h_w(s)
-            total = g[:, None] + np.where(h <= bound, w, INF)
+            total = g[rows, None] + np.where(h[rows] <= bound, w[rows], INF)
             arg = total.argmin(axis=0)
-            g = total[arg, np.arange(size)]
-            choices.append(arg)
+            g = total[arg, np.arange(len(g))]
+            choices.append(arg + rows.start)
+            rows = _reached(g)
+            if rows is None:
+                return INF, choices
         return float(g[-1]), choices
 
     def cost(self, bound: float, pairs: Sequence[int] = ()) -> float:
         """G(bound) alone (`solve` without the argmin tables); with `pairs` (stages s
         that open a window with s + 1, disjoint), the least sum over those windows of
         their busy times and the sends inside them instead."""
-        size = self.busy[0].shape[0]
-        g = np.full(size, INF)
-        g[0] = 0.0
+        g = self._start()
+        rows = slice(0, 1)
         firsts = set(pairs) if pairs else None
         for s in range(self.stages):
             h, w = self.h_w(s)
             if firsts is not None:
-                w = w if s in firsts else self.busy[s] if s - 1 in firsts else 0.0
-            g = (g[:, None] + np.where(h <= bound, w, INF)).min(axis=0)
+                w = w if s in firsts else self.busy[s] if s - 1 in firsts else None
+            total = g[rows, None] + (0.0 if w is None else w[rows])
+            if bound < INF or w is None:  # (w is infinite wherever h is)
+                total = np.where(h[rows] <= bound, total, INF)
+            g = total.min(axis=0)
+            rows = _reached(g)
+            if rows is None:
+                return INF
         return float(g[-1])
+
+    def _start(self) -> np.ndarray:
+        """Per layer boundary, 0 at the first and infinite elsewhere."""
+        g = np.full(self.busy[0].shape[0], INF)
+        g[0] = 0.0
+        return g
 
     def slow_pairs(self) -> tuple[int, ...]:
         """Stages s whose send to s + 1 takes a link slower than the class's fastest
@@ -142,35 +153,30 @@ class ClassCosts:
         """Whether some split keeps every stage's h_s and every two neighbours' round
         trip ((busy_s + busy_s+1 + 2 c_s) / 2) within `period`: a dynamic program over
         the least busy time of stage s ending at each layer boundary (the only thing of
-        a feasible prefix the next window depends on)."""
-        g = np.zeros(1)  # per boundary reached (`rows`)
-        rows = np.zeros(1, dtype=int)
-        for s, (h, trip) in enumerate(self._windows()):
-            ok = (h[rows] <= period) & (g[:, None] + trip[rows] <= 2 * period)
-            g = np.where(ok, self.busy[s][rows], INF).min(axis=0)
-            rows = np.flatnonzero(g < INF)
-            if not len(rows):
+        a feasible prefix the next window depends on). Stage s may start at boundary a
+        with at most min(P, 2P - least busy of stage s-1 ending at a - 2 c_s-1(a))."""
+        g = self._start()
+        rows, into = slice(0, 1), np.zeros_like(g)  # (no send into the first stage)
+        for s in range(self.stages):
+            room = np.minimum(period, 2 * (period - into[rows]) - g[rows])
+            busy = self.busy[s][rows]
+            g = np.where(busy <= room[:, None], busy, INF).min(axis=0)
+            g[self.send[s] > period] = INF
+            rows, into = _reached(g), self.send[s]
+            if rows is None:
                 return False
-            g = g[rows]
-        return bool(rows[-1] == self.busy[0].shape[0] - 1)
-
-    def _windows(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per stage, h and its busy time plus both ways of the send into it."""
-        if not self._trips:
-            before = np.zeros(self.busy[0].shape[0])  # (none into stage 0)
-            for s in range(self.stages):
-                self._trips.append((self.h_w(s)[0], self.busy[s] + 2 * before[:, None]))
-                before = self.send[s]
-        return self._trips
+        return bool(g[-1] < INF)
 
     def min_bottleneck(self) -> float:
         """The smallest achievable max_s h_s (a min-max dynamic program)."""
-        size = self.busy[0].shape[0]
-        g = np.full(size, INF)
-        g[0] = 0.0
+        g = self._start()
+        rows = slice(0, 1)
         for s in range(self.stages):
             h, _ = self.h_w(s)
-            g = np.maximum(g[:, None], h).min(axis=0)
+            g = np.maximum(g[rows, None], h[rows]).min(axis=0)
+            rows = _reached(g)
+            if rows is None:
+                return INF
         return float(g[-1])
 
     def split(self, choices: list[np.ndarray]) -> Split:
@@ -209,6 +215,12 @@ class ClassCosts:
         trips = round_trip([s.busy for s in stages], [s.send for s in stages[:-1]])
         return Split(bounds=tuple(bounds), options=tuple(options), stages=tuple(stages),
                      bottleneck=max(max(hs), trips), total=sum(ws), largest_h=max(hs))
+
+
+def _reached(g: np.ndarray) -> slice | None:
+    """The layer boundaries from the first to the last a prefix reaches (None: none)."""
+    reached = np.flatnonzero(g < INF)
+    return slice(int(reached[0]), int(reached[-1]) + 1) if len(reached) else None
 
 
 def _prefixes(table: CostTable, kind: str, tp: int, mb: int) -> tuple:
