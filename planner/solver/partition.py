@@ -82,6 +82,7 @@ class ClassCosts:
     parts: dict  # per-stage sums for rebuilding StageTiming
     links: tuple  # what each stage's send depends on (None for the last stage)
     _hw: dict = field(default_factory=dict, repr=False)  # shared between classes
+    _stage_hw: list = field(default_factory=list, repr=False, init=False)  # `h_w`, per stage
 
     @property
     def stages(self) -> int:
@@ -89,11 +90,14 @@ class ClassCosts:
 
     def h_w(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         """h = max(busy, send) and w = busy + 2 send, per layer range [a, b)."""
-        key = (id(self.busy[s]), self.links[s])
-        if key not in self._hw:
-            send = self.send[s][None, :]
-            self._hw[key] = (np.maximum(self.busy[s], send), self.busy[s] + 2 * send)
-        return self._hw[key]
+        if not self._stage_hw:
+            for t in range(self.stages):
+                key = (id(self.busy[t]), self.links[t])
+                if key not in self._hw:
+                    send = self.send[t][None, :]
+                    self._hw[key] = (np.maximum(self.busy[t], send), self.busy[t] + 2 * send)
+                self._stage_hw.append(self._hw[key])
+        return self._stage_hw[s]
 
     def solve(self, bound: float) -> tuple[float, list[np.ndarray]]:
         """G(bound) and the argmin tables to rebuild the split."""
@@ -219,8 +223,9 @@ class ClassCosts:
 
 def _reached(g: np.ndarray) -> slice | None:
     """The layer boundaries from the first to the last a prefix reaches (None: none)."""
-    reached = np.flatnonzero(g < INF)
-    return slice(int(reached[0]), int(reached[-1]) + 1) if len(reached) else None
+    reached = g < INF
+    first = int(reached.argmax())
+    return slice(first, len(g) - int(reached[::-1].argmax())) if reached[first] else None
 
 
 def _prefixes(table: CostTable, kind: str, tp: int, mb: int) -> tuple:
