@@ -323,6 +323,10 @@ def test_stage_pins_place_the_first_and_last_stages(tmp_path):
       "A100-40G", "--no-mixed"], "which --no-mixed rules out"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", str(10**10)], "--global-batch must be"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--gap", "-1"], "--gap is a fraction"),
+    (["estimate", "gpt-tiny", "--cluster", CLUSTER, "--pp", "2", "--interleave", "2",
+      "--schedule", "gpipe"], "contradicts --schedule gpipe"),
+    (["estimate", "gpt-tiny", "--cluster", CLUSTER, "--pp", "1", "--interleave", "2"],
+     "--interleave 2 needs a pipeline"),
 ])
 def test_cli_bad_input(args, needle):
     result = runner.invoke(app, args)
