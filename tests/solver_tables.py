@@ -185,4 +185,6 @@ def random_instance(rng: random.Random) -> tuple[CostTable, int, Limits]:
                          memory=rng.choice([2, 4, 8]) * GIB,
                          link_speed=rng.choice([0.1, 1.0, 10.0]))
     batch = rng.choice([2, 4, 6])
+    if layers > 2 and rng.random() < 0.3:  # the last layer reads some of the first's weights
+        table = replace(table, tied=((layers - 1, 0, float(table.params[0]) / 2),), cache={})
     return table, batch, Limits(max_stages=3)

@@ -153,19 +153,26 @@ def test_estimate_shards_zero_only_where_the_runtime_does(setup):
 
 def test_interleaved_stages_sync_and_update_only_the_layers_they_hold(setup):
     """An interleaved stage's span covers other stages' chunks: its gradient all-reduce
-    and optimizer step cover its own chunks, among the stages that hold them."""
+    and optimizer step cover its own chunks, among the stages that hold them; the head's
+    weights tied to the embedding (on the other stage) are all-reduced on their own,
+    among every stage."""
     graph, cluster, training, _ = setup
     costs = AnalyticalCostModel(cluster)
     plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
                         training=training, costs=costs, tp=1, pp=2, dp=2, micro_batch=2,
                         interleave=2)
     grad = plan.training.optimizer.grad_bytes or 2
+    (owner, tied), = graph.layers[-1].tied
+    assert owner == 0 and tied > 0
+    everyone = CommGroup.of([s.devices.node for p in plan.pipelines for s in p.stages])
     sync = opt = 0.0
     for s in (p.stages[i] for p in plan.pipelines for i in range(2)):
         params = sum(graph.layers[i].params for a, b in s.chunks for i in range(a, b))
         peers = [p.stages[s.index].devices.node for p in plan.pipelines]
-        sync = max(sync, costs.collective_time(Collective.ALL_REDUCE, params * grad,
-                                               CommGroup.of(peers)))
+        sync = max(sync, costs.collective_time(
+            Collective.ALL_REDUCE, (params - (tied if s.holds(0) else 0)) * grad,
+            CommGroup.of(peers)) + costs.collective_time(Collective.ALL_REDUCE,
+                                                         tied * grad, everyone))
         opt = max(opt, costs.optimizer_time(params, cluster.node(s.devices.node).device,
                                             training))
     assert sync_and_optimizer(plan, graph.layers, costs) == pytest.approx((sync, opt))

@@ -7,7 +7,9 @@ the pipeline whose time grows least, which minimises the maximum for any
 non-decreasing T_p (HAP's uneven shares). Gradient sync: each stage's
 gradients are all-reduced (ZeRO-1/2: reduce-scattered and gathered, the same
 volume) among every pipeline that holds its first layer, on the nodes those
-pipelines hold it on. ZeRO shards a stage over its class's pipelines, and only in
+pipelines hold it on; a weight tied across stages (a head reading the
+embedding's) is all-reduced on its own, after, among every stage holding either
+layer (as the runtime sums it). ZeRO shards a stage over its class's pipelines, and only in
 structures of one class (`zero_space`: as the runtime, which shards only layers
 no other replica set holds); ZeRO-3 stages reduce-scatter per micro-batch.
 The optimizer step updates each device's share of its stage's parameters.
@@ -194,12 +196,30 @@ def _holders(placement: Placement, splits: Sequence[Split], layer: int,
     return groups[stages]
 
 
+def _split_ties(table: CostTable, placement: Placement, splits: Sequence[Split]
+                ) -> list[tuple[int, int, float, CommGroup]]:
+    """(owner, reader, parameters, holders) of each tied weight some pipeline holds on
+    two stages: the runtime sums its gradient over every stage holding either layer, in
+    an all-reduce of its own (its holders differ from the owner's other parameters')."""
+    out = []
+    for reader, owner, weights in table.tied:
+        stages = [(bisect.bisect_right(split.bounds, owner) - 1,
+                   bisect.bisect_right(split.bounds, reader) - 1) for split in splits]
+        if all(o == r for o, r in stages):
+            continue
+        nodes = [p[i].node for slots, (o, r) in zip(placement, stages, strict=True)
+                 for p in slots for i in dict.fromkeys((o, r))]
+        out.append((owner, reader, float(weights), CommGroup.of(nodes)))
+    return out
+
+
 def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassShape],
                        placement: Placement, splits: Sequence[Split],
                        groups: dict | None = None) -> tuple[float, float]:
     """Gradient sync (the slowest group's all-reduce) and optimizer step (the slowest
     stage's); `groups` may carry sync groups between splits of one placement."""
     groups = {} if groups is None else groups
+    ties = _split_ties(table, placement, splits)
     sync = opt = 0.0
     for shape, split in zip(shapes, splits, strict=True):
         for s in range(shape.stages):
@@ -207,9 +227,16 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
             params = float(table.params[a:b].sum())
             zero = split.options[s].zero
             holders = _holders(placement, splits, a, groups)
+            tied = 0.0  # split ties: their own all-reduce, after the stage's
+            for owner, reader, weights, group in ties:
+                if a <= owner < b or a <= reader < b:
+                    params -= weights if a <= owner < b else 0.0
+                    tied += table.collective(Collective.ALL_REDUCE,
+                                             weights * table.grad_bytes, group)
             if zero < 3 or holders.size > shape.n:  # ZeRO-3: each shard across classes
                 volume = params * table.grad_bytes / (shape.n if zero == 3 else 1)
-                sync = max(sync, table.collective(Collective.ALL_REDUCE, volume, holders))
+                tied += table.collective(Collective.ALL_REDUCE, volume, holders)
+            sync = max(sync, tied)
             local = float(table.rank_params(config.tp)[a:b].sum()) / (
                 shape.n if zero >= 1 else 1)
             opt = max(opt, table.optimizer_time(shape.types[s], local))

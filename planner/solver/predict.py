@@ -49,6 +49,20 @@ class _Groups:
         return self._holders[layer]
 
 
+def _split_ties(layers: Sequence[Layer], groups: _Groups
+                ) -> list[tuple[int, int, int, list[str]]]:
+    """(owner, reader, parameters, holders) of each tied weight some stage holds one
+    end of without the other: its gradient is summed over every stage holding either
+    layer, in an all-reduce of its own (`evaluate.sync_and_optimizer` alike)."""
+    out = []
+    for layer in layers:
+        for owner, weights in layer.tied:
+            holding = [s for s in groups.stages if s.holds(owner) or s.holds(layer.index)]
+            if any(s.holds(owner) != s.holds(layer.index) for s in holding):
+                out.append((owner, layer.index, weights, [s.devices.node for s in holding]))
+    return out
+
+
 def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
                   ) -> list[list[StageTiming]]:
     """Seconds per micro-batch of every stage of every pipeline."""
@@ -124,6 +138,9 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
                        ) -> tuple[float, float]:
     grad = plan.training.optimizer.grad_bytes or plan_weight_bytes(plan)
     groups = _Groups(plan)
+    ties = [(owner, reader, weights, costs.collective_time(
+                Collective.ALL_REDUCE, weights * grad, CommGroup.of(holders)))
+            for owner, reader, weights, holders in _split_ties(layers, groups)]
     seen: set[tuple] = set()
     synced: dict[tuple[int, float], float] = {}
     sync = opt = 0.0
@@ -136,12 +153,18 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
             params = sum(layers[i].params for i in stage.held())
             shard = len(groups.of(stage)) if stage.zero >= 1 else 1
             holders = groups.holders(stage.layers[0])
+            tied = 0.0  # split ties: their own all-reduce, after the stage's
+            for owner, reader, weights, seconds in ties:
+                if stage.holds(owner) or stage.holds(reader):
+                    params -= weights if stage.holds(owner) else 0
+                    tied += seconds
             if stage.zero < 3 or len(holders) > shard:  # ZeRO-3: each shard across classes
                 volume = params * grad / (shard if stage.zero == 3 else 1)
                 if (stage.layers[0], volume) not in synced:  # the same group on every node
                     synced[stage.layers[0], volume] = costs.collective_time(
                         Collective.ALL_REDUCE, volume, CommGroup.of(holders))
-                sync = max(sync, synced[stage.layers[0], volume])
+                tied += synced[stage.layers[0], volume]
+            sync = max(sync, tied)
             device = costs.cluster.node(stage.devices.node).device
             local = sum(layers[i].params / layers[i].tp_share(stage.tp) for i in stage.held())
             opt = max(opt, costs.optimizer_time(local / shard, device, plan.training))
