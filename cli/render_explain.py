@@ -12,6 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from cli.tables import fit_words
 from planner.units import fmt_bytes, fmt_rate, fmt_seconds
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def compare_table(rows: Sequence[Row], names: Sequence[str], *, title: str,
                                                                      "samples_per_s"):
             continue
         table.add_row(row.label, *(_cell(row, i) for i in range(len(names))))
-    return table
+    return fit_words(table)
 
 
 def diff_table(rows: Sequence[Row], *, title: str = "What changed") -> Table:
@@ -68,7 +69,7 @@ def diff_table(rows: Sequence[Row], *, title: str = "What changed") -> Table:
         table.add_row(row.label, row.texts[0], Text(row.texts[1],
                                                     style=VERDICT_STYLES.get(verdict, "")),
                       Text(note, style=VERDICT_STYLES.get(verdict, "")))
-    return table
+    return fit_words(table)
 
 
 # ---------------------------------------------------------------- analyses
@@ -91,7 +92,7 @@ def explanation_panel(analysis: Analysis) -> Group:
                           Text(f"{a.slower_by:+.1%}" if a.slower_by is not None else "-",
                                style="red" if (a.slower_by or 0) > 0 else ""),
                           a.why, a.description)
-        parts.append(table)
+        parts.append(fit_words(table))
     return Group(*parts)
 
 
@@ -103,11 +104,11 @@ def stage_timing_table(analysis: Analysis) -> Table:
     extra = [(name, key) for name, key in (("recompute", "recompute_time"),
                                            ("tp comm", "tp_time"))
              if any(getattr(r, key) for r in analysis.stages)]
-    columns = ["pipelines", "stage", "layers", "device", "micro-batches", "savers",
+    columns = ["pipes", "stage", "layers", "device", "micro batches", "savers",
                "fwd / bwd", *(name for name, _ in extra), "send", "load"]
     for column in columns:
         table.add_column(column, overflow="fold",
-                         justify="left" if column in ("pipelines", "layers", "device",
+                         justify="left" if column in ("pipes", "layers", "device",
                                                       "savers") else "right")
     last = None
     for r in analysis.stages:
@@ -123,7 +124,7 @@ def stage_timing_table(analysis: Analysis) -> Table:
                       *(fmt_seconds(getattr(r, key)) for _, key in extra),
                       fmt_seconds(r.send),
                       Text(f"{r.busy_share:.0%}", style="bold" if r.busy_share >= 0.999 else ""))
-    return table
+    return fit_words(table)
 
 
 def device_map_table(analysis: Analysis, *, max_nodes: int = 64) -> Table:
@@ -145,7 +146,7 @@ def device_map_table(analysis: Analysis, *, max_nodes: int = 64) -> Table:
             cells.append(f"[{d.device}] ", style="dim")
             cells.append(d.role, style="dim" if d.role == "idle" else "")
         table.add_row(node, devs[0].device_type, cells)
-    return table
+    return fit_words(table)
 
 
 def memory_table(analysis: Analysis, *, width: int = 40) -> Table:
@@ -170,7 +171,7 @@ def memory_table(analysis: Analysis, *, width: int = 40) -> Table:
         table.add_row(describe_pipelines(m.pipelines), str(m.stage), m.node, m.device_type,
                       bar, Text(f"{fmt_bytes(m.total)} / {fmt_bytes(m.capacity)} "
                                 f"({m.fraction:.0%})", style="bold red" if over else ""))
-    return table
+    return fit_words(table)
 
 
 def traffic_table(analysis: Analysis) -> Table:
@@ -183,7 +184,7 @@ def traffic_table(analysis: Analysis) -> Table:
                       fmt_seconds(t.seconds))
     if not analysis.traffic:
         table.add_row("none", "", "", "", "", "")
-    return table
+    return fit_words(table)
 
 
 def gantt(timeline: Timeline, width: int) -> Group:
@@ -255,7 +256,7 @@ def help_table(commands: Sequence[Any]) -> Table:
             table.add_section()
         group = c.group
         table.add_row(Text(c.usage, style="bold"), c.summary, Text(c.equivalent, style="dim"))
-    return table
+    return fit_words(table)
 
 
 def render_reply(console: Console, reply: Reply) -> None:
@@ -274,7 +275,7 @@ def render_reply(console: Console, reply: Reply) -> None:
                 table.add_column(column, overflow="fold")
             for row in value.rows:
                 table.add_row(*row)
-            console.print(table)
+            console.print(fit_words(table))
         elif kind == "plan":
             from cli.render_plan import render
 

@@ -9,6 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from cli.tables import fit_words
 from planner.types import PipelinePlan, Plan
 from planner.units import fmt_bytes, fmt_seconds
 
@@ -31,12 +32,18 @@ def _layer_names(plan_layers: tuple[int, int], names: list[str] | None) -> str:
     return names[a] if b - a == 1 else f"{names[a]} .. {names[b - 1]}"
 
 
+def _used_of(used: float, capacity: float) -> str:
+    """58.1/80 GiB (one unit where both take the same)."""
+    a, b = fmt_bytes(used), fmt_bytes(capacity)
+    if a.split()[1] == b.split()[1]:
+        return f"{a.split()[0]}/{b}"
+    return f"{a} / {b}"
+
+
 def stage_table(plan: Plan, layer_names: list[str] | None = None) -> Table:
-    table = Table(title="Pipelines (identical pipelines grouped)", title_justify="left")
-    for column in ("pipelines", "stage", "layers", "device", "tp", "micro-batches",
-                   "recompute", "ZeRO", "memory / device"):
-        table.add_column(column, justify="right" if column in ("tp", "ZeRO") else "left",
-                         overflow="fold")
+    columns = ("pipes", "stage", "layers", "device", "tp", "micro batches", "recompute",
+               "ZeRO", "memory")
+    rows: list[tuple[list, bool]] = []  # (cells, whether a new group of pipelines starts)
     for rep, members in pipeline_classes(plan):
         counts = Counter(p.num_microbatches for p in members)
         shares = ", ".join(f"{m}x{n}" if n > 1 else str(m)
@@ -44,15 +51,21 @@ def stage_table(plan: Plan, layer_names: list[str] | None = None) -> Table:
         for s in rep.stages:
             capacity = plan.cluster.node(s.devices.node).device.memory
             over = s.memory.total > capacity
-            memory = Text(f"{fmt_bytes(s.memory.total)} / {fmt_bytes(capacity)}",
-                          style="bold red" if over else "")
+            memory = Text(_used_of(s.memory.total, capacity), style="bold red" if over else "")
             layers = " + ".join(_layer_names(c, layer_names) for c in s.chunks)
-            table.add_row(str(len(members)) if s.index == 0 else "", str(s.index), layers,
+            rows.append(([str(len(members)) if s.index == 0 else "", str(s.index), layers,
                           s.device_type, str(s.tp),
                           f"{shares} of {rep.micro_batch}" if s.index == 0 else "",
-                          s.recompute.value, str(s.zero), memory)
-        table.add_section()
-    return table
+                          s.recompute.value, str(s.zero), memory], s.index == 0))
+    table = Table(title="Pipelines (identical pipelines grouped)", title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="right" if column in ("tp", "ZeRO") else "left",
+                         overflow="fold")
+    for index, (cells, first) in enumerate(rows):
+        if first and index:
+            table.add_section()
+        table.add_row(*cells)
+    return fit_words(table)
 
 
 def prediction_panel(plan: Plan) -> Panel:
@@ -103,7 +116,7 @@ def baseline_table(plan: Plan) -> Table | None:
                       Text(f"{speedup:.2f}x faster" if speedup >= 1 else
                            f"{1 / speedup:.2f}x slower",
                            style="green" if speedup >= 1 else "red"), b.description)
-    return table
+    return fit_words(table)
 
 
 def render(console: Console, plan: Plan, layer_names: list[str] | None = None) -> None:
