@@ -61,9 +61,9 @@ from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
 
 SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
-                "type; every tp and micro-batch size allowed; exact layer splits and recompute "
-                "per stage, ZeRO per stage in structures of one class; optimal micro-batch "
-                "shares")
+                "type; one tp degree and micro-batch size per plan, each allowed one tried; "
+                "1F1B; exact layer splits and recompute per stage, ZeRO per stage in "
+                "structures of one class; optimal micro-batch shares")
 
 
 _DIVE_TRIES = 16  # times a dive prices a child's families at each level before it picks one
