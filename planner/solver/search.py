@@ -432,7 +432,7 @@ class _Search:
 
 def search(table: CostTable, batch: int, *, limits: Limits | None = None,
            space: Space | None = None, top_k: int = 1, gap: float = 0.0,
-           time_limit: float | None = None, dives: int = 3,
+           time_limit: float | None = None, dives: int = 1,
            seeds: Sequence[tuple[Config, tuple[ClassShape, ...]]] = (),
            progress: Callable[[int], None] | None = None) -> SearchResult:
     """The best `top_k` structures for a global batch of `batch` samples.
