@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from cli.tables import fit_words
+from cli.tables import FitWords, fit_words
 from planner.units import fmt_bytes, fmt_rate, fmt_seconds
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def _cell(row: Row, i: int) -> Text:
 
 
 def compare_table(rows: Sequence[Row], names: Sequence[str], *, title: str,
-                  only_differences: bool = False) -> Table:
+                  only_differences: bool = False) -> FitWords:
     table = Table(title=title, title_justify="left")
     table.add_column("", style="bold")
     for name in names:
@@ -57,7 +57,7 @@ def compare_table(rows: Sequence[Row], names: Sequence[str], *, title: str,
     return fit_words(table)
 
 
-def diff_table(rows: Sequence[Row], *, title: str = "What changed") -> Table:
+def diff_table(rows: Sequence[Row], *, title: str = "What changed") -> FitWords:
     table = Table(title=title, title_justify="left")
     for column in ("", "before", "after", "change"):
         table.add_column(column, overflow="fold", style="bold" if not column else None)
@@ -96,7 +96,7 @@ def explanation_panel(analysis: Analysis) -> Group:
     return Group(*parts)
 
 
-def stage_timing_table(analysis: Analysis) -> Table:
+def stage_timing_table(analysis: Analysis) -> FitWords:
     from planner.explain import describe_pipelines
 
     table = Table(title="Stages (seconds per micro-batch; load: busy time against the "
@@ -127,7 +127,7 @@ def stage_timing_table(analysis: Analysis) -> Table:
     return fit_words(table)
 
 
-def device_map_table(analysis: Analysis, *, max_nodes: int = 64) -> Table:
+def device_map_table(analysis: Analysis, *, max_nodes: int = 64) -> FitWords:
     table = Table(title="Device map (pN sM: pipeline N, stage M)", title_justify="left")
     table.add_column("node")
     table.add_column("device")
@@ -149,7 +149,7 @@ def device_map_table(analysis: Analysis, *, max_nodes: int = 64) -> Table:
     return fit_words(table)
 
 
-def memory_table(analysis: Analysis, *, width: int = 40) -> Table:
+def memory_table(analysis: Analysis, *, width: int = 40) -> FitWords:
     from planner.explain import describe_pipelines
 
     legend = "  ".join(f"{MEMORY_FILL[k]} {k}" for k in MEMORY_FILL)
@@ -174,7 +174,7 @@ def memory_table(analysis: Analysis, *, width: int = 40) -> Table:
     return fit_words(table)
 
 
-def traffic_table(analysis: Analysis) -> Table:
+def traffic_table(analysis: Analysis) -> FitWords:
     table = Table(title="Communication per step", title_justify="left")
     for column in ("traffic", "between", "link", "bandwidth", "bytes", "time"):
         table.add_column(column, overflow="fold",
@@ -245,7 +245,7 @@ def render_analysis(console: Console, analysis: Analysis, *, width: int | None =
 
 # ---------------------------------------------------------------- session replies
 
-def help_table(commands: Sequence[Any]) -> Table:
+def help_table(commands: Sequence[Any]) -> FitWords:
     table = Table(title="Session commands (each has a non-interactive equivalent)",
                   title_justify="left", show_lines=False)
     for column in ("command", "what it does", "without the session"):

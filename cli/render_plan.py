@@ -9,7 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from cli.tables import fit_words
+from cli.tables import FitWords, fit_words
 from planner.types import PipelinePlan, Plan
 from planner.units import fmt_bytes, fmt_seconds
 
@@ -40,7 +40,7 @@ def _used_of(used: float, capacity: float) -> str:
     return f"{a} / {b}"
 
 
-def stage_table(plan: Plan, layer_names: list[str] | None = None) -> Table:
+def stage_table(plan: Plan, layer_names: list[str] | None = None) -> FitWords:
     columns = ("pipes", "stage", "layers", "device", "tp", "micro batches", "recompute",
                "ZeRO", "memory")
     rows: list[tuple[list, bool]] = []  # (cells, whether a new group of pipelines starts)
@@ -101,7 +101,7 @@ def solver_panel(plan: Plan) -> Panel:
     return Panel(text, title="Solver", title_align="left")
 
 
-def baseline_table(plan: Plan) -> Table | None:
+def baseline_table(plan: Plan) -> FitWords | None:
     if not plan.baselines:
         return None
     table = Table(title="Baselines (same cost model)", title_justify="left")
