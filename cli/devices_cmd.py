@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli import options as opt
+from cli.tables import fit_words
 
 if TYPE_CHECKING:
     from cost_models.catalog import Catalog
@@ -84,7 +85,7 @@ def _render(specs: list[DeviceSpec]) -> None:
         table.add_row(d.name, d.vendor, f"{d.memory / 2**30:.4g}",
                       f"{d.memory_bandwidth / 1e9:.4g}", *flops,
                       f"{d.intra_link.name}, {fmt_rate(d.intra_link.bandwidth)}")
-    console.print(table)
+    console.print(fit_words(table))
 
 
 def _render_sources(specs: list[DeviceSpec], catalog: Catalog) -> None:
@@ -97,7 +98,7 @@ def _render_sources(specs: list[DeviceSpec], catalog: Catalog) -> None:
         for i, (field, text) in enumerate(d.sources.items()):
             table.add_row(d.name if i == 0 else "", field, text)
         table.add_section()
-    console.print(table)
+    console.print(fit_words(table))
     links = Table(title="Link types (bandwidth per device and direction)")
     for column in ("link", "name", "bandwidth", "latency", "source"):
         links.add_column(column, overflow="fold")
@@ -106,7 +107,7 @@ def _render_sources(specs: list[DeviceSpec], catalog: Catalog) -> None:
         if spec in used:
             links.add_row(key, spec.name, fmt_rate(spec.bandwidth),
                           fmt_seconds(spec.latency), catalog.link_sources[key])
-    console.print(links)
+    console.print(fit_words(links))
 
 
 def register(app: typer.Typer) -> None:

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cli import options as opt
+from cli.tables import fit_words
 from planner.errors import PlannerError
 from planner.files import check_writable, write_atomic
 from planner.units import fmt_bytes, fmt_flops, fmt_rate, fmt_seconds
@@ -119,7 +120,7 @@ def _render(doc: dict, elapsed: float) -> None:
                       *(fmt_flops(dev["matmul"][d]["best_flops"]) + "/s"
                         if d in dev["matmul"] else "-" for d in dtypes),
                       fmt_rate(dev["memory_bandwidth"]["best"]))
-    console.print(table)
+    console.print(fit_words(table))
     for dev in doc["devices"]:
         if dev["layers"] is not None:
             _render_layers(dev)
@@ -141,7 +142,7 @@ def _render_layers(dev: dict) -> None:
         rows.setdefault(t["layer"], []).extend([fmt_seconds(t["fwd"]), fmt_seconds(t["bwd"])])
     for name, cells in rows.items():
         table.add_row(name, *cells)
-    console.print(table)
+    console.print(fit_words(table))
     steps = ", ".join(f"{fmt_seconds(s['seconds'])} at micro-batch {s['micro_batch']}"
                       for s in layers["steps"])
     console.print(f"Whole training step (forward, loss, backward): {steps}.", soft_wrap=True)
@@ -163,7 +164,7 @@ def _render_comm(comm: dict) -> None:
         sizes = f"{fmt_bytes(c['sweep'][0]['bytes'])} – {fmt_bytes(c['sweep'][-1]['bytes'])}"
         table.add_row(name, fmt_seconds(c["alpha"]), fmt_rate(c["beta_bandwidth"]),
                       f"{fmt_rate(best['busbw'])} at {fmt_bytes(best['bytes'])}", sizes)
-    console.print(table)
+    console.print(fit_words(table))
 
 
 @profile_app.command("merge")

@@ -7,7 +7,7 @@ from rich.table import Table
 
 
 class FitWords:
-    """A table without rules (two spaces between columns, bold headers) whose columns
+    """A table without rules (its padding between columns, bold headers) whose columns
     are narrowed, widest first, down to their longest word, so cells wrap between
     words rather than inside them (rich alone narrows every column in proportion); where
     the longest words do not fit either, the widest columns are folded first."""
@@ -22,7 +22,9 @@ class FitWords:
         least = [max((len(w) for t in cells for w in t.split()), default=1) for cells in texts]
         widths = [max((len(line) for t in cells for line in t.splitlines()), default=1)
                   for cells in texts]
-        room = options.max_width - 2 * (len(columns) - 1)
+        _, right, _, left = self.table.padding
+        gap = max(right, left) if self.table.collapse_padding else right + left
+        room = options.max_width - gap * (len(columns) - 1)
         if sum(least) > room:  # even the longest words do not fit: fold the widest
             least = [min(4, w) for w in widths]
         while sum(widths) > room:

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli import options as opt
+from cli.tables import fit_words
 from planner.units import fmt_bytes, fmt_count, fmt_flops
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def models(
     for r in rows:
         table.add_row(r["name"], r["family"], fmt_count(r["params"]),
                       str(r["seq_len"] or "-"), r["description"])
-    console.print(table)
+    console.print(fit_words(table))
 
 
 def trace(
@@ -133,7 +134,7 @@ def _render(traced: ModelGraph, elapsed: float, all_layers: bool) -> None:
     table.add_row("", "total", "", str(len(traced.layers)), fmt_count(traced.params),
                   _compact(traced.fwd_flops), _compact(traced.bwd_flops),
                   fmt_bytes(activations), "")
-    console.print(table)
+    console.print(fit_words(table))
     step = (traced.fwd_flops + traced.bwd_flops) * batch
     console.print(f"Training step of batch {batch}: {fmt_flops(step)}; weights "
                   f"{fmt_bytes(traced.param_bytes)} in {traced.dtype}; traced with "
