@@ -68,6 +68,14 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                         ("--interleave", interleave)):
         if value < 1:
             raise PlannerError("bad-option", f"{name} must be at least 1 (got {value}).")
+    if interleave > 1 and schedule is Schedule.GPIPE:
+        raise PlannerError("bad-option", f"--interleave {interleave} runs interleaved 1F1B, "
+                           "which contradicts --schedule gpipe.",
+                           ["drop --schedule gpipe", "or drop --interleave"])
+    if interleave > 1 and pp == 1:
+        raise PlannerError("bad-option", f"--interleave {interleave} needs a pipeline: with "
+                           "--pp 1 there is no stage to interleave chunks with.",
+                           ["use --pp 2 or more", "or drop --interleave"])
     biggest = max(n.devices for n in cluster.nodes)
     fitting = [t for t in (1, 2, 4, 8, 16) if t <= biggest]
     if not any(n.devices % tp == 0 for n in cluster.nodes):
@@ -92,14 +100,6 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
             "bad-option", f"--tp {tp} x --pp {pp} x --dp {dp} needs {tp * pp * dp} devices in "
             f"groups of {tp}; cluster {cluster.name} has {len(slots)} such groups "
             f"({cluster.num_devices} devices).", ["lower --dp or --pp", "lower --tp"])
-    if interleave > 1 and schedule is Schedule.GPIPE:
-        raise PlannerError("bad-option", f"--interleave {interleave} runs interleaved 1F1B, "
-                           "which contradicts --schedule gpipe.",
-                           ["drop --schedule gpipe", "or drop --interleave"])
-    if interleave > 1 and pp == 1:
-        raise PlannerError("bad-option", f"--interleave {interleave} needs a pipeline: with "
-                           "--pp 1 there is no stage to interleave chunks with.",
-                           ["use --pp 2 or more", "or drop --interleave"])
     schedule = Schedule.INTERLEAVED if interleave > 1 else schedule
     chunks = even_bounds(len(layers), pp * interleave)
     if any(a == b for a, b in chunks):
