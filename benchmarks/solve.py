@@ -73,7 +73,8 @@ def run(index: int) -> str:
     timings = stage_timings(plan, graph.layers, costs)
     sync, opt = sync_and_optimizer(plan, graph.layers, costs)
     sim = simulate(timings, [p.num_microbatches for p in plan.pipelines],
-                   schedule=plan.pipelines[0].schedule, sync=sync, optimizer=opt)
+                   schedule=[p.schedule for p in plan.pipelines],
+                   interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt)
     sim_error = (pred.step_time - sim.step_time) / sim.step_time
     ratios = []
     for b in plan.baselines:

@@ -56,6 +56,11 @@ FirstStage = Annotated[str | None, _constraint(
     "--first-stage", "Device type every pipeline's first stage (the embedding's) runs on.")]
 LastStage = Annotated[str | None, _constraint(
     "--last-stage", "Device type every pipeline's last stage (the head's) runs on.")]
+Interleave = Annotated[int | None, _constraint(
+    "--interleave", "Model chunks per device: interleaved 1F1B with that many, 1 for plain "
+    "1F1B (default: the solver tries 1 to --max-interleave).")]
+MaxInterleave = Annotated[int, _constraint(
+    "--max-interleave", "Most model chunks per device the solver tries.")]
 Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Constraints",
                                      help="Allow pipelines that mix two device types.")]
 TimeLimit = Annotated[float | None, typer.Option(

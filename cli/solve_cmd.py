@@ -106,6 +106,8 @@ def solve(
     first_stage: opt.FirstStage = None,
     last_stage: opt.LastStage = None,
     mixed: opt.Mixed = True,
+    interleave: opt.Interleave = None,
+    max_interleave: opt.MaxInterleave = 2,
     layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
     kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
     settings: opt.Set = None,
@@ -133,7 +135,8 @@ def solve(
     options = SolveOptions(
         limits=Limits(tp=tp, max_tp=max_tp, pp=pp, dp=dp, micro_batch=micro_batch,
                       max_stages=max_stages, mixed=mixed, first_stage=first_stage,
-                      last_stage=last_stage),
+                      last_stage=last_stage, interleave=interleave,
+                      interleaves=tuple(range(1, max_interleave + 1))),
         space=Space(policies=_policies(recompute),
                     zeros=(zero,) if zero is not None else (0, 1, 2, 3)),
         exclude=tuple(exclude or ()), top_k=top_k, gap=gap, time_limit=time_limit)

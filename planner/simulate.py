@@ -38,6 +38,9 @@ Schedules (the per-device order of compute ops):
   then cool-down. Requires m % S == 0. With v = 1 it is ONE_F_ONE_B.
   `interleave` is ignored by the other schedules (as in `pipeline_time`).
 
+`schedule` and `interleave` may also be one per pipeline (a plan's pipelines of
+one stage run plain 1F1B beside interleaved ones).
+
 After every pipeline's last backward, every device runs the gradient sync
 (`sync` seconds) and then the optimizer step (`optimizer` seconds).
 
@@ -85,17 +88,22 @@ class Simulation:
 
 
 def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[int], *,
-             schedule: Schedule = Schedule.ONE_F_ONE_B, interleave: int = 1,
+             schedule: Schedule | Sequence[Schedule] = Schedule.ONE_F_ONE_B,
+             interleave: int | Sequence[int] = 1,
              sync: float = 0.0, optimizer: float = 0.0) -> Simulation:
     """Replay one training step of the pipelines, each with its number of micro-batches."""
-    _check(pipelines, microbatches, schedule, interleave, sync, optimizer)
-    v = interleave if schedule is Schedule.INTERLEAVED else 1
-    if v == 1 and schedule is Schedule.INTERLEAVED:
-        schedule = Schedule.ONE_F_ONE_B
+    schedules = ([schedule] * len(pipelines) if isinstance(schedule, Schedule)
+                 else list(schedule))
+    chunks = [interleave] * len(pipelines) if isinstance(interleave, int) else list(interleave)
+    _check(pipelines, microbatches, schedules, chunks, sync, optimizer)
     events: list[Event] = []
     times = []
     for p, (stages, m) in enumerate(zip(pipelines, microbatches, strict=True)):
-        pipeline_events = _run_pipeline(p, list(stages), m, schedule, v)
+        kind = schedules[p]
+        v = chunks[p] if kind is Schedule.INTERLEAVED else 1
+        if v == 1 and kind is Schedule.INTERLEAVED:
+            kind = Schedule.ONE_F_ONE_B
+        pipeline_events = _run_pipeline(p, list(stages), m, kind, v)
         events += pipeline_events
         times.append(max(e.end for e in pipeline_events if e.kind == BWD))
     end = max(times)
@@ -109,14 +117,17 @@ def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[
 
 
 def _check(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[int],
-           schedule: Schedule, interleave: int, sync: float, optimizer: float) -> None:
+           schedules: Sequence[Schedule], chunks: Sequence[int], sync: float,
+           optimizer: float) -> None:
     if not pipelines:
         raise ValueError("simulate needs at least one pipeline")
-    if len(microbatches) != len(pipelines):
-        raise ValueError(f"got {len(pipelines)} pipelines but {len(microbatches)} "
-                         "micro-batch counts; give one count per pipeline")
-    if interleave < 1:
-        raise ValueError(f"interleave must be >= 1, got {interleave}")
+    for what, values in (("micro-batch counts", microbatches), ("schedules", schedules),
+                         ("interleave counts", chunks)):
+        if len(values) != len(pipelines):
+            raise ValueError(f"got {len(pipelines)} pipelines but {len(values)} {what}; "
+                             "give one per pipeline")
+    if min(chunks) < 1:
+        raise ValueError(f"interleave must be >= 1, got {min(chunks)}")
     if sync < 0 or optimizer < 0:
         raise ValueError(f"sync and optimizer times must be >= 0, got {sync} and {optimizer}")
     for p, (stages, m) in enumerate(zip(pipelines, microbatches, strict=True)):
@@ -124,7 +135,7 @@ def _check(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[in
             raise ValueError(f"pipeline {p} has no stages")
         if m < 1:
             raise ValueError(f"pipeline {p} needs at least 1 micro-batch, got {m}")
-        if schedule is Schedule.INTERLEAVED and interleave > 1 and m % len(stages):
+        if schedules[p] is Schedule.INTERLEAVED and chunks[p] > 1 and m % len(stages):
             raise ValueError(
                 f"pipeline {p}: the interleaved schedule needs the number of micro-batches "
                 f"({m}) to be a multiple of the number of stages ({len(stages)})")

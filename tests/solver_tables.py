@@ -13,11 +13,13 @@ from planner.solver.evaluate import (
     Config,
     Space,
     class_links,
+    group,
     placement_sharing,
     sync_and_optimizer,
     zero_gathers,
     zero_space,
 )
+from planner.solver.interleave import fold
 from planner.solver.limits import Limits
 from planner.solver.partition import class_costs
 from planner.solver.search import configs
@@ -139,6 +141,7 @@ def structures(table: CostTable, batch: int, limits: Limits):
 
 def _structure(table: CostTable, config: Config, space: Space,
                shapes: tuple[ClassShape, ...], microbatches: int) -> float:
+    table = fold(table, config.interleave)  # v chunks per device: the same cuts each round
     placement = place(table, shapes, config.tp)
     pipelines = sum(s.n for s in shapes)
     space = zero_space(space, shapes)  # the runtime's ZeRO: one class only
@@ -150,7 +153,8 @@ def _structure(table: CostTable, config: Config, space: Space,
         costs = class_costs(table, shape.types, tp=config.tp, mb=config.mb, n=shape.n,
                             links=class_links(table, slots, flows),
                             gathers=zero_gathers(table, slots), schedule=config.schedule,
-                            policies=space.policies, zeros=space.zeros)
+                            policies=space.policies, zeros=space.zeros,
+                            interleave=config.interleave)
         splits = []
         for cuts in itertools.combinations(range(1, table.num_layers), shape.stages - 1):
             split = costs.split_at((0, *cuts, table.num_layers))
@@ -159,16 +163,19 @@ def _structure(table: CostTable, config: Config, space: Space,
         if not splits:
             return float("inf")
         # the search space's splits: those no other split beats in both the largest stage
-        # time and the total (the staircase the dynamic program walks)
+        # time and the sum of w (the staircase the dynamic program walks)
         options.append([x for x in splits if not any(
-            (y.largest_h <= x.largest_h and y.total < x.total)
-            or (y.largest_h < x.largest_h and y.total <= x.total) for y in splits)])
+            (y.largest_h <= x.largest_h and y.weights < x.weights)
+            or (y.largest_h < x.largest_h and y.weights <= x.weights) for y in splits)])
     best = float("inf")
     for combo in itertools.product(*options):
         sync, opt = sync_and_optimizer(table, config, shapes, placement, combo)
         pipes = [split for shape, split in zip(shapes, combo, strict=True)
                  for _ in range(shape.n)]
+        groups = [group(config, shape) for shape in shapes for _ in range(shape.n)]
         for counts in _compositions(microbatches, len(pipes)):
+            if any(m % g for m, g in zip(counts, groups, strict=True)):
+                continue  # interleaved pipelines run multiples of their stage count
             slowest = max(split.time(m) for split, m in zip(pipes, counts, strict=True))
             best = min(best, slowest + sync + opt)
     return best
@@ -187,4 +194,5 @@ def random_instance(rng: random.Random) -> tuple[CostTable, int, Limits]:
     batch = rng.choice([2, 4, 6])
     if layers > 2 and rng.random() < 0.3:  # the last layer reads some of the first's weights
         table = replace(table, tied=((layers - 1, 0, float(table.params[0]) / 2),), cache={})
-    return table, batch, Limits(max_stages=3)
+    chunks = (1, 2) if rng.random() < 0.3 else (1,)
+    return table, batch, Limits(max_stages=3, interleaves=chunks)

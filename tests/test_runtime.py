@@ -21,7 +21,7 @@ from planner.runtime.checkpoint import complete_steps, load_full_model
 from planner.runtime.reference import build_reference, train_reference
 from planner.runtime.summary import read_losses
 from planner.types import Recompute, Schedule
-from tests.runtime_helpers import resplit, run_ranks, tiny_plan
+from tests.runtime_helpers import resplit, run_ranks, solver_plan, tiny_plan
 
 pytestmark = pytest.mark.slow  # each test starts a few processes (5-20 s)
 
@@ -100,6 +100,17 @@ def test_interleaved_schedule_with_a_data_hook(tmp_path):
     assert len(plan.pipelines[0].stages[0].chunks) == 2
     hook = "tests.runtime_data:tokens"
     _check_against_reference(plan, _run(tmp_path, plan, data=hook), data=hook)
+
+
+def test_an_interleaved_solver_plan_with_uneven_chunks(tmp_path):
+    """The solver cuts every round alike, here unevenly (one block and two layers per
+    round), and the tied token table spans both stages."""
+    plan = solver_plan("1x2xcpu", batch=8, interleave=2, pp=2, micro_batch=2)
+    pipe = plan.pipelines[0]
+    assert pipe.schedule is Schedule.INTERLEAVED and pipe.num_microbatches == 4
+    sizes = {b - a for s in pipe.stages for a, b in s.chunks}
+    assert sizes == {1, 2}
+    _check_against_reference(plan, _run(tmp_path, plan))
 
 
 def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path):

@@ -319,7 +319,7 @@ def test_schedule_orders():
     ([balanced(2)], [0], {}, "at least 1 micro-batch"),
     ([[]], [4], {}, "no stages"),
     ([], [], {}, "at least one pipeline"),
-    ([balanced(2)], [4, 4], {}, "one count per pipeline"),
+    ([balanced(2)], [4, 4], {}, "micro-batch counts; give one per pipeline"),
     ([balanced(2)], [4], {"schedule": INTERLEAVED, "interleave": 0}, "interleave"),
     ([balanced(2)], [4], {"sync": -1.0}, ">= 0"),
     ([[StageTiming(fwd=-1.0, bwd=1.0)]], [4], {}, "negative"),

@@ -83,7 +83,8 @@ def test_simulator_agrees_with_the_closed_form(setup):
     timings = stage_timings(plan, graph.layers, costs)
     sync, opt = sync_and_optimizer(plan, graph.layers, costs)
     sim = simulate(timings, [p.num_microbatches for p in plan.pipelines],
-                   schedule=plan.pipelines[0].schedule, sync=sync, optimizer=opt)
+                   schedule=[p.schedule for p in plan.pipelines],
+                   interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt)
     assert sim.step_time == pytest.approx(plan.prediction.step_time, rel=0.02)
 
 

@@ -56,9 +56,11 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     limits = options.limits
     for flag, value in (("--tp", limits.tp), ("--max-tp", limits.max_tp), ("--pp", limits.pp),
                         ("--dp", limits.dp), ("--micro-batch", limits.micro_batch),
-                        ("--max-stages", limits.max_stages)):
+                        ("--max-stages", limits.max_stages), ("--interleave", limits.interleave),
+                        ("--max-interleave", max(limits.interleaves, default=0))):
         if value is not None and value < 1:
             raise PlannerError("bad-option", f"{flag} must be at least 1 (got {value}).")
+    _check_interleave(limits, len(model.layers))
     # --max-stages bounds a free --pp; only one the user changed contradicts a fixed one
     if (limits.pp is not None and limits.max_stages < limits.pp
             and limits.max_stages != Limits().max_stages):
@@ -116,6 +118,22 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         raise PlannerError("bad-option", f"--dp {limits.dp} pipelines cannot share a global "
                            f"batch of {training.global_batch}.", ["lower --dp"])
     return used
+
+
+def _check_interleave(limits: Limits, layers: int) -> None:
+    """A fixed chunk count must cut the layers into equal rounds, over several stages."""
+    v = limits.interleave
+    if v is None or v == 1:
+        return
+    if limits.pp == 1:
+        raise PlannerError("bad-option", f"--interleave {v} needs pipelines of several "
+                           "stages, which contradicts --pp 1.", ["drop one of them"])
+    if layers % v:
+        fits = [k for k in range(1, min(layers, 8) + 1) if layers % k == 0]
+        raise PlannerError(
+            "bad-option", f"--interleave {v} cannot cut the model's {layers} layers into {v} "
+            "equal rounds (the solver splits every round alike, Megatron-style).",
+            [f"use one of --interleave {', '.join(map(str, fits))}"])
 
 
 def pinned_type(name: str, types: list[str]) -> str | None:

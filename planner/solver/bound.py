@@ -16,6 +16,7 @@ import numpy as np
 
 from cost_models.comm import send_sharing, shared_by
 from planner.solver.evaluate import Config, Space
+from planner.solver.interleave import fold
 from planner.solver.limits import Limits
 from planner.solver.partition import INF, ZERO_GATHER_REF, class_costs, optimize
 from planner.solver.structure import capacity, node_labels
@@ -53,13 +54,16 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
     prefix_a(j) + suffix_b(j) and its bottleneck at least the smallest
     max(prefix_a(j) / c_a, suffix_b(j) / c_b) over the j that leave every stage a
     layer and each block room for its layers' parameter states (ZeRO-sharded over
-    the most pipelines), and at least the largest layer's time on its faster type.
+    the most pipelines), and at least the largest layer's time on its faster type
+    (with v chunks per device, of the folded table; the total bounds the fill, 1/v
+    of the busy time plus (1 - 1/v) bottlenecks).
     (Layer times are not proportional across types, so the plain fluid bound
     1 / sum_k c_k / W_k is not one.) Where a block's states and kept activations
     (at least the fewest micro-batches any of its stages holds) overflow its
     devices, the recompute that frees the bytes over, at the cheapest rate any layer
     and policy frees them, is added to its time. A family whose devices cannot hold
     the states however the layers are split is dropped."""
+    table = fold(table, config.interleave)
     busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, config.tp, config.mb))
             for t in table.types}
     work = {k: float(v.sum()) for k, v in busy.items()}
@@ -111,9 +115,10 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
             if s <= slots[kind] and (found := fits([(kind, s)])):
                 total = work[kind] + float(recompute(
                     kind, held[-1] * state_bytes(found[1]), kept_acts[-1], np.array(s),
-                    np.array(in_flight(s - 1, s, 10**9, config.schedule))))
-                out.append(Family(types=found[0], n_max=found[1], total=total,
-                                  min_busy=max(total / s, largest_layer[kind, kind])))
+                    np.array(in_flight(s - 1, s, 10**9, config.schedule, config.interleave))))
+                period = max(total / s, largest_layer[kind, kind])
+                out.append(Family(types=found[0], n_max=found[1], min_busy=period,
+                                  total=fill(total, period)))
         return out
 
     def mixed(a: str, b: str) -> list[Family]:
@@ -130,19 +135,29 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
         j = np.arange(table.num_layers + 1)[None, :]
         ok = ((j >= ca) & (j <= table.num_layers - cb) & (need <= ca * rooms[a])
               & (need[:, -1:] - need <= cb * rooms[b]))
-        first = np.array([float(in_flight(int(c) - 1, int(c + d), 10**9, config.schedule))
+        first = np.array([float(in_flight(int(c) - 1, int(c + d), 10**9, config.schedule,
+                                               config.interleave))
                           for c, d in zip(ca[:, 0], cb[:, 0], strict=True)])[:, None]
-        last = np.array([float(in_flight(int(c + d) - 1, int(c + d), 10**9, config.schedule))
+        last = np.array([float(in_flight(int(c + d) - 1, int(c + d), 10**9, config.schedule,
+                                              config.interleave))
                          for c, d in zip(ca[:, 0], cb[:, 0], strict=True)])[:, None]
         head = prefix[a][None, :] + recompute(a, need, kept_acts[None, :], ca, first)
         tail = (work[b] - prefix[b])[None, :] + recompute(
             b, need[:, -1:] - need, kept_acts[-1] - kept_acts[None, :], cb, last)
         total = np.where(ok, head + tail, INF).min(axis=1)
         busiest = np.where(ok, np.maximum(head / ca, tail / cb), INF).min(axis=1)
-        return [Family(types=found[0], n_max=found[1], total=float(t),
-                        min_busy=max(float(m), largest_layer[a, b]))
+        return [Family(types=found[0], n_max=found[1],
+                       total=fill(float(t), max(float(m), largest_layer[a, b])),
+                       min_busy=max(float(m), largest_layer[a, b]))
                 for (found, _, _), t, m, live in zip(kept, total, busiest, ok.any(axis=1),
                                                      strict=True) if live]
+
+    def fill(busy: float, period: float) -> float:
+        """The least fill of a pipeline whose stages are busy this long in all and whose
+        period is at least `period`: the busy time, or interleaved (`timing.py`) its
+        1/v plus (1 - 1/v) periods."""
+        v = config.interleave
+        return busy if v == 1 else busy / v + (1 - 1 / v) * period
 
     def lengths() -> range:
         return range(limits.pp, limits.pp + 1) if limits.pp else range(1, longest + 1)
@@ -221,13 +236,15 @@ def tighten(table: CostTable, config: Config, space: Space, family: Family) -> N
     placement and no smaller count of its pipelines beats: ZeRO sharded over n_max
     pipelines (the most memory relief), the fastest links any placement could give
     (`_boundary_links`), and the cheapest ZeRO-3 gathers any group could have."""
+    table = fold(table, config.interleave)
     key = ("tight", family.types, family.n_max, config, space)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
             table, family.types, tp=config.tp, mb=config.mb, n=family.n_max,
             links=_boundary_links(table, family.types, config.tp),
             gathers=[cheapest_gather(table, kind) for kind in family.types],
-            schedule=config.schedule, policies=space.policies, zeros=space.zeros))
+            schedule=config.schedule, policies=space.policies, zeros=space.zeros,
+            interleave=config.interleave))
     result = table.cache[key]
     family.tight = True
     if result is None:

@@ -4,7 +4,8 @@
 
 Micro-batches m_p >= 1 (sum: global batch / micro-batch size) go greedily to
 the pipeline whose time grows least, which minimises the maximum for any
-non-decreasing T_p (HAP's uneven shares). Gradient sync: each stage's
+non-decreasing T_p (HAP's uneven shares); an interleaved pipeline runs a whole
+multiple of its stages (`shares.grouped_shares`). Gradient sync: each stage's
 gradients are all-reduced (ZeRO-1/2: reduce-scattered and gathered, the same
 volume) among every pipeline that holds its first layer, on the nodes those
 pipelines hold it on; a weight tied across stages (a head reading the
@@ -19,13 +20,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import heapq
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_models.comm import Collective, CommGroup, send_sharing, shared_by
+from planner.solver.interleave import fold
 from planner.solver.partition import (
     ZERO_GATHER_REF,
     ClassResult,
@@ -34,6 +34,7 @@ from planner.solver.partition import (
     class_costs,
     optimize,
 )
+from planner.solver.shares import grouped_shares, shares
 from planner.solver.structure import ClassShape, Placement, Slot, place
 from planner.solver.table import CostTable
 from planner.types import LinkSpec, Schedule
@@ -42,9 +43,17 @@ from planner.types.training import Recompute
 
 @dataclass(frozen=True)
 class Config:
+    """What every class of a structure shares: tensor-parallel degree, micro-batch size
+    and model chunks per device (interleaved 1F1B if more than one; the search prices
+    it on the folded table, `interleave.fold`)."""
+
     tp: int
     mb: int
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    interleave: int = 1
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule.INTERLEAVED if self.interleave > 1 else Schedule.ONE_F_ONE_B
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,7 @@ def class_result(table: CostTable, shape: ClassShape, config: Config, space: Spa
                  slots: Sequence[Sequence[Slot]], flows: dict[str, int] | None = None
                  ) -> ClassResult | None:
     """The class's best split (cached by everything its prices depend on)."""
+    table = fold(table, config.interleave)
     links = tuple(class_links(table, slots, flows))
     gathers = tuple(zero_gathers(table, slots))
     key = ("class", shape, config, space, links, gathers)
@@ -118,71 +128,14 @@ def class_result(table: CostTable, shape: ClassShape, config: Config, space: Spa
         table.cache[key] = optimize(class_costs(
             table, shape.types, tp=config.tp, mb=config.mb, n=shape.n, links=links,
             gathers=gathers, schedule=config.schedule, policies=space.policies,
-            zeros=space.zeros))
+            zeros=space.zeros, interleave=config.interleave))
     return table.cache[key]
 
 
-def shares(lines: Sequence[tuple[int, float, float]], total: int) -> list[int] | None:
-    """Micro-batches per pipeline minimising the slowest pipeline's time.
-
-    lines: (pipeline count, bottleneck b, fill c) per class, a pipeline taking
-    T(m) = (m - 1) b + c for m micro-batches. Returns every pipeline's count in
-    order (each at least one), or None if there are fewer micro-batches than
-    pipelines. The optimum t* is the smallest time by which the pipelines can
-    finish `total` micro-batches (a pipeline finishes 1 + floor((t - c) / b) by
-    t); identical pipelines share a class's micro-batches as evenly as possible."""
-    pipelines = sum(count for count, _, _ in lines)
-    if total < pipelines:
-        return None
-
-    def capacity(t: float, b: float, c: float) -> int:
-        return 0 if t < c else min(total, 1 + int((t - c) / b + 1e-9))
-
-    def done(t: float) -> int:
-        return sum(n * capacity(t, b, c) for n, b, c in lines)
-
-    high = max(c for _, _, c in lines)  # every pipeline runs at least one micro-batch
-    if done(high) < total:
-        # t* lies within the longest period above where the pipelines, run fluidly, would
-        # finish; it is one of the times a pipeline completes a micro-batch
-        fluid = (total - sum(n * (1 - c / b) for n, b, c in lines)) / sum(
-            n / b for n, b, _ in lines)
-        low = max(high, fluid)
-        reach = low + max(b for _, b, _ in lines)
-        times = sorted({c + k * b for _, b, c in lines
-                        for k in range(max(0, math.floor((low - c) / b)),
-                                       math.floor((reach - c) / b) + 2)})
-        times = [t for t in times if t >= low] or [reach]
-        first, last = 0, len(times) - 1
-        while first < last:
-            mid = (first + last) // 2
-            first, last = (first, mid) if done(times[mid]) >= total else (mid + 1, last)
-        high = times[first]
-    tops = [max(1, capacity(high, b, c)) for _, b, c in lines]
-    firsts = [0] * len(lines)  # class j: its first firsts[j] pipelines run tops[j] - 1
-    excess = sum(n * top for (n, _, _), top in zip(lines, tops, strict=True)) - total
-
-    def key(j: int) -> tuple[float, int]:  # the slowest pipeline first, then the class order
-        return -((tops[j] - 1) * lines[j][1] + lines[j][2]), j
-
-    heap = [key(j) for j in range(len(lines)) if tops[j] > 1]
-    heapq.heapify(heap)
-    while excess > 0:  # take micro-batches back from the slowest pipelines, a level at a time
-        _, j = heapq.heappop(heap)
-        n, b, c = lines[j]
-        if excess < n:
-            firsts[j] = excess
-            break
-        levels = 1
-        if heap:  # every level still slower than the next class's slowest pipeline
-            slower = math.floor((tops[j] - 1) - (-heap[0][0] - c) / b) if b > 0 else 1
-            levels = max(1, min(slower, tops[j] - 1, excess // n))
-        tops[j] -= levels
-        excess -= levels * n
-        if tops[j] > 1:
-            heapq.heappush(heap, key(j))
-    return [top - (i < first) for (n, _, _), top, first in zip(lines, tops, firsts, strict=True)
-            for i in range(n)]
+def group(config: Config, shape: ClassShape) -> int:
+    """Micro-batches a class's pipelines run in whole multiples of: their stage count
+    if interleaved (`shares.grouped_shares`), else 1."""
+    return shape.stages if config.interleave > 1 else 1
 
 
 def _holders(placement: Placement, splits: Sequence[Split], layer: int,
@@ -218,6 +171,7 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
                        groups: dict | None = None) -> tuple[float, float]:
     """Gradient sync (the slowest group's all-reduce) and optimizer step (the slowest
     stage's); `groups` may carry sync groups between splits of one placement."""
+    table = fold(table, config.interleave)
     groups = {} if groups is None else groups
     ties = _split_ties(table, placement, splits)
     sync = opt = 0.0
@@ -248,8 +202,9 @@ def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
              beat: float = float("inf"), groups: dict | None = None) -> Evaluation | None:
     """Price a structure whose classes use the given splits (None if its pipelines alone
     take `beat` or longer); `groups` as for `sync_and_optimizer`."""
-    counts = shares([(shape.n, split.bottleneck, split.total) for shape, split in zip(
-        shapes, splits, strict=True)], microbatches)
+    table = fold(table, config.interleave)
+    counts = grouped_shares([(shape.n, split.bottleneck, split.total) for shape, split in zip(
+        shapes, splits, strict=True)], [group(config, shape) for shape in shapes], microbatches)
     if counts is None:
         return None
     it = iter(counts)
@@ -289,6 +244,7 @@ def zero_space(space: Space, shapes: Sequence[ClassShape]) -> Space | None:
 def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassShape, ...],
           microbatches: int) -> Priced | None:
     """Price a structure with each class's smallest-bottleneck split, and bound it."""
+    table = fold(table, config.interleave)
     placement = place(table, shapes, config.tp)
     space = zero_space(space, shapes)
     if placement is None or space is None:
@@ -340,6 +296,7 @@ def refine(table: CostTable, priced: Priced, microbatches: int,
            beat: float = float("inf")) -> Evaluation | None:
     """The structure's exact best: every combination of each class's staircase splits
     that may beat the best so far (None if none is faster than `beat`)."""
+    table = fold(table, priced.config.interleave)
     best = priced.upper if priced.upper.step_time < beat else None
     bar = best.step_time if best else beat
     fronts = [_useful_steps(table, priced, c, microbatches, bar)

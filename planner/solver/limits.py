@@ -14,6 +14,8 @@ class Limits:
     pp: int | None = None  # stages per pipeline
     dp: int | None = None  # number of pipelines
     micro_batch: int | None = None
+    interleave: int | None = None  # model chunks per device (1: plain 1F1B)
+    interleaves: tuple[int, ...] = (1, 2)  # the chunk counts tried if `interleave` is free
     max_stages: int = 16
     max_micro_batch: int = 16
     mixed: bool = True

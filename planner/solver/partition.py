@@ -27,6 +27,11 @@ stage), and among the steps the one that makes the whole step fastest is
 chosen; a split off the staircase that trades pipeline time for a smaller
 stage is not considered.
 
+With v chunks per device (interleaved 1F1B, on a folded table: `interleave.py`),
+h_s = max(t_s, v c_s) and w_s = t_s / v + 2 (S v - 1) c_s / (S - 1) (`ClassCosts.h_w`):
+the period is exactly max_s h_s, with no round trips, and T(m) = (m - 1) P + sum_s w_s
++ (1 - 1/v) P, so the staircase holds every split that can be best.
+
 Memory of stage s (position s holds in-flight micro-batches of the schedule)
 must fit: states sharded by ZeRO over the class's n pipelines, activations by
 recompute policy, plus the framework reserve.
@@ -64,8 +69,9 @@ class Split:
     options: tuple[Option, ...]
     stages: tuple[StageTiming, ...]
     bottleneck: float  # the period: max(max_s h_s, 1F1B's round trips; see timing.py)
-    total: float  # sum_s w_s
+    total: float  # the fill: T(m) = (m - 1) * bottleneck + total
     largest_h: float  # max_s h_s
+    weights: float  # sum_s w_s (the fill, less interleaving's (1 - 1/v) * bottleneck)
 
     def time(self, m: int) -> float:
         return (m - 1) * self.bottleneck + self.total
@@ -81,6 +87,7 @@ class ClassCosts:
     options: tuple[Option, ...]
     parts: dict  # per-stage sums for rebuilding StageTiming
     links: tuple  # what each stage's send depends on (None for the last stage)
+    interleave: int = 1  # model chunks per device (interleaved 1F1B; see `h_w`)
     _hw: dict = field(default_factory=dict, repr=False)  # shared between classes
     _stage_hw: list = field(default_factory=list, repr=False, init=False)  # `h_w`, per stage
 
@@ -88,14 +95,26 @@ class ClassCosts:
     def stages(self) -> int:
         return len(self.busy)
 
+    @property
+    def ways(self) -> float:
+        """How many times the fill pays each stage's send: both ways once (1F1B), or
+        2 (S v - 1) sends of the mean one (interleaved)."""
+        v = self.interleave
+        return 2.0 if v == 1 else 2 * (self.stages * v - 1) / max(1, self.stages - 1)
+
     def h_w(self, s: int) -> tuple[np.ndarray, np.ndarray]:
-        """h = max(busy, send) and w = busy + 2 send, per layer range [a, b)."""
+        """h = max(busy, send) and w = busy + 2 send, per layer range [a, b); with v
+        chunks per device (v > 1), h = max(busy, v send) and w = busy / v + 2 (S v - 1)
+        send / (S - 1), interleaved 1F1B's period and fill (`timing.py`) being
+        (m - 1) max_s h_s + sum_s w_s + (1 - 1/v) max_s h_s."""
         if not self._stage_hw:
+            v, ways = self.interleave, self.ways
             for t in range(self.stages):
-                key = (id(self.busy[t]), self.links[t])
+                key = (id(self.busy[t]), self.links[t], v, ways)
                 if key not in self._hw:
                     send = self.send[t][None, :]
-                    self._hw[key] = (np.maximum(self.busy[t], send), self.busy[t] + 2 * send)
+                    self._hw[key] = (np.maximum(self.busy[t], v * send),
+                                     self.busy[t] / v + ways * send)
                 self._stage_hw.append(self._hw[key])
         return self._stage_hw[s]
 
@@ -196,7 +215,7 @@ class ClassCosts:
         if any(not np.isfinite(self.busy[s][bounds[s], bounds[s + 1]])
                for s in range(self.stages)):
             return None
-        options, stages, hs, ws = [], [], [], []
+        options, stages = [], []
         for s in range(self.stages):
             a, b = bounds[s], bounds[s + 1]
             option = self.options[int(self.option[s][a, b])]
@@ -213,12 +232,18 @@ class ClassCosts:
                 recompute=float(p["rec"][option.recompute][b] - p["rec"][option.recompute][a]),
                 send=send))
             options.append(option)
-            hs.append(max(stages[-1].busy, send))
-            ws.append(stages[-1].busy + 2 * send)
+        v = self.interleave  # h and w as `h_w`
+        largest = max(max(st.busy, v * st.send) for st in stages)
+        weights = sum(st.busy / v + self.ways * st.send for st in stages)
+        if v > 1:  # interleaved 1F1B: the period is max_s h_s, the fill adds a part of it
+            return Split(bounds=tuple(bounds), options=tuple(options), stages=tuple(stages),
+                         bottleneck=largest, total=weights + (1 - 1 / v) * largest,
+                         largest_h=largest, weights=weights)
         # the round trips of 1F1B's in-flight limits bound the period too (timing.py)
         trips = round_trip([s.busy for s in stages], [s.send for s in stages[:-1]])
         return Split(bounds=tuple(bounds), options=tuple(options), stages=tuple(stages),
-                     bottleneck=max(max(hs), trips), total=sum(ws), largest_h=max(hs))
+                     bottleneck=max(largest, trips), total=weights, largest_h=largest,
+                     weights=weights)
 
 
 def _reached(g: np.ndarray) -> slice | None:
@@ -352,9 +377,10 @@ def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: flo
 
 def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: int,
                 links: Sequence[LinkSpec], gathers: Sequence[tuple[float, float]],
-                schedule: Schedule, policies: Sequence[Recompute], zeros: Sequence[int]
-                ) -> ClassCosts:
-    """Matrices of busy time, option choice and send time for every stage position.
+                schedule: Schedule, policies: Sequence[Recompute], zeros: Sequence[int],
+                interleave: int = 1) -> ClassCosts:
+    """Matrices of busy time, option choice and send time for every stage position
+    (with `interleave` chunks per device, of a folded table: `interleave.py`).
 
     gathers[s]: seconds of a ZeRO-3 all-gather among the class's pipelines at stage s
     of 1 byte and of ZERO_GATHER_REF bytes (gathers are priced affinely between)."""
@@ -362,7 +388,8 @@ def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: 
     busy_all, option_all, send_all, parts_all = [], [], [], []
     for s, kind in enumerate(types):
         busy, choice, parts = _stage(
-            table, kind, tp=tp, mb=mb, n=n, flight=in_flight(s, len(types), 10**9, schedule),
+            table, kind, tp=tp, mb=mb, n=n,
+            flight=in_flight(s, len(types), 10**9, schedule, interleave),
             gather=tuple(gathers[s]), policies=policies, zeros=zeros)
         last = s == len(types) - 1
         busy_all.append(busy)
@@ -373,18 +400,24 @@ def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: 
     hw = table.cache.setdefault(("h_w", mb), {})
     return ClassCosts(busy=busy_all, option=option_all, send=send_all,
                       options=_options(n, policies, zeros), parts=parts_all,
-                      links=(*links, None), _hw=hw)
+                      links=(*links, None), interleave=interleave, _hw=hw)
 
 
 @dataclass(frozen=True)
 class ClassResult:
-    """The first step of G (smallest bottleneck), G's floor and a floor on the period."""
+    """The first step of G (smallest bottleneck), G's floor and floors on the period
+    and the fill."""
 
     costs: ClassCosts
-    floor: float  # G(inf): no split has a smaller sum_s w_s
+    least_weights: float  # G(inf): no split has a smaller sum_s w_s
     smallest_max: float  # M0: no split has a smaller max_s h_s
     first: Split  # the cheapest split with the smallest bottleneck
     min_period: float  # no split of this class has a shorter period (`_neighbours_period`)
+
+    @property
+    def floor(self) -> float:
+        """No split of this class has a smaller fill (`Split.total`)."""
+        return self.least_weights + (1 - 1 / self.costs.interleave) * self.min_period
 
     def lower(self, m: int) -> float:
         """No split of this class runs m micro-batches faster."""
@@ -401,7 +434,10 @@ def optimize(costs: ClassCosts) -> ClassResult | None:
         return None
     floor = costs.cost(INF)
     first = costs.split(costs.solve(bottleneck)[1])
-    return ClassResult(costs=costs, floor=floor, smallest_max=bottleneck, first=first,
+    if costs.interleave > 1:  # the period is max_s h_s: no round trips (`h_w`)
+        return ClassResult(costs=costs, least_weights=floor, smallest_max=bottleneck,
+                           first=first, min_period=bottleneck)
+    return ClassResult(costs=costs, least_weights=floor, smallest_max=bottleneck, first=first,
                        min_period=_neighbours_period(
                            costs, _least_period(costs, bottleneck, floor), first.bottleneck))
 
@@ -451,7 +487,7 @@ class Staircase:
     def __init__(self, result: ClassResult) -> None:
         self.result = result
         self.points = [result.first]
-        self.complete = result.first.total <= result.floor + 1e-12
+        self.complete = result.first.weights <= result.least_weights + 1e-12
         self._largest_h = result.smallest_max
         self._cands: np.ndarray | None = None
 
@@ -471,15 +507,15 @@ class Staircase:
             return False
         while lo < hi:  # smallest bound whose G is below the current total
             mid = (lo + hi) // 2
-            if costs.cost(float(cands[mid])) < current.total - 1e-12:
+            if costs.cost(float(cands[mid])) < current.weights - 1e-12:
                 hi = mid
             else:
                 lo = mid + 1
         self._largest_h = float(cands[lo])
         g, choices = costs.solve(self._largest_h)
-        if not g < current.total - 1e-12:
+        if not g < current.weights - 1e-12:
             self.complete = True
             return False
         self.points.append(costs.split(choices))
-        self.complete = self.points[-1].total <= self.result.floor + 1e-12
+        self.complete = self.points[-1].weights <= self.result.least_weights + 1e-12
         return True

@@ -92,9 +92,11 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
                 bwd += 2 * gathers[zero]
             send = 0.0
             if i < len(pipeline.stages) - 1:
-                last, after = layers[stage.layers[1] - 1], pipeline.stages[i + 1].devices.node
-                send = costs.p2p_time(last.output_bytes * mb * shared_by(
-                    flows, node.name, after), node.name, after)
+                # interleaved: each chunk's output goes on; the closed form takes the largest
+                sent = max(layers[b - 1].output_bytes for _, b in stage.chunks)
+                after = pipeline.stages[i + 1].devices.node
+                send = costs.p2p_time(sent * mb * shared_by(flows, node.name, after),
+                                      node.name, after)
             timings.append(StageTiming(fwd=fwd, bwd=bwd, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
                                        recompute=recompute, send=send))
         out.append(timings)

@@ -1,6 +1,7 @@
 """Best-first branch and bound over plan structures.
 
-Search space, for every tensor-parallel degree and micro-batch size allowed:
+Search space, for every tensor-parallel degree, micro-batch size and chunk count
+(interleaved 1F1B, on the folded table: `interleave.py`) allowed:
 
   * at most one *mixed* class: n pipelines whose stages are a block of type A
     followed by a block of type B (A before B chosen too), and
@@ -54,6 +55,7 @@ from planner.solver.bound import (
     tighten,
 )
 from planner.solver.evaluate import Config, Evaluation, Space, price, refine
+from planner.solver.interleave import choices, fold
 from planner.solver.limits import Limits
 from planner.solver.partition import INF, optimize, zero3_first
 from planner.solver.structure import ClassShape, place
@@ -61,9 +63,11 @@ from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
 
 SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
-                "type; one tp degree and micro-batch size per plan, each allowed one tried; "
-                "1F1B; exact layer splits and recompute per stage, ZeRO per stage in "
-                "structures of one class; optimal micro-batch shares")
+                "type; one tp degree, micro-batch size and chunk count per plan, each allowed "
+                "one tried; 1F1B, or interleaved 1F1B with the same cuts in every round and "
+                "whole multiples of its stages in micro-batches; exact layer splits and "
+                "recompute per stage, ZeRO per stage in structures of one class; optimal "
+                "micro-batch shares")
 
 
 _DIVE_TRIES = 16  # times a dive prices a child's families at each level before it picks one
@@ -102,8 +106,10 @@ def configs(table: CostTable, batch: int, limits: Limits) -> list[Config]:
     mbs = [m for m in table.micro_batches if batch % m == 0
            and (limits.micro_batch is None or m == limits.micro_batch)
            and m <= max(limits.max_micro_batch, limits.micro_batch or 0)]
-    for tp, mb in itertools.product(tps, mbs):
-        out.append(Config(tp=tp, mb=mb))
+    chunks = choices(table.num_layers, (limits.interleave,) if limits.interleave else
+                     limits.interleaves)
+    for tp, mb, v in itertools.product(tps, mbs, chunks):
+        out.append(Config(tp=tp, mb=mb, interleave=v))
     return out
 
 
@@ -130,18 +136,23 @@ class _Search:
         params = float(table.params.sum())
         gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
         for config in configs(table, batch, limits):
-            levels = families(table, config, limits, space)
+            folded = self.view(config)
+            levels = families(folded, config, limits, space)
             slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
 
-            costs = {t.name: table.costs(t.name, config.tp, config.mb) for t in table.types}
+            costs = {t.name: folded.costs(t.name, config.tp, config.mb) for t in table.types}
             work = {k: float(c.fwd.sum() + c.bwd.sum()) for k, c in costs.items()}
             bound = Bound(levels, batch // config.mb, slots, work,
-                          optimizer_bound(table, params, space, config.tp),
-                          SyncFloor(table, config, space, sorted(slots), gathers), single)
+                          optimizer_bound(folded, params, space, config.tp),
+                          SyncFloor(folded, config, space, sorted(slots), gathers), single)
             self.state[config] = (levels, bound, {f.types: f for lv in levels for f in lv})
             root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
             root.bound, root.base = bound([], range(len(levels)))
             heapq.heappush(self.heap, root)
+
+    def view(self, config: Config) -> CostTable:
+        """The table the configuration's structures are priced on (`interleave.fold`)."""
+        return fold(self.table, config.interleave)
 
     def threshold(self) -> float:
         return self.best[self.top_k - 1].step_time if len(self.best) >= self.top_k else \
@@ -172,10 +183,10 @@ class _Search:
         fixed = self.fixed(node)
         loose = [f for f, _ in fixed if not f.tight]
         for f in loose:
-            tighten(self.table, node.config, self.space, f)
+            tighten(self.view(node.config), node.config, self.space, f)
         for level in levels[node.level:]:  # pricing one may make another the best
             while (f := best_per_slot(level, node.bound)) is not None and not f.tight:
-                tighten(self.table, node.config, self.space, f)
+                tighten(self.view(node.config), node.config, self.space, f)
                 loose.append(f)
         if not loose:
             return True
@@ -277,7 +288,8 @@ class _Search:
                 if n < 1 or not self.limits.allows(f.types):
                     continue
                 shapes = tuple(sorted((*chosen, ClassShape(f.types, n)), key=_placement_order))
-                priced = price(self.table, config, self.pricing, shapes, microbatches)
+                priced = price(self.view(config), config, self.pricing, shapes,
+                               microbatches)
                 if priced is not None and priced.upper.step_time < best:
                     best, pick = priced.upper.step_time, ClassShape(f.types, n)
             if pick is not None:
@@ -299,7 +311,7 @@ class _Search:
         holds the first layer, whose gradients are all-reduced over all of them unless
         its one class shards that stage with ZeRO-3, which costs its pipelines three
         gathers per micro-batch."""
-        table, config = self.table, node.config
+        table, config = self.view(node.config), node.config
         shapes = _shapes(node)
         placement = place(table, shapes, config.tp)
         if placement is None:
@@ -317,18 +329,18 @@ class _Search:
     def zero3(self, config: Config, family: Family) -> Family:
         """The (tightened) family with its first stage on ZeRO-3."""
         key = ("zero3 family", family.types, family.n_max, config, self.space)
-        if key not in self.table.cache:
-            result = self.table.cache[("tight", family.types, family.n_max, config,
-                                       self.space)]
+        table = self.view(config)
+        if key not in table.cache:
+            result = table.cache[("tight", family.types, family.n_max, config, self.space)]
             kind = family.types[0]
             forced = result and optimize(zero3_first(
-                self.table, result.costs, kind, tp=config.tp, mb=config.mb,
-                gather=cheapest_gather(self.table, kind)))
-            self.table.cache[key] = Family(
+                table, result.costs, kind, tp=config.tp, mb=config.mb,
+                gather=cheapest_gather(table, kind)))
+            table.cache[key] = Family(
                 types=family.types, n_max=family.n_max, tight=True,
                 min_busy=forced.min_period if forced else INF,
                 total=forced.floor if forced else INF)
-        return self.table.cache[key]
+        return table.cache[key]
 
     def is_leaf(self, node: _Node) -> bool:
         return node.level == len(self.state[node.config][0])
@@ -516,6 +528,7 @@ def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Spac
         return  # a seed the stage pins rule out
     shapes = _shapes(node)
     microbatches = batch // node.config.mb
+    table = fold(table, node.config.interleave)
     priced = price(table, node.config, space, shapes, microbatches)
     if priced is None:
         return

@@ -27,6 +27,7 @@ import numpy as np
 
 from cost_models.comm import Collective, CommGroup
 from planner.solver.evaluate import Config, Space
+from planner.solver.interleave import fold
 from planner.solver.partition import INF, ZERO_GATHER_REF
 from planner.solver.table import CostTable
 
@@ -40,6 +41,7 @@ class SyncFloor:
                  kinds: Sequence[str], gathers: dict[str, tuple[float, float]]) -> None:
         """gathers: per type, a ZeRO-3 all-gather of 1 byte and of ZERO_GATHER_REF bytes
         that no group of its replicas beats."""
+        table = fold(table, config.interleave)
         self.kinds = list(kinds)
         self._infos = infos = [table.type(k) for k in self.kinds]
         self.params = float(table.params.sum())

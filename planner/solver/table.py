@@ -78,15 +78,16 @@ class CostTable:
     optimizer_time: Callable[[str, float], float]  # (type, local params) -> seconds
     layer_flops: np.ndarray  # training FLOPs per sample (fwd + bwd), for MFU and bounds
     tied: tuple[tuple[int, int, int], ...] = ()
-    tp_sharded: np.ndarray | None = None  # per layer: tensor parallelism splits it
+    unsharded: np.ndarray | None = None  # per layer: parameters tensor parallelism keeps whole
+    interleave: int = 1  # folded for this many model chunks per device (`interleave.fold`)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def rank_params(self, tp: int) -> np.ndarray:
         """Per layer, the parameters one rank of a tp-wide group holds (replicated
         layers whole)."""
-        if self.tp_sharded is None:
+        if self.unsharded is None:
             return self.params / tp
-        return self.params / np.where(self.tp_sharded, tp, 1)
+        return (self.params - self.unsharded) / tp + self.unsharded
 
     def range_params(self, tp: int) -> np.ndarray:
         """[a, b) matrix of the parameters one rank of a tp-wide stage holding layers
@@ -199,4 +200,5 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
         layer_flops=np.array([layer.flops for layer in layers]),
         tied=tuple((layer.index, owner, params) for layer in layers
                    for owner, params in layer.tied),
-        tp_sharded=np.array([layer.tp_sharded for layer in layers]))
+        unsharded=np.array([0.0 if layer.tp_sharded else float(layer.params)
+                            for layer in layers]))

@@ -1,0 +1,134 @@
+"""Interleaved 1F1B in the search: the folded table, shares in whole groups, and
+solver plans that interleave (priced as `estimate` prices them, runnable ranks)."""
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cost_models.cluster import load_cluster
+from cost_models.model import AnalyticalCostModel
+from planner.models import model_spec
+from planner.runtime.layout import rank_layout
+from planner.simulate import simulate
+from planner.solver import Limits, SolveOptions, solve
+from planner.solver.interleave import chunks, fold
+from planner.solver.predict import stage_timings, sync_and_optimizer
+from planner.solver.shares import grouped_shares
+from planner.solver.timing import in_flight
+from planner.trace import trace_model
+from planner.types import Schedule, TrainingSpec
+from tests.solver_tables import random_table
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_grouped_shares_are_the_best_counts_in_whole_groups(seed):
+    """Against every way to give each pipeline a multiple of its class's group."""
+    rng = random.Random(seed)
+    lines = [(rng.randint(1, 2), rng.uniform(0.5, 2.0), rng.uniform(1.0, 6.0))
+             for _ in range(rng.randint(1, 3))]
+    groups = [rng.choice([1, 2, 3]) for _ in lines]
+    total = rng.randint(1, 14)
+    pipes = [(b, c, g) for (n, b, c), g in zip(lines, groups, strict=True) for _ in range(n)]
+    best = min((max((m - 1) * b + c for m, (b, c, _) in zip(counts, pipes, strict=True))
+                for counts in itertools.product(*(range(g, total + 1, g) for _, _, g in pipes))
+                if sum(counts) == total), default=None)
+    got = grouped_shares(lines, groups, total)
+    if best is None:
+        assert got is None
+        return
+    assert got is not None and sum(got) == total
+    assert all(m >= g and m % g == 0 for m, (_, _, g) in zip(got, pipes, strict=True))
+    slowest = max((m - 1) * b + c for m, (b, c, _) in zip(got, pipes, strict=True))
+    assert slowest == pytest.approx(best, rel=1e-12)
+
+
+def test_a_folded_range_holds_what_its_chunks_hold():
+    table = random_table(4, layers=6, types=[("a", [2])])
+    table = dataclasses.replace(table, tied=((5, 0, 1e7),))
+    folded = fold(table, 2)
+    assert folded.num_layers == 3 and fold(folded, 2) is folded
+    base, half = table.costs("a", 1, 1), folded.costs("a", 1, 1)
+    for a, b in ((0, 1), (1, 3), (0, 3)):
+        held = [i for lo, hi in chunks((a, b), 6, 2) for i in range(lo, hi)]
+        assert float(half.fwd[a:b].sum()) == pytest.approx(float(base.fwd[held].sum()))
+        assert float(folded.params[a:b].sum()) == pytest.approx(float(table.params[held].sum()))
+        # the head (layer 5) reads the embedding's (layer 0) weights: a copy unless both held
+        copy = 1e7 if (5 in held) != (0 in held) and 5 in held else 0.0
+        assert folded.range_params(1)[a, b] == pytest.approx(
+            float(table.params[held].sum()) + copy)
+    assert chunks((1, 3), 6, 2) == ((1, 3), (4, 6))
+    assert folded.boundary[1] == max(table.boundary[1], table.boundary[4])
+    with pytest.raises(ValueError, match="equal rounds"):
+        fold(random_table(4, layers=5, types=[("a", [2])]), 2)
+
+
+@pytest.fixture(scope="module")
+def interleaved():
+    """A solve forced to interleave, its pipelines from the A100 node to the V100 one,
+    on a cluster that lists the V100 node first (ranks follow the file's order)."""
+    graph = trace_model(model_spec("opt-125m", {"layers": 6}), seq_len=512, dtype="fp16")
+    cluster = load_cluster("1x2xA100-40G,1x2xV100-16G@100Gbps")
+    cluster = dataclasses.replace(cluster, nodes=tuple(reversed(cluster.nodes)))
+    assert cluster.nodes[0].device.name == "V100-16G"
+    training = TrainingSpec(global_batch=32, seq_len=512, dtype="fp16")
+    options = SolveOptions(gap=0.0, limits=Limits(interleave=2, pp=2, first_stage="A100-40G-SXM",
+                                                       last_stage="V100-16G"),
+                           with_baselines=False)
+    return graph, cluster, solve(graph, cluster, training, options)[0]
+
+
+def test_an_interleaved_solver_plan_is_priced_as_estimate_prices_it(interleaved):
+    graph, cluster, plan = interleaved
+    assert plan.solver.objective == pytest.approx(plan.prediction.step_time, rel=1e-9)
+    costs = AnalyticalCostModel(cluster)
+    timings = stage_timings(plan, graph.layers, costs)
+    sync, opt = sync_and_optimizer(plan, graph.layers, costs)
+    sim = simulate(timings, [p.num_microbatches for p in plan.pipelines],
+                   schedule=[p.schedule for p in plan.pipelines],
+                   interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt)
+    assert sim.step_time == pytest.approx(plan.prediction.step_time, rel=0.02)
+    for p in plan.pipelines:
+        assert p.schedule is Schedule.INTERLEAVED and p.interleave == 2
+        assert p.num_microbatches % len(p.stages) == 0
+        held = sorted(c for s in p.stages for c in s.chunks)  # round-robin, every layer once
+        assert [s.index for c in held for s in p.stages if c in s.chunks] == [0, 1, 0, 1]
+        assert list(itertools.chain(*held)) == sorted(itertools.chain(*held))
+        assert held[0][0] == 0 and held[-1][1] == len(graph.layers)
+
+
+def test_interleaved_pipelines_sit_on_ascending_ranks(interleaved):
+    """torch's interleaved 1F1B needs each pipeline's stages on ascending ranks: the
+    plan orders the cluster's nodes so (ranks follow the plan's node order)."""
+    _, cluster, plan = interleaved
+    slots = rank_layout(plan).slots
+    for p in plan.pipelines:
+        ranks = [next(r.rank for r in slots if (r.pipeline, r.stage, r.tp_rank) ==
+                      (p.index, s.index, 0)) for s in p.stages]
+        assert ranks == sorted(ranks)
+    assert {n.name for n in plan.cluster.nodes} == {n.name for n in cluster.nodes}
+    assert [n.name for n in plan.cluster.nodes] != [n.name for n in cluster.nodes]
+
+
+def test_interleaving_holds_more_micro_batches_in_flight(interleaved):
+    """Stage 0 keeps Megatron's warm-up of (2 (S-1) + (v-1) S + 1) / v micro-batches of
+    activations (2.5 here), more than 1F1B's S."""
+    graph, cluster, plan = interleaved
+    pipe = plan.pipelines[0]
+    first = pipe.stages[0]
+    costs = AnalyticalCostModel(cluster)
+
+    def memory(flight: float):
+        return costs.memory([graph.layers[i] for i in first.held()],
+                            cluster.node(first.devices.node).device, plan.training,
+                            tp=first.tp, dp=len(plan.pipelines), zero=first.zero,
+                            recompute=first.recompute, micro_batch=pipe.micro_batch,
+                            in_flight=flight)
+
+    assert in_flight(0, 2, pipe.num_microbatches, Schedule.INTERLEAVED, 2) == 2.5
+    assert first.memory == memory(2.5)
+    assert memory(2.5).activations > memory(2.0).activations
