@@ -118,8 +118,10 @@ def structures(table: CostTable, batch: int, limits: Limits):
     """(config, class shapes) of every structure of the search space."""
     names = [t.name for t in table.types]
     for config in configs(table, batch, limits):
-        lengths = (range(limits.pp, limits.pp + 1) if limits.pp else
-                   range(1, min(limits.max_stages, table.num_layers) + 1))
+        least = 2 if config.interleave > 1 else 1  # interleaving: several stages
+        lengths = (range(max(limits.pp, least), limits.pp + 1) if limits.pp else
+                   range(least, min(limits.max_stages, fold(table, config.interleave).num_layers)
+                         + 1))
         mixed: list[tuple[str, ...] | None] = [None]
         if limits.mixed and len(names) > 1:
             for a, b in itertools.permutations(names, 2):
@@ -144,7 +146,7 @@ def _structure(table: CostTable, config: Config, space: Space,
     table = fold(table, config.interleave)  # v chunks per device: the same cuts each round
     placement = place(table, shapes, config.tp)
     pipelines = sum(s.n for s in shapes)
-    space = zero_space(space, shapes)  # the runtime's ZeRO: one class only
+    space = zero_space(space, shapes, config)  # the runtime's ZeRO: one class, 1F1B
     if placement is None or pipelines > microbatches or space is None:
         return float("inf")
     options = []

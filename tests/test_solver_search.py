@@ -61,6 +61,19 @@ def test_search_equals_brute_force_with_fixed_choices(seed):
     assert_equals_brute_force(table, batch, limits, space)
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_equals_brute_force_interleaved(seed):
+    """Two chunks per device only: every round cut alike, ZeRO-free, pipelines of
+    several stages running whole multiples of their stages (random instances rarely
+    pick it when plain 1F1B may compete)."""
+    table, batch, limits = random_instance(random.Random(seed))
+    if table.num_layers % 2:
+        table = random_table(seed, layers=table.num_layers + 1,
+                             types=[(t.name, list(t.node_devices)) for t in table.types])
+    assert_equals_brute_force(table, batch, dataclasses.replace(limits, interleave=2))
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_search_equals_brute_force_with_pinned_stages(seed):

@@ -160,7 +160,7 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
         return busy if v == 1 else busy / v + (1 - 1 / v) * period
 
     def lengths() -> range:
-        return range(limits.pp, limits.pp + 1) if limits.pp else range(1, longest + 1)
+        return stage_counts(limits, config, longest)
 
     kinds = sorted(work, key=lambda k: (work[k], k))
     levels = [homogeneous(k) for k in kinds]
@@ -168,6 +168,14 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
         levels.insert(0, [f for a, b in itertools.permutations(sorted(work), 2)
                           for f in mixed(a, b)])
     return levels
+
+
+def stage_counts(limits: Limits, config: Config, longest: int) -> range:
+    """Stages per pipeline: --pp or 1 to `longest`; at least 2 interleaved (one stage
+    holding every chunk is plain 1F1B, which the configuration without chunks has)."""
+    least = 2 if config.interleave > 1 else 1
+    return range(max(limits.pp, least), limits.pp + 1) if limits.pp else range(
+        least, longest + 1)
 
 
 def _recompute_per_byte(table: CostTable, kind: str, config: Config, space: Space) -> float:

@@ -231,12 +231,14 @@ class Priced:
     extra: float  # no choice of splits pays less for gradient sync and optimizer
 
 
-def zero_space(space: Space, shapes: Sequence[ClassShape]) -> Space | None:
+def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config) -> Space | None:
     """The choices a structure's classes have: ZeRO shards a stage only among replicas
     holding layers no other stage holds (the runtime keeps the rest out of FSDP), and
-    with two classes every layer has two holders, so they run without ZeRO (None if
-    the user allowed ZeRO stages only)."""
-    if len(shapes) == 1:
+    with two classes every layer has two holders, so they run without ZeRO; so do
+    interleaved pipelines (their chunks would gather and reduce-scatter each on its
+    own, and the runtime's FSDP is not run over chunks). None if the user allowed
+    ZeRO stages only."""
+    if len(shapes) == 1 and config.interleave == 1:
         return space
     return dataclasses.replace(space, zeros=(0,)) if 0 in space.zeros else None
 
@@ -246,7 +248,7 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
     """Price a structure with each class's smallest-bottleneck split, and bound it."""
     table = fold(table, config.interleave)
     placement = place(table, shapes, config.tp)
-    space = zero_space(space, shapes)
+    space = zero_space(space, shapes, config)
     if placement is None or space is None:
         return None
     results = []

@@ -28,10 +28,11 @@ the search early and reports the queue's best bound.
 
 The space is searched in two parts, each a tree of its own whose nodes share one
 queue (`_parts`): structures of several classes run without ZeRO (the runtime
-shards only layers one replica set holds), so one part bounds every structure as if
-ZeRO-free, which makes its families deeper and its bounds far tighter where the
-states are large; the other holds the structures of one class, with ZeRO allowed,
-and its nodes that fix a class are leaves.
+shards only layers one replica set holds), and so do interleaved ones, so one part
+bounds every structure as if ZeRO-free, which makes its families deeper and its
+bounds far tighter where the states are large; the other holds the structures of
+one class of 1F1B pipelines, with ZeRO allowed, and its nodes that fix a class are
+leaves.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ from planner.solver.table import CostTable
 
 SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
                 "type; one tp degree, micro-batch size and chunk count per plan, each allowed "
-                "one tried; 1F1B, or interleaved 1F1B with the same cuts in every round and "
-                "whole multiples of its stages in micro-batches; exact layer splits and "
+                "one tried; 1F1B, or interleaved 1F1B over several stages with the same cuts "
+                "in every round, whole multiples of its stages in micro-batches and no ZeRO; "
+                "exact layer splits and "
                 "recompute per stage, ZeRO per stage in structures of one class; optimal "
                 "micro-batch shares")
 
@@ -107,7 +109,7 @@ def configs(table: CostTable, batch: int, limits: Limits) -> list[Config]:
            and (limits.micro_batch is None or m == limits.micro_batch)
            and m <= max(limits.max_micro_batch, limits.micro_batch or 0)]
     chunks = choices(table.num_layers, (limits.interleave,) if limits.interleave else
-                     limits.interleaves)
+                     limits.interleaves if limits.pp != 1 else (1,))  # (one stage: 1F1B)
     for tp, mb, v in itertools.product(tps, mbs, chunks):
         out.append(Config(tp=tp, mb=mb, interleave=v))
     return out
@@ -136,6 +138,8 @@ class _Search:
         params = float(table.params.sum())
         gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
         for config in configs(table, batch, limits):
+            if single and config.interleave > 1:
+                continue  # interleaved pipelines run without ZeRO (`evaluate.zero_space`)
             folded = self.view(config)
             levels = families(folded, config, limits, space)
             slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
@@ -503,8 +507,9 @@ def _parts(space: Space) -> list[bool]:
     """The search space in two parts with bounds of their own (True: the part of
     structures of one class). Structures of several classes run without ZeRO
     (`evaluate.zero_space`), so their part, which also holds the structures of one
-    class that run without it, is bounded without ZeRO; the structures of one class
-    are searched on their own with every ZeRO stage allowed."""
+    class that run without it and every interleaved one, is bounded without ZeRO; the
+    structures of one class of 1F1B pipelines are searched on their own with every
+    ZeRO stage allowed."""
     return [single for single, wanted in ((False, 0 in space.zeros), (True, any(space.zeros)))
             if wanted]
 
