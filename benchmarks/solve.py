@@ -2,6 +2,8 @@
 
     python benchmarks/solve.py               # all scenarios, writes the "solve" section
     python benchmarks/solve.py --only 0 2    # some scenarios, printed only
+    python benchmarks/solve.py --max-interleave 2   # interleaved 1F1B searched too: its
+                                                    # own section, "solve-interleaved"
 
 Targets: search at most 1 s up to 64 GPUs, 10 s at 1,024 and 60 s at 4,096, each
 with a reported gap of at most 1%, and never slower than a baseline; the simulator
@@ -23,7 +25,7 @@ from cost_models.cluster import load_cluster
 from cost_models.model import AnalyticalCostModel
 from planner.models import model_spec
 from planner.simulate import simulate
-from planner.solver import SolveOptions, solve
+from planner.solver import Limits, SolveOptions, solve
 from planner.solver.predict import stage_timings, sync_and_optimizer
 from planner.trace import trace_model
 from planner.types import TrainingSpec
@@ -52,7 +54,7 @@ def dtype_for(cluster) -> str:
     return "bf16" if all("bf16" in d.peak_flops for d in kinds) else "fp16"
 
 
-def run(index: int) -> str:
+def run(index: int, max_interleave: int = 1) -> str:
     name, spec, batch, seq, label = SCENARIOS[index]
     cluster = load_cluster(spec)
     dtype = dtype_for(cluster)
@@ -64,7 +66,8 @@ def run(index: int) -> str:
     searches, totals = [], []
     for _ in range(REPEATS if limit is None else 1):  # this machine is shared and noisy
         start = time.perf_counter()
-        plan = solve(graph, cluster, training, SolveOptions(time_limit=limit))[0]
+        limits = Limits(interleaves=tuple(range(1, max_interleave + 1)))
+        plan = solve(graph, cluster, training, SolveOptions(time_limit=limit, limits=limits))[0]
         totals.append(time.perf_counter() - start)
         searches.append(plan.solver.wall_time)
     total, search_time = min(totals), min(searches)
@@ -82,7 +85,7 @@ def run(index: int) -> str:
                       if b.prediction else f"{b.name} n/a")
     shape = f"{len(plan.pipelines)} pipelines, " + ", ".join(sorted({
         f"{len(p.stages)} stages of {'+'.join(dict.fromkeys(s.device_type for s in p.stages))}"
-        for p in plan.pipelines}))
+        + (f" ({p.interleave} chunks)" if p.interleave > 1 else "") for p in plan.pipelines}))
     row = (f"| {label} | {cluster.num_devices} | {dtype} | {search_time:.2f} s | "
            f"{total:.1f} s | {report.status} | {report.gap:.2%} | "
            f"{pred.step_time:.3g} s | {pred.samples_per_s:,.1f} | {pred.mfu:.1%} | "
@@ -94,9 +97,10 @@ def run(index: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", type=int, nargs="*")
+    parser.add_argument("--max-interleave", type=int, default=1)
     args = parser.parse_args()
     indices = args.only if args.only is not None else range(len(SCENARIOS))
-    rows = [run(i) for i in indices]
+    rows = [run(i, args.max_interleave) for i in indices]
     if args.only is not None:
         return
     body = ("| scenario | GPUs | dtype | search | solve incl. baselines | status | gap | "
@@ -114,6 +118,12 @@ def main() -> None:
             "plan on the fastest device type alone); a ratio above 1 means the plan is that "
             "much faster. Closed form vs simulator: the plan's predicted step time against "
             "the event-driven replay of the same plan.")
+    if args.max_interleave > 1:
+        write_section("solve-interleaved",
+                      f"python benchmarks/solve.py --max-interleave {args.max_interleave}",
+                      body + f" Interleaved 1F1B with up to {args.max_interleave} chunks per "
+                      "device is searched too (`--max-interleave`; the default is 1).")
+        return
     write_section("solve", "python benchmarks/solve.py", body)
 
 

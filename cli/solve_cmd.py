@@ -107,7 +107,7 @@ def solve(
     last_stage: opt.LastStage = None,
     mixed: opt.Mixed = True,
     interleave: opt.Interleave = None,
-    max_interleave: opt.MaxInterleave = 2,
+    max_interleave: opt.MaxInterleave = 1,
     layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
     kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
     settings: opt.Set = None,
