@@ -329,17 +329,15 @@ class Bound:
         self._n_maxes: dict[int, np.ndarray] = {}
         self._bounds: dict[int, tuple] = {}
         self._masks: dict[tuple[str, ...], np.ndarray] = {}
+        self._stage_counts: dict[tuple[str, ...], np.ndarray] = {}
         self._joiners: dict[tuple[int, ...], tuple[float, np.ndarray] | None] = {}
         self._open: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
         self._alone: dict[tuple[int, ...], tuple[float, float]] = {}
         self._families: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
         self._owns: dict[tuple, np.ndarray] = {}  # `_open_shift`'s floors
 
-    def _level(self, level: int) -> tuple:
-        """Per family of a level: stages per type, 1 / min_busy, total (infinite for a
-        family that cannot run), 1 / stage count, the families holding each type, 1 /
-        sum_k count_k / W_k, and the level's own type (-1 for mixed patterns). The
-        bounds part is dropped by `invalidate` when families were tightened."""
+    def _level_static(self, level: int) -> tuple:
+        """The part of `_level` that tightening leaves as it is."""
         static = self._static.get(level)
         if static is None:
             families = self.levels[level]
@@ -351,6 +349,17 @@ class Bound:
             static = (counts, 1 / counts.sum(axis=1).clip(1), holding,
                       1 / counts.dot(1 / self.work).clip(1e-300), home)
             self._static[level] = static
+        return static
+
+    def _is_mixed(self, level: int) -> bool:
+        return self._level_static(level)[4] < 0
+
+    def _level(self, level: int) -> tuple:
+        """Per family of a level: stages per type, 1 / min_busy, total (infinite for a
+        family that cannot run), 1 / stage count, the families holding each type, 1 /
+        sum_k count_k / W_k, and the level's own type (-1 for mixed patterns). The
+        bounds part is dropped by `invalidate` when families were tightened."""
+        static = self._level_static(level)
         bounds = self._bounds.get(level)
         if bounds is None:
             live = [np.isfinite(f.min_busy) for f in self.levels[level]]
@@ -366,7 +375,12 @@ class Bound:
         self._open.clear()  # (the joiners and classes alone stay valid, if looser)
 
     def _counts(self, f: Family | None) -> np.ndarray:
-        return np.array([f.types.count(k) if f else 0 for k in self.kinds], dtype=float)
+        """Stages of each type in one of the family's pipelines (cached by pattern)."""
+        types = f.types if f else ()
+        if types not in self._stage_counts:
+            self._stage_counts[types] = np.array([types.count(k) for k in self.kinds],
+                                                 dtype=float)
+        return self._stage_counts[types]
 
     def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool
                      ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | float]]:
@@ -382,7 +396,7 @@ class Bound:
             y[:, homes] = np.maximum.reduceat(per_slot, starts, axis=1)
         mixed = None
         for level in open_levels:
-            if self._level(level)[4] < 0:
+            if self._is_mixed(level):
                 counts, inv_size, holding, inv_fluid, _, inv_busy, total = self._level(level)
                 mixed = (level, counts, inv_size, holding, inv_fluid,
                          _done(t[:, None], total, inv_busy, whole))
@@ -433,7 +447,7 @@ class Bound:
         fewest span at least."""
         key = tuple(open_levels)
         if key not in self._families:
-            families = [f for level in open_levels if self._level(level)[4] >= 0
+            families = [f for level in open_levels if not self._is_mixed(level)
                         for f in self.levels[level]]
             homes = np.array([self.kinds.index(f.types[0]) for f in families], dtype=int)
             copies = np.array([self.sync.copies(f.types)[k] for f, k in zip(
@@ -670,7 +684,7 @@ class Bound:
         later = 0.0 if shift is None else shift[0] + np.maximum(
             0.0, shift[1][None, :] - optimizer[:, None])[:, :, None]
         open_levels = [level for level in open_levels if self.levels[level]]
-        mixed = any(self._level(level)[4] < 0 for level in open_levels)
+        mixed = any(self._is_mixed(level) for level in open_levels)
         homes = self._homogeneous(open_levels)[0] if fewer and not mixed else None
         rows = len(candidates)
 
