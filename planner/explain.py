@@ -291,7 +291,7 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
         params = sum(layers[i].params for i in s.held())
         replicas = [x.devices.node for x in stages
                     if (x.layers, x.device_type, x.tp) == (s.layers, s.device_type, s.tp)]
-        layer_text = f"layers {s.layers[0]}-{s.layers[1] - 1} ({s.device_type})"
+        layer_text = f"layers {_layer_text(s, None)} ({s.device_type})"  # (its chunks)
         if s.zero < 3:
             group = CommGroup.of(holders[s.layers[0]])
             n = group.size
