@@ -121,6 +121,8 @@ def what_if(
     exclude: opt.Exclude = None,
     first_stage: opt.FirstStage = None,
     last_stage: opt.LastStage = None,
+    interleave: opt.Interleave = None,
+    max_interleave: opt.MaxInterleave = None,
     mixed: opt.Mixed = True,
     time_limit: opt.TimeLimit = 60.0,
     output: Output = None,
@@ -187,7 +189,8 @@ def what_if(
     for key, value in (("tp", tp), ("max-tp", max_tp), ("pp", pp), ("dp", dp),
                        ("micro-batch", micro_batch), ("max-stages", max_stages),
                        ("recompute", recompute), ("zero", zero),
-                       ("first-stage", first_stage), ("last-stage", last_stage)):
+                       ("first-stage", first_stage), ("last-stage", last_stage),
+                       ("interleave", interleave), ("max-interleave", max_interleave)):
         if value is not None:
             constraints = parse_constraint(constraints, key, str(value))
     names = {n.name for n in cluster.nodes}

@@ -59,7 +59,7 @@ LastStage = Annotated[str | None, _constraint(
 Interleave = Annotated[int | None, _constraint(
     "--interleave", "Model chunks per device: interleaved 1F1B with that many, 1 for plain "
     "1F1B (default: the solver tries 1 to --max-interleave).")]
-MaxInterleave = Annotated[int, _constraint(
+MaxInterleave = Annotated[int | None, _constraint(
     "--max-interleave", "Most model chunks per device the solver tries (default 1: plain "
     "1F1B; interleaved 1F1B's prediction runs up to 4% high on unbalanced pipelines).")]
 Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Constraints",

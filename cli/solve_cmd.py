@@ -107,7 +107,7 @@ def solve(
     last_stage: opt.LastStage = None,
     mixed: opt.Mixed = True,
     interleave: opt.Interleave = None,
-    max_interleave: opt.MaxInterleave = 1,
+    max_interleave: opt.MaxInterleave = None,
     layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
     kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
     settings: opt.Set = None,
@@ -136,7 +136,8 @@ def solve(
         limits=Limits(tp=tp, max_tp=max_tp, pp=pp, dp=dp, micro_batch=micro_batch,
                       max_stages=max_stages, mixed=mixed, first_stage=first_stage,
                       last_stage=last_stage, interleave=interleave,
-                      interleaves=tuple(range(1, max_interleave + 1))),
+                      interleaves=(1,) if max_interleave is None else tuple(
+                          range(1, max_interleave + 1))),
         space=Space(policies=_policies(recompute),
                     zeros=(zero,) if zero is not None else (0, 1, 2, 3)),
         exclude=tuple(exclude or ()), top_k=top_k, gap=gap, time_limit=time_limit)

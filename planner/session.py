@@ -122,7 +122,7 @@ _BY_NAME = {c.name: c for c in COMMANDS}
 _ALIASES = {"exit": "quit", "q": "quit", "?": "help"}
 _UNRECORDED = {"help", "history", "quit", "cli"}
 CONSTRAINT_KEYS = ("tp", "max-tp", "pp", "dp", "micro-batch", "max-stages", "recompute",
-                   "zero", "first-stage", "last-stage", "mixed")
+                   "zero", "first-stage", "last-stage", "interleave", "max-interleave", "mixed")
 
 
 # ---------------------------------------------------------------- state
@@ -141,6 +141,8 @@ class Constraints:
     zero: int | None = None
     first_stage: str | None = None  # device type
     last_stage: str | None = None
+    interleave: int | None = None  # model chunks per device
+    max_interleave: int | None = None
     mixed: bool = True
     exclude: tuple[str, ...] = ()
     pinned: tuple[str, ...] = ()
@@ -184,7 +186,10 @@ class Constraints:
         limits = Limits(tp=self.tp, max_tp=self.max_tp, pp=self.pp, dp=self.dp,
                         micro_batch=self.micro_batch, mixed=self.mixed,
                         first_stage=self.first_stage, last_stage=self.last_stage,
-                        **({"max_stages": self.max_stages} if self.max_stages else {}))
+                        interleave=self.interleave,
+                        **({"max_stages": self.max_stages} if self.max_stages else {}),
+                        **({"interleaves": tuple(range(1, self.max_interleave + 1))}
+                           if self.max_interleave else {}))
         space = Space(policies=(Recompute(self.recompute),) if self.recompute else tuple(Recompute),
                       zeros=(self.zero,) if self.zero is not None else (0, 1, 2, 3))
         return SolveOptions(limits=limits, space=space, exclude=self.excluded(cluster),

@@ -335,6 +335,14 @@ def test_stage_pins_place_the_first_and_last_stages(tmp_path):
       "--schedule", "gpipe"], "contradicts --schedule gpipe"),
     (["estimate", "gpt-tiny", "--cluster", CLUSTER, "--pp", "1", "--interleave", "2"],
      "--interleave 2 needs a pipeline"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--interleave", "4"],
+     "cannot cut the model's 6 layers into 4 equal rounds"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--interleave", "2", "--pp", "1"],
+     "contradicts --pp 1"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--interleave", "2", "--zero", "3"],
+     "runs without ZeRO"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--max-interleave", "0"],
+     "--max-interleave must be at least 1"),
 ])
 def test_cli_bad_input(args, needle):
     result = runner.invoke(app, args)
