@@ -67,9 +67,8 @@ SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class
                 "type; one tp degree, micro-batch size and chunk count per plan, each allowed "
                 "one tried; 1F1B, or interleaved 1F1B over several stages with the same cuts "
                 "in every round, whole multiples of its stages in micro-batches and no ZeRO; "
-                "exact layer splits and "
-                "recompute per stage, ZeRO per stage in structures of one class; optimal "
-                "micro-batch shares")
+                "exact layer splits and recompute per stage, ZeRO per stage in structures of "
+                "one class; optimal micro-batch shares")
 
 
 _DIVE_TRIES = 16  # times a dive prices a child's families at each level before it picks one
@@ -108,8 +107,8 @@ def configs(table: CostTable, batch: int, limits: Limits) -> list[Config]:
     mbs = [m for m in table.micro_batches if batch % m == 0
            and (limits.micro_batch is None or m == limits.micro_batch)
            and m <= max(limits.max_micro_batch, limits.micro_batch or 0)]
-    chunks = choices(table.num_layers, (limits.interleave,) if limits.interleave else
-                     limits.interleaves if limits.pp != 1 else (1,))  # (one stage: 1F1B)
+    wanted = limits.interleaves if limits.pp != 1 else (1,)  # (one stage: plain 1F1B)
+    chunks = choices(table.num_layers, (limits.interleave,) if limits.interleave else wanted)
     for tp, mb, v in itertools.product(tps, mbs, chunks):
         out.append(Config(tp=tp, mb=mb, interleave=v))
     return out
