@@ -24,9 +24,8 @@ from results import write_section
 from cost_models.cluster import load_cluster
 from cost_models.model import AnalyticalCostModel
 from planner.models import model_spec
-from planner.simulate import simulate
 from planner.solver import Limits, SolveOptions, solve
-from planner.solver.predict import stage_timings, sync_and_optimizer
+from planner.solver.predict import replay
 from planner.trace import trace_model
 from planner.types import TrainingSpec
 
@@ -72,12 +71,7 @@ def run(index: int, max_interleave: int = 1) -> str:
         searches.append(plan.solver.wall_time)
     total, search_time = min(totals), min(searches)
     report, pred = plan.solver, plan.prediction
-    costs = AnalyticalCostModel(cluster)
-    timings = stage_timings(plan, graph.layers, costs)
-    sync, opt = sync_and_optimizer(plan, graph.layers, costs)
-    sim = simulate(timings, [p.num_microbatches for p in plan.pipelines],
-                   schedule=[p.schedule for p in plan.pipelines],
-                   interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt)
+    sim = replay(plan, graph.layers, AnalyticalCostModel(cluster))
     sim_error = (pred.step_time - sim.step_time) / sim.step_time
     ratios = []
     for b in plan.baselines:

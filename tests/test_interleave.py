@@ -13,10 +13,9 @@ from cost_models.cluster import load_cluster
 from cost_models.model import AnalyticalCostModel
 from planner.models import model_spec
 from planner.runtime.layout import rank_layout
-from planner.simulate import simulate
 from planner.solver import Limits, SolveOptions, solve
 from planner.solver.interleave import chunks, fold
-from planner.solver.predict import stage_timings, sync_and_optimizer
+from planner.solver.predict import replay
 from planner.solver.shares import grouped_shares
 from planner.solver.timing import in_flight
 from planner.trace import trace_model
@@ -85,12 +84,7 @@ def interleaved():
 def test_an_interleaved_solver_plan_is_priced_as_estimate_prices_it(interleaved):
     graph, cluster, plan = interleaved
     assert plan.solver.objective == pytest.approx(plan.prediction.step_time, rel=1e-9)
-    costs = AnalyticalCostModel(cluster)
-    timings = stage_timings(plan, graph.layers, costs)
-    sync, opt = sync_and_optimizer(plan, graph.layers, costs)
-    sim = simulate(timings, [p.num_microbatches for p in plan.pipelines],
-                   schedule=[p.schedule for p in plan.pipelines],
-                   interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt)
+    sim = replay(plan, graph.layers, AnalyticalCostModel(cluster))
     assert sim.step_time == pytest.approx(plan.prediction.step_time, rel=0.02)
     for p in plan.pipelines:
         assert p.schedule is Schedule.INTERLEAVED and p.interleave == 2

@@ -15,9 +15,8 @@ from cost_models.model import AnalyticalCostModel
 from planner.errors import PlannerError
 from planner.models import model_spec
 from planner.planfile import plan_json, read_plan, write_plan
-from planner.simulate import simulate
 from planner.solver import Limits, SolveOptions, Space, solve
-from planner.solver.predict import stage_timings, sync_and_optimizer
+from planner.solver.predict import replay, stage_timings, sync_and_optimizer
 from planner.solver.uniform import memory_remedies, uniform_plan
 from planner.trace import trace_model
 from planner.types import TrainingSpec
@@ -79,12 +78,7 @@ def test_fastest_type_baseline_says_when_the_time_limit_stopped_it(setup):
 
 def test_simulator_agrees_with_the_closed_form(setup):
     graph, cluster, _, plan = setup
-    costs = AnalyticalCostModel(cluster)
-    timings = stage_timings(plan, graph.layers, costs)
-    sync, opt = sync_and_optimizer(plan, graph.layers, costs)
-    sim = simulate(timings, [p.num_microbatches for p in plan.pipelines],
-                   schedule=[p.schedule for p in plan.pipelines],
-                   interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt)
+    sim = replay(plan, graph.layers, AnalyticalCostModel(cluster))
     assert sim.step_time == pytest.approx(plan.prediction.step_time, rel=0.02)
 
 

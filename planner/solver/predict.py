@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from cost_models.comm import Collective, CommGroup, send_sharing, shared_by
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
+from planner.simulate import Simulation, simulate
 from planner.solver.partition import ZERO_GATHER_REF
 from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
 from planner.types import CostBreakdown, Layer, NodeSpec, Plan, StagePlan
@@ -177,6 +178,16 @@ def pipeline_times(plan: Plan, timings: Sequence[Sequence[StageTiming]]
                    ) -> list[PipelineTime]:
     return [pipeline_time(t, p.num_microbatches, schedule=p.schedule, interleave=p.interleave)
             for p, t in zip(plan.pipelines, timings, strict=True)]
+
+
+def replay(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> Simulation:
+    """The event-driven simulation of one step of `plan`, each pipeline on its own
+    schedule, to hold the closed form (`predict`) against."""
+    sync, opt = sync_and_optimizer(plan, layers, costs)
+    return simulate(stage_timings(plan, layers, costs),
+                    [p.num_microbatches for p in plan.pipelines],
+                    schedule=[p.schedule for p in plan.pipelines],
+                    interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt)
 
 
 def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakdown:
