@@ -84,10 +84,12 @@ class CostTable:
 
     def rank_params(self, tp: int) -> np.ndarray:
         """Per layer, the parameters one rank of a tp-wide group holds (replicated
-        layers whole)."""
-        if self.unsharded is None:
-            return self.params / tp
-        return (self.params - self.unsharded) / tp + self.unsharded
+        layers whole; cached)."""
+        key = ("rank params", tp)
+        if key not in self.cache:
+            self.cache[key] = self.params / tp if self.unsharded is None else (
+                (self.params - self.unsharded) / tp + self.unsharded)
+        return self.cache[key]
 
     def range_params(self, tp: int) -> np.ndarray:
         """[a, b) matrix of the parameters one rank of a tp-wide stage holding layers
