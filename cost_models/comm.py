@@ -100,12 +100,17 @@ def _ring(kind: Collective, nbytes: float, n: int, link: LinkSpec) -> float:
 def collective_time(kind: Collective, nbytes: float, group: CommGroup,
                     cluster: ClusterSpec) -> float:
     """Seconds for a collective over `nbytes` (the full buffer) among `group`."""
+    return collective_over(kind, nbytes, group, *group_links(cluster, group))
+
+
+def collective_over(kind: Collective, nbytes: float, group: CommGroup,
+                    intra: LinkSpec | None, inter: LinkSpec | None) -> float:
+    """`collective_time` given the group's links (`group_links`)."""
     if nbytes < 0:
         raise PlannerError("bad-value", f"A collective cannot move {nbytes} bytes.")
     n = group.size
     if n <= 1 or nbytes == 0:
         return 0.0
-    intra, inter = group_links(cluster, group)
     if inter is None:
         return _ring(kind, nbytes, n, intra)
     nodes = len(group.members)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cost_models.comm import Collective, CommGroup, collective_time, p2p_time
+from cost_models.comm import Collective, CommGroup, collective_over, group_links, p2p_time
 from cost_models.compute import (
     DEFAULT_EFFICIENCY,
     Efficiency,
@@ -87,7 +87,10 @@ class AnalyticalCostModel:
     def collective_time(self, kind: Collective, nbytes: float, group: CommGroup) -> float:
         key = ("collective", kind, nbytes, group)
         if key not in self.memo:
-            self.memo[key] = collective_time(kind, nbytes, group, self.cluster)
+            links = ("links", group)  # a group's links, whatever it moves
+            if links not in self.memo:
+                self.memo[links] = group_links(self.cluster, group)
+            self.memo[key] = collective_over(kind, nbytes, group, *self.memo[links])
         return self.memo[key]
 
     def p2p_time(self, nbytes: float, src: str, dst: str) -> float:

@@ -24,6 +24,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from cost_models.comm import Collective, CommGroup, send_sharing, shared_by
 from planner.solver.interleave import fold
 from planner.solver.partition import (
@@ -149,50 +151,69 @@ def _holders(placement: Placement, splits: Sequence[Split], layer: int,
     return groups[stages]
 
 
-def _split_ties(table: CostTable, placement: Placement, splits: Sequence[Split]
-                ) -> list[tuple[int, int, float, CommGroup]]:
+def _split_ties(table: CostTable, placement: Placement, splits: Sequence[Split],
+                groups: dict) -> list[tuple[int, int, float, CommGroup]]:
     """(owner, reader, parameters, holders) of each tied weight some pipeline holds on
     two stages: the runtime sums its gradient over every stage holding either layer, in
-    an all-reduce of its own (its holders differ from the owner's other parameters')."""
+    an all-reduce of its own (its holders differ from the owner's other parameters');
+    `groups` as for `_holders`."""
     out = []
     for reader, owner, weights in table.tied:
-        stages = [(bisect.bisect_right(split.bounds, owner) - 1,
-                   bisect.bisect_right(split.bounds, reader) - 1) for split in splits]
+        stages = tuple((bisect.bisect_right(split.bounds, owner) - 1,
+                        bisect.bisect_right(split.bounds, reader) - 1) for split in splits)
         if all(o == r for o, r in stages):
             continue
-        nodes = [p[i].node for slots, (o, r) in zip(placement, stages, strict=True)
-                 for p in slots for i in dict.fromkeys((o, r))]
-        out.append((owner, reader, float(weights), CommGroup.of(nodes)))
+        if ("tie", stages) not in groups:
+            groups["tie", stages] = CommGroup.of([
+                p[i].node for slots, (o, r) in zip(placement, stages, strict=True)
+                for p in slots for i in dict.fromkeys((o, r))])
+        out.append((owner, reader, float(weights), groups["tie", stages]))
     return out
+
+
+def _prefix(table: CostTable, tp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prefix sums of the parameters per layer and of one tp rank's (cached)."""
+    key = ("parameter prefixes", tp)
+    if key not in table.cache:
+        table.cache[key] = (np.concatenate([[0.0], np.cumsum(table.params)]),
+                            np.concatenate([[0.0], np.cumsum(table.rank_params(tp))]))
+    return table.cache[key]
 
 
 def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassShape],
                        placement: Placement, splits: Sequence[Split],
                        groups: dict | None = None) -> tuple[float, float]:
     """Gradient sync (the slowest group's all-reduce) and optimizer step (the slowest
-    stage's); `groups` may carry sync groups between splits of one placement."""
+    stage's); `groups` may carry sync groups, and their all-reduce times, between
+    splits of one placement."""
     table = fold(table, config.interleave)
     groups = {} if groups is None else groups
-    ties = _split_ties(table, placement, splits)
+    ties = _split_ties(table, placement, splits, groups)
+    whole, per_rank = _prefix(table, config.tp)
+
+    def all_reduce(nbytes: float, group: CommGroup) -> float:
+        key = ("all-reduce", id(group), nbytes)  # (`groups` keeps the group alive)
+        if key not in groups:
+            groups[key] = table.collective(Collective.ALL_REDUCE, nbytes, group)
+        return groups[key]
+
     sync = opt = 0.0
     for shape, split in zip(shapes, splits, strict=True):
         for s in range(shape.stages):
             a, b = split.bounds[s], split.bounds[s + 1]
-            params = float(table.params[a:b].sum())
+            params = float(whole[b] - whole[a])
             zero = split.options[s].zero
             holders = _holders(placement, splits, a, groups)
             tied = 0.0  # split ties: their own all-reduce, after the stage's
             for owner, reader, weights, group in ties:
                 if a <= owner < b or a <= reader < b:
                     params -= weights if a <= owner < b else 0.0
-                    tied += table.collective(Collective.ALL_REDUCE,
-                                             weights * table.grad_bytes, group)
+                    tied += all_reduce(weights * table.grad_bytes, group)
             if zero < 3 or holders.size > shape.n:  # ZeRO-3: each shard across classes
                 volume = params * table.grad_bytes / (shape.n if zero == 3 else 1)
-                tied += table.collective(Collective.ALL_REDUCE, volume, holders)
+                tied += all_reduce(volume, holders)
             sync = max(sync, tied)
-            local = float(table.rank_params(config.tp)[a:b].sum()) / (
-                shape.n if zero >= 1 else 1)
+            local = float(per_rank[b] - per_rank[a]) / (shape.n if zero >= 1 else 1)
             opt = max(opt, table.optimizer_time(shape.types[s], local))
     return sync, opt
 

@@ -7,6 +7,7 @@ can hand it random tables and compare the solver with brute force.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -198,7 +199,8 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
         state_bytes=optimizer_state_bytes(training),
         link=cluster.link_between,
         collective=costs.collective_time,
-        optimizer_time=lambda t, p: costs.optimizer_time(p, devices[t], training),
+        optimizer_time=functools.cache(
+            lambda t, p: costs.optimizer_time(p, devices[t], training)),
         layer_flops=np.array([layer.flops for layer in layers]),
         tied=tuple((layer.index, owner, params) for layer in layers
                    for owner, params in layer.tied),
