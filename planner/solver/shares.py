@@ -77,7 +77,6 @@ def shares(lines: Sequence[tuple[int, float, float]], total: int) -> list[int] |
             for i in range(n)]
 
 
-
 def grouped_shares(lines: Sequence[tuple[int, float, float]], groups: Sequence[int],
                    total: int) -> list[int] | None:
     """`shares` where class j's pipelines run whole groups of groups[j] micro-batches
@@ -96,17 +95,21 @@ def grouped_shares(lines: Sequence[tuple[int, float, float]], groups: Sequence[i
         return None if counts is None else [k * g for k in counts]
     mask = (1 << (total + 1)) - 1
 
+    def most(j: int, t: float) -> int:
+        """The groups class j's pipelines finish by t."""
+        n, b, c = units[j]
+        return n * (0 if t < c else 1 + int((t - c) / b + 1e-9))
+
     def reachable(t: float) -> list[int]:
         """Per class prefix, the sums of micro-batches its classes can run by t (bits)."""
         sets = [1]
-        for (n, b, c), g in zip(units, groups, strict=True):
-            most = n * (0 if t < c else 1 + int((t - c) / b + 1e-9))
-            acc, span = (sets[-1] << (g * n)) & mask, 1
-            while span < most - n + 1:  # every K in [n, most]: shifts doubled
-                step = min(span, most - n + 1 - span)
+        for j, ((n, _, _), g) in enumerate(zip(units, groups, strict=True)):
+            acc, span, top = (sets[-1] << (g * n)) & mask, 1, most(j, t)
+            while span < top - n + 1:  # every K in [n, top]: shifts doubled
+                step = min(span, top - n + 1 - span)
                 acc |= (acc << (g * step)) & mask
                 span += step
-            sets.append(acc if most >= n else 0)
+            sets.append(acc if top >= n else 0)
         return sets
 
     times = sorted({c + k * b for (n, b, c), g in zip(units, groups, strict=True)
@@ -119,9 +122,7 @@ def grouped_shares(lines: Sequence[tuple[int, float, float]], groups: Sequence[i
         first, last = (first, mid) if reachable(times[mid])[-1] >> total & 1 else (mid + 1, last)
     sets, left, per_class = reachable(times[first]), total, []
     for j in range(len(units) - 1, -1, -1):  # the largest count of the last class first
-        n, b, c = units[j]
-        g, t = groups[j], times[first]
-        k = n * (0 if t < c else 1 + int((t - c) / b + 1e-9))
+        n, g, k = units[j][0], groups[j], most(j, times[first])
         while k >= n and not (left - g * k >= 0 and sets[j] >> (left - g * k) & 1):
             k -= 1
         per_class.append(k)
