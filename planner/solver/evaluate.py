@@ -256,9 +256,10 @@ def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config) -> Sp
     """The choices a structure's classes have: ZeRO shards a stage only among replicas
     holding layers no other stage holds (the runtime keeps the rest out of FSDP), and
     with two classes every layer has two holders, so they run without ZeRO; so do
-    interleaved pipelines (their chunks would gather and reduce-scatter each on its
-    own, and the runtime's FSDP is not run over chunks). None if the user allowed
-    ZeRO stages only."""
+    interleaved pipelines, in this search (each chunk gathers and reduce-scatters on
+    its own, which the stage's ZeRO-3 price does not model, and ZeRO-free they are
+    searched in the part whose bounds are tight, `search._parts`). None if the user
+    allowed ZeRO stages only."""
     if len(shapes) == 1 and config.interleave == 1:
         return space
     return dataclasses.replace(space, zeros=(0,)) if 0 in space.zeros else None
