@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 
 from cost_models.comm import Collective, CommGroup
+from planner.solver.bound import stage_counts
 from planner.solver.evaluate import (
     Config,
     Space,
@@ -118,10 +119,8 @@ def structures(table: CostTable, batch: int, limits: Limits):
     """(config, class shapes) of every structure of the search space."""
     names = [t.name for t in table.types]
     for config in configs(table, batch, limits):
-        least = 2 if config.interleave > 1 else 1  # interleaving: several stages
-        lengths = (range(max(limits.pp, least), limits.pp + 1) if limits.pp else
-                   range(least, min(limits.max_stages, fold(table, config.interleave).num_layers)
-                         + 1))
+        lengths = stage_counts(limits, config, min(
+            limits.max_stages, fold(table, config.interleave).num_layers))
         mixed: list[tuple[str, ...] | None] = [None]
         if limits.mixed and len(names) > 1:
             for a, b in itertools.permutations(names, 2):

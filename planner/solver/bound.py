@@ -157,7 +157,7 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
         period is at least `period`: the busy time, or interleaved (`timing.py`) its
         1/v plus (1 - 1/v) periods."""
         v = config.interleave
-        return busy if v == 1 else busy / v + (1 - 1 / v) * period
+        return busy / v + (1 - 1 / v) * period
 
     def lengths() -> range:
         return stage_counts(limits, config, longest)

@@ -235,15 +235,13 @@ class ClassCosts:
         v = self.interleave  # h and w as `h_w`
         largest = max(max(st.busy, v * st.send) for st in stages)
         weights = sum(st.busy / v + self.ways * st.send for st in stages)
-        if v > 1:  # interleaved 1F1B: the period is max_s h_s, the fill adds a part of it
-            return Split(bounds=tuple(bounds), options=tuple(options), stages=tuple(stages),
-                         bottleneck=largest, total=weights + (1 - 1 / v) * largest,
-                         largest_h=largest, weights=weights)
-        # the round trips of 1F1B's in-flight limits bound the period too (timing.py)
-        trips = round_trip([s.busy for s in stages], [s.send for s in stages[:-1]])
+        # the round trips of 1F1B's in-flight limits bound the period too (timing.py);
+        # interleaved, the period is max_s h_s and the fill adds (1 - 1/v) of it
+        trips = round_trip([s.busy for s in stages], [s.send for s in stages[:-1]]) \
+            if v == 1 else 0.0
         return Split(bounds=tuple(bounds), options=tuple(options), stages=tuple(stages),
-                     bottleneck=max(largest, trips), total=weights, largest_h=largest,
-                     weights=weights)
+                     bottleneck=max(largest, trips), total=weights + (1 - 1 / v) * largest,
+                     largest_h=largest, weights=weights)
 
 
 def _reached(g: np.ndarray) -> slice | None:
@@ -434,12 +432,11 @@ def optimize(costs: ClassCosts) -> ClassResult | None:
         return None
     floor = costs.cost(INF)
     first = costs.split(costs.solve(bottleneck)[1])
-    if costs.interleave > 1:  # the period is max_s h_s: no round trips (`h_w`)
-        return ClassResult(costs=costs, least_weights=floor, smallest_max=bottleneck,
-                           first=first, min_period=bottleneck)
+    # interleaved, the period is max_s h_s: no round trips (`h_w`)
+    period = bottleneck if costs.interleave > 1 else _neighbours_period(
+        costs, _least_period(costs, bottleneck, floor), first.bottleneck)
     return ClassResult(costs=costs, least_weights=floor, smallest_max=bottleneck, first=first,
-                       min_period=_neighbours_period(
-                           costs, _least_period(costs, bottleneck, floor), first.bottleneck))
+                       min_period=period)
 
 
 def _neighbours_period(costs: ClassCosts, low: float, high: float) -> float:
