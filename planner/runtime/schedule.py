@@ -56,7 +56,8 @@ class PipelineRunner:
                         "unsupported-plan", f"Pipeline {pipeline.index} runs an interleaved "
                         f"schedule on ranks {list(chain)} (stage order); torch's interleaved "
                         "1F1B needs them in ascending order.",
-                        ["solve with --schedule 1f1b", "place the stages in node order"])
+                        ["plan it again with --interleave 1 (plain 1F1B)",
+                         "list the cluster's nodes in the pipeline's stage order"])
                 stages = [PipelineStage(chunk, j * pp + stage.index, pp * len(chunks), device,
                                         group=group) for j, chunk in enumerate(chunks)]
                 self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn,
@@ -74,7 +75,8 @@ class PipelineRunner:
             raise PlannerError("unsupported-plan", f"Pipeline {pipeline.index} stage "
                                f"{stage.index}: torch.distributed.pipelining cannot run "
                                f"{pipeline.schedule.value} here: {exc}",
-                               ["solve with --schedule 1f1b",
+                               ["plan it again with plain 1F1B (--interleave 1, and "
+                                "no --schedule gpipe in `planner estimate`)",
                                 "give the pipeline more micro-batches"]) from exc
 
     def step(self, inputs: tuple | None, targets: Any) -> list[torch.Tensor]:
