@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cost_models.comm import Collective, CommGroup, send_sharing, shared_by
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
-from planner.simulate import Simulation, simulate
 from planner.solver.partition import ZERO_GATHER_REF
 from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
 from planner.types import CostBreakdown, Layer, NodeSpec, Plan, StagePlan
+
+if TYPE_CHECKING:
+    from planner.simulate import Simulation
 
 
 class _Groups:
@@ -183,6 +186,8 @@ def pipeline_times(plan: Plan, timings: Sequence[Sequence[StageTiming]]
 def replay(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> Simulation:
     """The event-driven simulation of one step of `plan`, each pipeline on its own
     schedule, to hold the closed form (`predict`) against."""
+    from planner.simulate import simulate  # (it imports this package's timing)
+
     sync, opt = sync_and_optimizer(plan, layers, costs)
     return simulate(stage_timings(plan, layers, costs),
                     [p.num_microbatches for p in plan.pipelines],
