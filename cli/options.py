@@ -61,7 +61,7 @@ Interleave = Annotated[int | None, _constraint(
     "1F1B (default: the solver tries 1 to --max-interleave).")]
 MaxInterleave = Annotated[int | None, _constraint(
     "--max-interleave", "Most model chunks per device the solver tries (default 1: plain "
-    "1F1B; interleaved 1F1B's prediction runs up to 4% high on unbalanced pipelines).")]
+    "1F1B; interleaved 1F1B's prediction runs high on unbalanced pipelines).")]
 Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Constraints",
                                      help="Allow pipelines that mix two device types.")]
 TimeLimit = Annotated[float | None, typer.Option(

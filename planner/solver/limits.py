@@ -16,7 +16,8 @@ class Limits:
     micro_batch: int | None = None
     interleave: int | None = None  # model chunks per device (1: plain 1F1B)
     # the chunk counts tried if `interleave` is free: interleaving only on request, as its
-    # closed form runs up to 4% above the simulator on unbalanced pipelines (timing.py)
+    # closed form runs above the simulator on unbalanced pipelines, which cutting every
+    # round alike leaves more of (benchmarks/closed_form.py)
     interleaves: tuple[int, ...] = (1,)
     max_stages: int = 16
     max_micro_batch: int = 16

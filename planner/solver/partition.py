@@ -28,7 +28,8 @@ chosen; a split off the staircase that trades pipeline time for a smaller
 stage is not considered.
 
 With v chunks per device (interleaved 1F1B, on a folded table: `interleave.py`),
-h_s = max(t_s, v c_s) and w_s = t_s / v + 2 (S v - 1) c_s / (S - 1) (`ClassCosts.h_w`):
+h_s = max(t_s, b_s + v c_s) (b_s: the backward part of t_s) and
+w_s = t_s / v + 2 (S v - 1) c_s / (S - 1) (`ClassCosts.h_w`):
 the period is exactly max_s h_s, with no round trips, and T(m) = (m - 1) P + sum_s w_s
 + (1 - 1/v) P, so the staircase holds every split that can be best.
 
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.solver.table import POLICIES, CostTable
-from planner.solver.timing import StageTiming, in_flight, round_trip
+from planner.solver.timing import StageTiming, in_flight, round_trip, stage_period
 from planner.types import LinkSpec, Schedule
 from planner.types.training import Recompute
 
@@ -104,16 +105,20 @@ class ClassCosts:
 
     def h_w(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         """h = max(busy, send) and w = busy + 2 send, per layer range [a, b); with v
-        chunks per device (v > 1), h = max(busy, v send) and w = busy / v + 2 (S v - 1)
-        send / (S - 1), interleaved 1F1B's period and fill (`timing.py`) being
-        (m - 1) max_s h_s + sum_s w_s + (1 - 1/v) max_s h_s."""
+        chunks per device (v > 1), h = max(busy, bwd + v send) and w = busy / v
+        + 2 (S v - 1) send / (S - 1), interleaved 1F1B's period and fill (`timing.py`)
+        being (m - 1) max_s h_s + sum_s w_s + (1 - 1/v) max_s h_s."""
         if not self._stage_hw:
             v, ways = self.interleave, self.ways
             for t in range(self.stages):
                 key = (id(self.busy[t]), self.links[t], v, ways)
                 if key not in self._hw:
                     send = self.send[t][None, :]
-                    self._hw[key] = (np.maximum(self.busy[t], v * send),
+                    hop = send
+                    if v > 1:  # (interleaved structures run ZeRO-free: no gathers)
+                        fwd = self.parts[t]["fwd"]
+                        hop = self.busy[t] - (fwd[None, :] - fwd[:, None]) + v * send
+                    self._hw[key] = (np.maximum(self.busy[t], hop),
                                      self.busy[t] / v + ways * send)
                 self._stage_hw.append(self._hw[key])
         return self._stage_hw[s]
@@ -233,7 +238,7 @@ class ClassCosts:
                 send=send))
             options.append(option)
         v = self.interleave  # h and w as `h_w`
-        largest = max(max(st.busy, v * st.send) for st in stages)
+        largest = max(stage_period(st, v) for st in stages)
         weights = sum(st.busy / v + self.ways * st.send for st in stages)
         # the round trips of 1F1B's in-flight limits bound the period too (timing.py);
         # interleaved, the period is max_s h_s and the fill adds (1 - 1/v) of it

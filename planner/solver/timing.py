@@ -21,8 +21,13 @@ flight, so the steady-state period is bounded by the round trip over S:
                  pipeline, then a backward one, each paced by its slowest compute or
                  send; no in-flight limit, so no round trips)
     interleaved  v model chunks per device (Megatron):
-                 P = max( max_s (f_s + b_s), v max_s c_s )
+                 P = max_s max( f_s + b_s, b_s + v c_s )
                  T = (m - 1) P + sum_s (f_s + b_s) / v + (1 - 1/v) P + 2 (S v - 1) mean_s c_s
+                 (each chunk's gradient crosses the link before the next backward of
+                 its sender: where a send is long against a chunk's compute, the
+                 period grows by about v per second of send, which b_s + v c_s bounds
+                 from above in the simulator; max_s v c_s, the link's load alone, is
+                 up to 18% too low there)
 
 A training step: step = max over pipelines of T(m_p) + gradient sync + optimizer.
 These are exact for balanced stages without sends; tests measure the error
@@ -87,7 +92,7 @@ def pipeline_time(stages: Sequence[StageTiming], m: int, *,
     else:
         compute_period = busy[bottleneck]
     if v > 1:
-        period = max(compute_period, v * max(sends, default=0.0))
+        period = max(compute_period, *(stage_period(st, v) for st in stages))
         comm_fill = 2 * (count * v - 1) * sum(sends) / max(1, len(sends))
         fill = sum(busy) / v + (1 - 1 / v) * period + comm_fill
     else:
@@ -105,6 +110,15 @@ def pipeline_time(stages: Sequence[StageTiming], m: int, *,
     pp = comm_fill + (m - 1) * (period - compute_period)
     return PipelineTime(total=total, period=period, fill=fill, compute=compute, tp_comm=tp,
                         pp_comm=pp, bubble=total - compute - tp - pp)
+
+
+def stage_period(stage: StageTiming, interleave: int) -> float:
+    """h_s, the period one stage allows on its own: max(busy, send) (1F1B, with the
+    round trips on top), or interleaved max(busy, bwd + v send) (see the module
+    docstring; the last stage sends nothing)."""
+    if interleave == 1:
+        return max(stage.busy, stage.send)
+    return max(stage.busy, stage.bwd + interleave * stage.send)
 
 
 def round_trip(busy: Sequence[float], sends: Sequence[float]) -> float:
