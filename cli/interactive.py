@@ -207,8 +207,9 @@ class Terminal:
     # -- the loop
 
     def _interruptible(self, line: str) -> bool:
-        """Run a command at the terminal: Ctrl-C stops it, and a bug in it is reported
-        without ending the session (the state is unchanged either way)."""
+        """Run a command at the terminal: Ctrl-C stops it (a plan search stops with the
+        best plan so far, as `planner solve` does; anything else leaves the state
+        unchanged), and a bug in it is reported without ending the session."""
         try:
             reply = self.do(line)
         except KeyboardInterrupt:

@@ -67,7 +67,8 @@ Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Cons
 TimeLimit = Annotated[float | None, typer.Option(
     "--time-limit", help="Seconds for the search (the fastest type alone gets at most a "
     "quarter, the whole cluster the rest); return the best plan found by then (the report "
-    "says how far from optimal it may be). Baselines and predictions come after it.")]
+    "says how far from optimal it may be; Ctrl-C does the same at any time). Baselines and "
+    "predictions come after it.")]
 
 
 def overrides(*, layers: int | None = None, hidden: int | None = None,

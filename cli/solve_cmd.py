@@ -143,8 +143,8 @@ def solve(
         exclude=tuple(exclude or ()), top_k=top_k, gap=gap, time_limit=time_limit)
     with err_console.status("Searching plans...", spinner="dots") as status:
         plans = solve(graph, spec, training, options,
-                      progress=lambda n: status.update(f"Searching plans: {n:,} explored")
-                      if n % 200 == 0 else None)
+                      progress=lambda now: status.update(now.describe())
+                      if now.explored % 200 == 0 else None)
     if json_out and top_k > 1:
         from planner.planfile import to_jsonable
 

@@ -359,13 +359,13 @@ def solve_plans(graph: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
                 constraints: Constraints, *, time_limit: float | None, top_k: int = TOP_K,
                 progress: Callable[[str], None] | None = None) -> list[Plan]:
     """The best `top_k` plans under `constraints` (what `planner solve` runs)."""
-    from planner.solver import solve
+    from planner.solver import Progress, solve
 
     options = constraints.options(cluster, time_limit=time_limit, top_k=top_k)
 
-    def tick(n: int) -> None:
-        if progress is not None and n % 200 == 0:
-            progress(f"Searching plans: {n:,} explored")
+    def tick(now: Progress) -> None:
+        if progress is not None and now.explored % 200 == 0:
+            progress(now.describe())
 
     return solve(graph, cluster, training, options, progress=tick)
 

@@ -67,13 +67,39 @@ def test_fastest_type_baseline_says_when_the_time_limit_stopped_it(setup):
 
     graph, cluster, training, plan = setup
     stopped = dataclasses.replace(plan, solver=dataclasses.replace(
-        plan.solver, status="feasible", gap=0.123))
+        plan.solver, status="feasible", gap=0.123))  # (a time limit stopped it)
     costs = AnalyticalCostModel(cluster)
     for alone, words in ((plan, "the best plan on"), (stopped, "within 12.3% of")):
         fastest = baselines(layers=graph.layers, model=graph.spec, cluster=cluster,
                             training=training, costs=costs, fastest_alone=lambda _, a=alone: a
                             )[-1]
         assert fastest.name == "fastest-type" and words in fastest.description
+
+
+def test_ctrl_c_in_the_first_search_returns_the_plan_found_so_far(setup, monkeypatch):
+    """Ctrl-C while the fastest type is searched alone: the full search only prices
+    what that found, and the plan says it was interrupted."""
+    import importlib
+
+    graph, cluster, training, plan = setup
+    module = importlib.import_module("planner.solver.search")
+    transfer, calls = module._Search.transfer, []
+
+    def press(self) -> None:  # after the first plans, in the first search only
+        calls.append(self)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        transfer(self)
+
+    monkeypatch.setattr(module._Search, "transfer", press)
+    stopped = solve(graph, cluster, training, SolveOptions(gap=0.0))[0]
+    report = stopped.solver
+    assert report.status == "interrupted"
+    assert report.best_bound <= plan.prediction.step_time * (1 + 1e-9)
+    assert stopped.prediction.step_time >= plan.prediction.step_time * (1 - 1e-9)
+    assert report.objective == pytest.approx(stopped.prediction.step_time, rel=1e-9)
+    fastest = next(b for b in stopped.baselines if b.name == "fastest-type")
+    assert "before the search stopped" in fastest.description
 
 
 def test_simulator_agrees_with_the_closed_form(setup):

@@ -1,6 +1,7 @@
 """The search against brute force over the same space, and properties of its plans."""
 
 import dataclasses
+import importlib
 import itertools
 import random
 
@@ -155,6 +156,47 @@ def test_time_limit_returns_a_feasible_plan_and_a_bound():
     result = search(table, 6, limits=Limits(max_stages=4), time_limit=0.0)
     assert result.best and result.bound <= result.best[0].step_time
     assert result.status in ("feasible", "optimal")
+
+
+class _CtrlC:
+    """A progress callback that presses Ctrl-C at its `at`-th call."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls, self.seen = at, 0, []
+
+    def __call__(self, now) -> None:
+        self.calls += 1
+        self.seen.append(now)
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("at", [1, 3, 8])
+def test_ctrl_c_stops_with_the_best_plan_so_far_and_an_honest_bound(at):
+    table = random_table(10, layers=6, types=[("a", [4, 4]), ("b", [4, 4]), ("c", [2])])
+    exact = search(table, 16, limits=Limits(max_stages=4))
+    assert exact.explored > 10 * at  # (so each press lands mid-search)
+    press = _CtrlC(at)
+    stopped = search(table, 16, limits=Limits(max_stages=4), progress=press)
+    assert stopped.status == "interrupted" and press.calls == at
+    assert stopped.explored < exact.explored
+    optimum = exact.best[0].step_time
+    assert stopped.bound <= optimum * (1 + 1e-12) <= stopped.best[0].step_time * (1 + 1e-12)
+    for now in press.seen:  # what the progress line said held too
+        assert now.bound <= optimum * (1 + 1e-12) and now.best >= optimum * (1 - 1e-12)
+        assert "explored" in now.describe()
+
+
+def test_ctrl_c_before_any_plan_stops_the_search():
+    table = random_table(5, layers=5, types=[("a", [3, 3]), ("b", [3, 3]), ("c", [2])])
+
+    def press(table, *args) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(importlib.import_module("planner.solver.search"), "_leaf", press)
+        with pytest.raises(KeyboardInterrupt):
+            search(table, 6, limits=Limits(max_stages=4))
 
 
 def test_zero3_shards_are_still_synchronised_across_classes():

@@ -25,11 +25,11 @@ from planner.solver.build import from_evaluation
 from planner.solver.diagnose import diagnose
 from planner.solver.evaluate import Space
 from planner.solver.limits import Limits
-from planner.solver.search import SEARCH_SPACE, SearchResult, search
+from planner.solver.search import SEARCH_SPACE, Progress, SearchResult, search
 from planner.solver.table import CostTable, build_table, check_tp_divides
 from planner.types import ClusterSpec, ModelGraph, Plan, SolverReport, TrainingSpec
 
-__all__ = ["Limits", "SolveOptions", "Space", "solve"]
+__all__ = ["Limits", "Progress", "SolveOptions", "Space", "solve"]
 
 MAX_GLOBAL_BATCH = 10**9  # samples per step; the lower bound's LP loses precision beyond
 
@@ -187,7 +187,8 @@ def _fastest_only(cluster: ClusterSpec, dtype: str) -> ClusterSpec:
 
 def _search(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
             options: SolveOptions, costs: CostModel, seeds: tuple = (),
-            progress: Callable[[int], None] | None = None) -> tuple[CostTable, SearchResult]:
+            progress: Callable[[Progress], None] | None = None
+            ) -> tuple[CostTable, SearchResult]:
     tps = [t for t in options.tps if options.limits.max_tp is None
            or t <= options.limits.max_tp]
     table = build_table(model.layers, cluster, training, costs, tps=tps,
@@ -223,10 +224,12 @@ def _plans(result: SearchResult, floor: float, model: ModelGraph, cluster: Clust
 
 def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
           options: SolveOptions | None = None, *, costs: CostModel | None = None,
-          progress: Callable[[int], None] | None = None) -> list[Plan]:
+          progress: Callable[[Progress], None] | None = None) -> list[Plan]:
     """The best `top_k` plans, best first; each carries its solver report, the first
     also the baselines. The best plan on the fastest device type alone is searched
-    first: it is a baseline and a good first plan for the full search to beat."""
+    first: it is a baseline and a good first plan for the full search to beat.
+    Ctrl-C stops the search with the best plans found so far (status "interrupted"):
+    during the first search, the full one only prices what it found."""
     options = options or SolveOptions()
     used = _check(model, cluster, training, options)
     options = dataclasses.replace(options, limits=_resolve_pins(options.limits, used))
@@ -244,10 +247,15 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
             seeds = tuple((e.config, e.shapes) for e in result.best)
         except PlannerError:
             pass
-    if options.time_limit is not None:  # the searches share the limit
+    interrupted = bool(alone) and alone[0].solver.status == "interrupted"
+    if interrupted:  # the full search prices the seeds and stops
+        options = dataclasses.replace(options, time_limit=0.0)
+    elif options.time_limit is not None:  # the searches share the limit
         options = dataclasses.replace(options, time_limit=max(
             options.time_limit / 2, options.time_limit - (time.perf_counter() - start)))
     table, result = _search(model, used, training, options, costs, seeds, progress)
+    if interrupted and result.status != "optimal":
+        result = dataclasses.replace(result, status="interrupted")
     plans = _plans(result, lower_bound(table, training.global_batch), model, cluster,
                    training, costs)
     if options.with_baselines:

@@ -62,6 +62,7 @@ from planner.solver.partition import INF, optimize, zero3_first
 from planner.solver.structure import ClassShape, place
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
+from planner.units import fmt_seconds
 
 SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
                 "type; one tp degree, micro-batch size and chunk count per plan, each allowed "
@@ -74,10 +75,26 @@ SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class
 _DIVE_TRIES = 16  # times a dive prices a child's families at each level before it picks one
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Where a running search stands, for a progress line."""
+
+    explored: int
+    best: float | None  # the step time of the best plan so far
+    bound: float  # no plan of the search space is faster (up to the gap)
+
+    def describe(self) -> str:
+        if self.best is None:
+            return f"Searching plans: {self.explored:,} explored"
+        gap = (self.best - self.bound) / self.best
+        return (f"Searching plans: {self.explored:,} explored, best {fmt_seconds(self.best)} "
+                f"step, at most {gap:.1%} from optimal (Ctrl-C stops with it)")
+
+
 @dataclass
 class SearchResult:
     best: list[Evaluation]
-    status: str  # "optimal" or "feasible"
+    status: str  # "optimal", "feasible" (the time limit) or "interrupted" (Ctrl-C)
     bound: float
     explored: int
     pruned: int
@@ -449,7 +466,7 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
            space: Space | None = None, top_k: int = 1, gap: float = 0.0,
            time_limit: float | None = None, dives: int = 1,
            seeds: Sequence[tuple[Config, tuple[ClassShape, ...]]] = (),
-           progress: Callable[[int], None] | None = None) -> SearchResult:
+           progress: Callable[[Progress], None] | None = None) -> SearchResult:
     """The best `top_k` structures for a global batch of `batch` samples.
 
     gap: prune structures whose bound is within this fraction of the k-th best
@@ -457,35 +474,34 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
     dives: how many of the most promising configurations (of each part) first get a greedy plan
     and are followed down the tree to a plan, to start pruning with a good one.
     seeds: structures known to be good (e.g. the best on one device type), priced
-    first for the same purpose."""
+    first for the same purpose. A KeyboardInterrupt (Ctrl-C) stops the search like the
+    time limit, with the best plans found by then ("interrupted"; none yet: it goes on
+    up)."""
     start = time.perf_counter()
     space = space or Space()
     best: list[Evaluation] = []
     counter = itertools.count()
     runs = [_Search(table, batch, limits or Limits(), space, top_k, gap, single, best, counter)
             for single in _parts(space)]
-    run = runs[0]
-    for config, shapes in seeds:
-        if config in run.state:
-            node = _Node(0.0, next(counter), config, 0.0, len(run.state[config][0]),
-                         tuple(s.types for s in shapes), tuple(s.n for s in shapes))
-            _leaf(table, node, batch, run.limits, space, best, top_k)
-    for part, root in [(run, root) for run in runs for root in sorted(run.heap)[:dives]]:
-        if time_limit is not None and time.perf_counter() - start > time_limit and best:
-            break
-        if len(table.types) > 1 and not part.single:
-            part.greedy(root.config)
-        part.dive(dataclasses.replace(root, order=next(counter)))
-    for part in runs:
-        part.transfer()
-    status = "optimal"
-    while (live := [part for part in runs if part.heap]) and min(
-            live, key=lambda part: part.heap[0]).step():
-        if progress:
-            progress(sum(part.explored for part in runs))
-        if time_limit is not None and time.perf_counter() - start > time_limit and best:
-            status = "feasible"
-            break
+    status, taken = "optimal", float("inf")  # taken: the bound of a node mid-step
+    try:
+        _start(runs, table, batch, seeds, dives, start, time_limit)
+        while live := [part for part in runs if part.heap]:
+            part = min(live, key=lambda part: part.heap[0])
+            taken = part.heap[0].bound
+            if not part.step():
+                break
+            taken = float("inf")
+            if progress:
+                progress(Progress(sum(part.explored for part in runs),
+                                  best[0].step_time if best else None, _bound(runs, best)))
+            if time_limit is not None and time.perf_counter() - start > time_limit and best:
+                status = "feasible"
+                break
+    except KeyboardInterrupt:
+        if not best:
+            raise
+        status = "interrupted"
     if not best:
         raise PlannerError(
             "infeasible", "No plan fits: every structure the search tried runs out of device "
@@ -495,11 +511,38 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
              "add devices or use devices with more memory"])
     bound_value = min([best[0].step_time, *(part.given_up for part in runs)])
     if status != "optimal":
-        bound_value = min([bound_value, *(n.bound for part in runs for n in part.heap)])
+        bound_value = min(taken, _bound(runs, best))
     return SearchResult(best=best, status=status, bound=bound_value,
                         explored=sum(part.explored for part in runs),
                         pruned=sum(part.pruned for part in runs),
                         wall_time=time.perf_counter() - start)
+
+
+def _start(runs: list[_Search], table: CostTable, batch: int,
+           seeds: Sequence[tuple[Config, tuple[ClassShape, ...]]], dives: int, start: float,
+           time_limit: float | None) -> None:
+    """The first plans to prune with: the seeds, a greedy plan and a dive in the most
+    promising configurations, then the best structure tried in the others."""
+    run = runs[0]
+    for config, shapes in seeds:
+        if config in run.state:
+            node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
+                         tuple(s.types for s in shapes), tuple(s.n for s in shapes))
+            _leaf(table, node, batch, run.limits, run.pricing, run.best, run.top_k)
+    for part, root in [(run, root) for run in runs for root in sorted(run.heap)[:dives]]:
+        if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
+            break
+        if len(table.types) > 1 and not part.single:
+            part.greedy(root.config)
+        part.dive(dataclasses.replace(root, order=next(run.counter)))
+    for part in runs:
+        part.transfer()
+
+
+def _bound(runs: list[_Search], best: list[Evaluation]) -> float:
+    """No structure is faster, whether explored, pruned (up to the gap) or still queued."""
+    return min([*(best[:1] and [best[0].step_time]), *(part.given_up for part in runs),
+                *(n.bound for part in runs for n in part.heap[:1])])
 
 
 def _parts(space: Space) -> list[bool]:

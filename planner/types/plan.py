@@ -131,7 +131,8 @@ class SolverReport:
     """How the plan was found.
 
     status:      "optimal" (the whole search space was covered), "feasible" (a
-                 time limit stopped the search), "fixed" (the user fixed the plan).
+                 time limit stopped the search), "interrupted" (Ctrl-C stopped it),
+                 "fixed" (the user fixed the plan).
     objective:   predicted step time of the plan (seconds).
     best_bound:  no plan in the search space is faster than this.
     gap:         (objective - best_bound) / objective.
