@@ -199,6 +199,37 @@ def test_interleaved_stages_sync_and_update_only_the_layers_they_hold(setup):
     assert sync_and_optimizer(plan, graph.layers, costs) == pytest.approx((sync, opt))
 
 
+def test_a_weight_three_stages_share_is_all_reduced_once():
+    """T5 ties its token table to the decoder's embedding and to the head: split over
+    three stages, the table's gradient is one all-reduce among all of them, and the
+    embedding's stage leaves it out of its own once (twice gave it negative bytes)."""
+    graph = trace_model(model_spec("t5-base", {"layers": 2}), seq_len=128, dtype="fp16")
+    readers = [layer.index for layer in graph.layers if layer.tied]
+    assert len(readers) == 2 and {o for i in readers for o, _ in graph.layers[i].tied} == {0}
+    ((_, tied),) = graph.layers[readers[1]].tied
+    cluster = load_cluster(CLUSTER)
+    training = TrainingSpec(global_batch=16, seq_len=128, dtype="fp16")
+    costs = AnalyticalCostModel(cluster)
+    plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                        training=training, costs=costs, tp=1, pp=len(graph.layers), dp=1,
+                        micro_batch=1)  # a stage per layer
+    stages = plan.pipelines[0].stages
+    grad = plan.training.optimizer.grad_bytes or 2
+    holders = CommGroup.of([stages[i].devices.node for i in (0, *readers)])
+    sync = 0.0
+    for s in stages:
+        params = sum(graph.layers[i].params for i in s.held()) - (tied if s.holds(0) else 0)
+        alone = costs.collective_time(Collective.ALL_REDUCE, params * grad,
+                                      CommGroup.of([s.devices.node]))
+        shared = any(s.holds(i) for i in (0, *readers))
+        sync = max(sync, alone + (costs.collective_time(Collective.ALL_REDUCE, tied * grad,
+                                                        holders) if shared else 0.0))
+    assert sync_and_optimizer(plan, graph.layers, costs)[0] == pytest.approx(sync)
+    solved = solve(graph, cluster, training, SolveOptions(
+        gap=0.0, limits=Limits(pp=3, dp=1), with_baselines=False))[0]
+    assert solved.solver.objective == pytest.approx(solved.prediction.step_time, rel=1e-9)
+
+
 def test_infeasible_model_names_the_device_and_term():
     graph = trace_model(model_spec("llama2-13b", {"layers": 8}), seq_len=2048, dtype="fp16")
     cluster = load_cluster("1x2xT4")

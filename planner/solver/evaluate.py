@@ -152,22 +152,25 @@ def _holders(placement: Placement, splits: Sequence[Split], layer: int,
 
 
 def _split_ties(table: CostTable, placement: Placement, splits: Sequence[Split],
-                groups: dict) -> list[tuple[int, int, float, CommGroup]]:
-    """(owner, reader, parameters, holders) of each tied weight some pipeline holds on
-    two stages: the runtime sums its gradient over every stage holding either layer, in
-    an all-reduce of its own (its holders differ from the owner's other parameters');
-    `groups` as for `_holders`."""
+                groups: dict) -> list[tuple[int, tuple[int, ...], float, CommGroup]]:
+    """(owner, readers, parameters, holders) of each tied weight some pipeline holds on
+    several stages: the runtime sums its gradient over every stage holding the owner or
+    a reader, in an all-reduce of its own (its holders differ from the owner's other
+    parameters'); `groups` as for `_holders`."""
+    readers: dict[tuple[int, float], list[int]] = {}
+    for reader, owner, weights in table.tied:  # (T5's table: the decoder and the head)
+        readers.setdefault((owner, float(weights)), []).append(reader)
     out = []
-    for reader, owner, weights in table.tied:
-        stages = tuple((bisect.bisect_right(split.bounds, owner) - 1,
-                        bisect.bisect_right(split.bounds, reader) - 1) for split in splits)
-        if all(o == r for o, r in stages):
+    for (owner, weights), tied in readers.items():
+        stages = tuple(tuple(dict.fromkeys(bisect.bisect_right(split.bounds, layer) - 1
+                                           for layer in (owner, *tied))) for split in splits)
+        if all(len(held) == 1 for held in stages):
             continue
         if ("tie", stages) not in groups:
             groups["tie", stages] = CommGroup.of([
-                p[i].node for slots, (o, r) in zip(placement, stages, strict=True)
-                for p in slots for i in dict.fromkeys((o, r))])
-        out.append((owner, reader, float(weights), groups["tie", stages]))
+                p[i].node for slots, held in zip(placement, stages, strict=True)
+                for p in slots for i in held])
+        out.append((owner, tuple(tied), weights, groups["tie", stages]))
     return out
 
 
@@ -205,8 +208,8 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
             zero = split.options[s].zero
             holders = _holders(placement, splits, a, groups)
             tied = 0.0  # split ties: their own all-reduce, after the stage's
-            for owner, reader, weights, group in ties:
-                if a <= owner < b or a <= reader < b:
+            for owner, readers, weights, group in ties:
+                if any(a <= layer < b for layer in (owner, *readers)):
                     params -= weights if a <= owner < b else 0.0
                     tied += all_reduce(weights * table.grad_bytes, group)
             if zero < 3 or holders.size > shape.n:  # ZeRO-3: each shard across classes

@@ -54,16 +54,21 @@ class _Groups:
 
 
 def _split_ties(layers: Sequence[Layer], groups: _Groups
-                ) -> list[tuple[int, int, int, list[str]]]:
-    """(owner, reader, parameters, holders) of each tied weight some stage holds one
-    end of without the other: its gradient is summed over every stage holding either
-    layer, in an all-reduce of its own (`evaluate.sync_and_optimizer` alike)."""
-    out = []
+                ) -> list[tuple[int, tuple[int, ...], int, list[str]]]:
+    """(owner, readers, parameters, holders) of each tied weight some stage holds part
+    of (the owner or a reader without the rest): its gradient is summed over every stage
+    holding the owner or a reader, in an all-reduce of its own
+    (`evaluate.sync_and_optimizer` alike)."""
+    readers: dict[tuple[int, int], list[int]] = {}
     for layer in layers:
         for owner, weights in layer.tied:
-            holding = [s for s in groups.stages if s.holds(owner) or s.holds(layer.index)]
-            if any(s.holds(owner) != s.holds(layer.index) for s in holding):
-                out.append((owner, layer.index, weights, [s.devices.node for s in holding]))
+            readers.setdefault((owner, weights), []).append(layer.index)
+    out = []
+    for (owner, weights), tied in readers.items():
+        ends = (owner, *tied)
+        holding = [s for s in groups.stages if any(s.holds(i) for i in ends)]
+        if any(not all(s.holds(i) for i in ends) for s in holding):
+            out.append((owner, tuple(tied), weights, [s.devices.node for s in holding]))
     return out
 
 
@@ -144,9 +149,9 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
                        ) -> tuple[float, float]:
     grad = plan.training.optimizer.grad_bytes or plan_weight_bytes(plan)
     groups = _Groups(plan)
-    ties = [(owner, reader, weights, costs.collective_time(
+    ties = [(owner, readers, weights, costs.collective_time(
                 Collective.ALL_REDUCE, weights * grad, CommGroup.of(holders)))
-            for owner, reader, weights, holders in _split_ties(layers, groups)]
+            for owner, readers, weights, holders in _split_ties(layers, groups)]
     seen: set[tuple] = set()
     synced: dict[tuple[int, float], float] = {}
     sync = opt = 0.0
@@ -160,8 +165,8 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
             shard = len(groups.of(stage)) if stage.zero >= 1 else 1
             holders = groups.holders(stage.layers[0])
             tied = 0.0  # split ties: their own all-reduce, after the stage's
-            for owner, reader, weights, seconds in ties:
-                if stage.holds(owner) or stage.holds(reader):
+            for owner, readers, weights, seconds in ties:
+                if any(stage.holds(i) for i in (owner, *readers)):
                     params -= weights if stage.holds(owner) else 0
                     tied += seconds
             if stage.zero < 3 or len(holders) > shard:  # ZeRO-3: each shard across classes
