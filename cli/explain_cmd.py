@@ -88,9 +88,9 @@ def explain(
             found = solve(graph, plan.cluster, plan.training,
                           SolveOptions(top_k=runners_up + 1, time_limit=time_limit,
                                        with_baselines=False),
-                          progress=lambda n: status.update(
-                              f"Solving for the runner-up plans: {n:,} explored")
-                          if n % 200 == 0 else None)
+                          progress=lambda now: status.update(
+                              f"Solving for the runner-up plans: {now.explored:,} explored")
+                          if now.explored % 200 == 0 else None)
             others = [p for p in found if not same_structure(p, plan)][:runners_up]
         status.update("Simulating the step...")
         analysis = analyze(plan, graph.layers, AnalyticalCostModel(plan.cluster),
