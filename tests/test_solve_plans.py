@@ -230,6 +230,36 @@ def test_a_weight_three_stages_share_is_all_reduced_once():
     assert solved.solver.objective == pytest.approx(solved.prediction.step_time, rel=1e-9)
 
 
+SMALL = {  # one flavor per zoo family, shrunk
+    "gpt2-small": {"layers": 3, "hidden": 64, "heads": 2, "vocab": 100},
+    "opt-125m": {"layers": 3, "hidden": 64, "heads": 2, "ffn": 128, "vocab": 100},
+    "llama3-8b": {"layers": 3, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128,
+                  "vocab": 100},
+    "bert-base": {"layers": 3, "hidden": 64, "heads": 2, "ffn": 128},
+    "t5-base": {"layers": 2, "hidden": 64, "heads": 2, "ffn": 128, "vocab": 100,
+                "head_dim": 32},
+    "vit-l": {"layers": 3, "hidden": 64, "heads": 2, "ffn": 128, "image_size": 32},
+    "resnet50": {"blocks": (1, 1, 1, 1), "width": 8, "image_size": 64},
+    "mixtral-8x7b": {"layers": 3, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128,
+                     "vocab": 100},
+    "mlp-small": {},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_every_zoo_family_solves_and_prices_alike(name):
+    """A small model of each family solves on two device types over three stages (tied
+    weights split, encoder-decoder glue, convolutions, experts), and the plan's
+    predicted step is the search's objective."""
+    graph = trace_model(model_spec(name, SMALL[name]), dtype="fp16",
+                        seq_len=None if name in ("vit-l", "resnet50", "mlp-small") else 64)
+    training = TrainingSpec(global_batch=24, seq_len=graph.seq_len, dtype="fp16")
+    plan = solve(graph, load_cluster(CLUSTER), training, SolveOptions(
+        gap=0.0, limits=Limits(pp=3), with_baselines=False))[0]
+    assert all(len(p.stages) == 3 for p in plan.pipelines)
+    assert plan.solver.objective == pytest.approx(plan.prediction.step_time, rel=1e-9)
+
+
 def test_infeasible_model_names_the_device_and_term():
     graph = trace_model(model_spec("llama2-13b", {"layers": 8}), seq_len=2048, dtype="fp16")
     cluster = load_cluster("1x2xT4")
