@@ -529,7 +529,7 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
             node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
                          tuple(s.types for s in shapes), tuple(s.n for s in shapes))
             _leaf(table, node, batch, run.limits, run.pricing, run.best, run.top_k)
-    for part, root in [(run, root) for run in runs for root in sorted(run.heap)[:dives]]:
+    for part, root in [(p, root) for p in runs for root in sorted(p.heap)[:dives]]:
         if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
             break
         if len(table.types) > 1 and not part.single:
@@ -541,8 +541,8 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
 
 def _bound(runs: list[_Search], best: list[Evaluation]) -> float:
     """No structure is faster, whether explored, pruned (up to the gap) or still queued."""
-    return min([*(best[:1] and [best[0].step_time]), *(part.given_up for part in runs),
-                *(n.bound for part in runs for n in part.heap[:1])])
+    return min([*(e.step_time for e in best[:1]), *(part.given_up for part in runs),
+                *(n.bound for part in runs for n in part.heap[:1])], default=float("inf"))
 
 
 def _parts(space: Space) -> list[bool]:

@@ -26,8 +26,8 @@ flight, so the steady-state period is bounded by the round trip over S:
                  (each chunk's gradient crosses the link before the next backward of
                  its sender: where a send is long against a chunk's compute, the
                  period grows by about v per second of send, which b_s + v c_s bounds
-                 from above in the simulator; max_s v c_s, the link's load alone, is
-                 up to 18% too low there)
+                 from above in the simulator; max_s v c_s, the link's load alone,
+                 came out up to a quarter too fast there: benchmarks/closed_form.py)
 
 A training step: step = max over pipelines of T(m_p) + gradient sync + optimizer.
 These are exact for balanced stages without sends; tests measure the error
