@@ -82,7 +82,10 @@ def overrides(*, layers: int | None = None, hidden: int | None = None,
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise PlannerError("bad-option", f"--set {item!r} must look like KEY=VALUE.")
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        text = value.strip()
+        if text.startswith("(") and text.endswith(")"):  # a tuple, as Python writes it
+            text = f"[{text[1:-1]}]"
+        parsed = yaml.safe_load(text) if text else ""
         name = key.strip().replace("-", "_")
         if name in out:
             raise PlannerError("bad-option", f"--set {item!r} sets {name}, which another option "

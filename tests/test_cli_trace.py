@@ -57,6 +57,19 @@ def test_shape_options_and_set():
     assert data["blocks"] == 2 and data["config"]["kv_heads"] == 2
 
 
+@pytest.mark.parametrize("blocks", ["[1, 1, 1, 1]", "(1,1,1,1)", "1, 1, 1, 1"])
+def test_set_takes_a_list_as_yaml_or_python_writes_it(blocks):
+    """The error for a bad list shows one in the form --set takes; a tuple as Python
+    prints it (the form the zoo's defaults were shown in) works too."""
+    result = run("trace", "resnet50", "--set", f"blocks={blocks}", "--set", "width=8",
+                 "--set", "image_size=64", "--json")
+    if blocks == "1, 1, 1, 1":
+        assert result.exit_code != 0 and "like [3, 4, 6, 3]" in result.output
+    else:
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["config"]["blocks"] == [1, 1, 1, 1]
+
+
 def test_user_factory(tmp_path):
     result = run("trace", "tests.factories:mlp", "--set", "depth=5", "--json")
     assert result.exit_code == 0, result.output

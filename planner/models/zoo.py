@@ -197,7 +197,8 @@ def _typed(base: Flavor, key: str, default: Any, value: Any) -> Any:
         what = {int: "an integer", float: "a number", tuple: "a list of integers"}.get(
             kind, f"a {kind.__name__}")
         raise PlannerError("bad-override", f"Model {base.name}: {key} takes {what}"
-                           + (f" (like {default!r})" if default is not None else "")
+                           + (f" (like {list(default) if kind is tuple else default!r})"
+                              if default is not None else "")
                            + f", not {value!r}.",
                            [f"e.g. --set {key}={list(default) if kind is tuple else default}"
                             if key not in _SHAPE_FLAGS else f"e.g. --{key.replace('_', '-')} "
