@@ -109,6 +109,27 @@ def test_a_vit_plan_reloads_its_model_with_the_token_count_it_records():
     assert load_model(small, seq_len=tokens, device="meta").seq_len == tokens == 5
 
 
+def test_a_plan_file_rebuilds_a_model_with_a_list_override(tmp_path):
+    """JSON keeps a tuple override (ResNet's blocks) as a list: the plan read back must
+    still build its model, or the runtime cannot run the plan."""
+    from cost_models.cluster import load_cluster
+    from planner.planfile import read_plan, write_plan
+    from planner.solver import SolveOptions, solve
+    from planner.trace import trace_model
+    from planner.types import TrainingSpec
+
+    spec = model_spec("resnet50", {"blocks": (1, 1, 1, 1), "width": 8, "image_size": 64})
+    plan = solve(trace_model(spec, dtype="fp16"), load_cluster("1x2xA100-40G"),
+                 TrainingSpec(global_batch=4, seq_len=None, dtype="fp16"),
+                 SolveOptions(with_baselines=False))[0]
+    write_plan(plan, tmp_path / "plan.json")
+    again = read_plan(tmp_path / "plan.json")
+    assert list(again.model.overrides["blocks"]) == [1, 1, 1, 1]
+    loaded = load_model(again.model, device="meta")
+    assert sum(p.numel() for p in loaded.module.parameters()) == sum(
+        p.numel() for p in load_model(spec, device="meta").module.parameters())
+
+
 @pytest.mark.parametrize("name", ["gpt-tiny", "t5-base", "vit-l", "resnet50", "mlp-small",
                                   "mixtral-8x7b", "bert-base"])
 def test_zoo_models_train_for_real(name):

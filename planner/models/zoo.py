@@ -186,6 +186,8 @@ def _typed(base: Flavor, key: str, default: Any, value: Any) -> Any:
     """An override's value if it has its field's type (an int for an int field, a number
     for a float one, ...); else an error naming the option."""
     kind = int if default is None else type(default)  # the optional fields are counts
+    if kind is tuple and isinstance(value, list):  # (as JSON plan files keep it)
+        value = tuple(value)
 
     def integer(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
