@@ -87,6 +87,16 @@ def test_zero3_equal_shares_selective_recompute_and_a_tied_weight(tmp_path):
     assert not any("ZeRO" in note for note in summary["notes"])
 
 
+def test_zero3_on_a_stage_that_holds_the_head_and_its_tied_table(tmp_path):
+    """One stage holds the token table and the head that reads it: FSDP would gather
+    the table around the embedding's forward and reshard it before the head's, so the
+    table stays out of FSDP while the blocks are sharded."""
+    plan = tiny_plan("1x2xcpu", pp=1, dp=2, zero=3)
+    summary = _check_against_reference(plan, _run(tmp_path, plan))
+    kept = [note for note in summary["notes"] if "ZeRO" in note]
+    assert len(kept) == 2 and all("keeps embed.tokens.weight unsharded" in n for n in kept)
+
+
 def test_pipelines_split_differently_gpipe(tmp_path):
     plan = tiny_plan("1x4xcpu", pp=2, dp=2, shares=[1, 3], schedule=Schedule.GPIPE)
     plan = resplit(plan, 1, [(0, 2), (2, 6)])

@@ -28,7 +28,10 @@ every forward. FSDP issues one all-gather per forward when resharding, so zero 3
 needs every replica to run the same number of micro-batches; otherwise it runs
 as zero 2 and the run summary says so. Parameters that stages outside the
 replica set also hold (tied weights, other pipelines' different splits) are kept
-out of FSDP and summed with the other holders like any unsharded parameter.
+out of FSDP and summed with the other holders like any unsharded parameter; so are,
+under ZeRO-3, the weights several layers of the stage read (a head tied to the token
+table beside it), which a gather around one layer's forward would leave sharded for
+the other.
 
 Tensor parallelism (tp > 1): Megatron-style DTensor plans for the zoo's
 transformer blocks (q, k, v, MLP up/gate column-parallel; attention output and
@@ -274,11 +277,13 @@ def apply_tensor_parallel(units: Iterable[tuple[str, nn.Module]], mesh: DeviceMe
 
 # --- FSDP2 ------------------------------------------------------------------------------
 
-def fsdp_ignored(topo: Topology, key: StageKey, root: nn.Module) -> set[nn.Parameter]:
-    """Parameters of stage `key` that stages outside its replica set also hold."""
+def fsdp_ignored(topo: Topology, key: StageKey, root: nn.Module,
+                 keep: frozenset[str] = frozenset()) -> set[nn.Parameter]:
+    """Parameters of stage `key` that stages outside its replica set also hold, and
+    those named in `keep`."""
     replicas = set(topo.replicas_of(key))
     return {param for name, param in root.named_parameters()
-            if set(topo.holders[name]) != replicas}
+            if set(topo.holders[name]) != replicas or name in keep}
 
 
 def apply_fsdp(chunks: Sequence[ChunkModule], mesh: DeviceMesh, *, reshard: bool,

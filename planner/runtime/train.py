@@ -26,6 +26,7 @@ import datetime
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,11 +209,14 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
         apply_recompute(unit, stage.recompute)
     key = (me.pipeline, me.stage)
     replicas = topo.replicas_of(key)
-    ignored = fsdp_ignored(topo, key, built.root)
+    counts = {plan.pipelines[p].num_microbatches for p, _ in replicas}
+    reshard = stage.zero == 3 and len(counts) == 1
+    read = Counter(name for names in info.uses for name in names)
+    shared = frozenset(name for name, layers in read.items() if layers > 1)
+    ignored = fsdp_ignored(topo, key, built.root, shared if reshard else frozenset())
+    kept = ignored - fsdp_ignored(topo, key, built.root)  # for the shared reads alone
     managed: set[int] = set()
     if stage.zero >= 1 and len(replicas) > 1:
-        counts = {plan.pipelines[p].num_microbatches for p, _ in replicas}
-        reshard = stage.zero == 3 and len(counts) == 1
         if stage.zero == 3 and not reshard:
             notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-3 ran as ZeRO-2 "
                          f"(parameters gathered once per step): its replicas run "
@@ -220,6 +224,12 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
                          "must match")
         apply_fsdp(built.chunks, groups.dp_mesh, reshard=reshard, ignored=ignored)
         managed = fsdp_managed(built.chunks, ignored)
+        if kept:
+            names = sorted(n for n, p in built.root.named_parameters() if p in kept)
+            notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-3 keeps "
+                         f"{', '.join(names)} unsharded: several of the stage's layers "
+                         "read it, and a gather around one layer's forward would leave it "
+                         "sharded for the other")
         if ignored and not managed:
             notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-{stage.zero} shards "
                          "nothing: stages of other replica sets (another device type or "
