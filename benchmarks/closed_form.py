@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from results import write_section
+from results import table, write_section
 
 from planner.simulate import simulate
 from planner.solver.timing import StageTiming, pipeline_time
@@ -70,8 +70,8 @@ def main() -> None:
                    f"{e[-1]:+.1%} | {within:.0%} |")
             print(row, flush=True)
             rows.append(row)
-    body = ("| pipelines | schedule | lowest | median | highest | within ±2% |\n"
-            "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+    body = (table(["pipelines", "schedule", "lowest", "median", "highest", "within ±2%"], rows)
+            + "\n"
             f"Error: (closed form - simulated) / simulated step time of one pipeline, over "
             f"{DRAWS} random pipelines per row: 2-12 stages, S to 8S micro-batches (whole "
             "groups of S, as interleaving needs), each stage's backward twice its forward, "

@@ -28,3 +28,9 @@ def write_section(name: str, command: str, body: str) -> None:
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else (
         text.rstrip("\n") + "\n\n" + section)
     RESULTS.write_text(text)
+
+
+def table(columns: list[str], rows: list[str]) -> str:
+    """A markdown table of `rows` (each already "| a | b |") under these columns."""
+    return ("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+            + "\n".join(rows) + "\n")

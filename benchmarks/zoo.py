@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from results import write_section
+from results import table, write_section
 
 from cost_models.cluster import load_cluster
 from planner.errors import PlannerError
@@ -55,8 +55,8 @@ def main() -> None:
         row = run(name)
         print(row, flush=True)
         rows.append(row)
-    body = ("| model | status | search | solve incl. baselines | gap | step time | plan |\n"
-            "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+    body = (table(["model", "status", "search", "solve incl. baselines", "gap", "step time",
+                   "plan"], rows) + "\n"
             f"`planner solve MODEL` on the example cluster {CLUSTER} (50 GPUs of three "
             f"types in 7 nodes on 100 Gb/s Ethernet), global batch {BATCH}, fp16, the CLI's "
             f"defaults ({TIME_LIMIT:g} s time limit, 0.5% gap). Search: the branch and bound "
