@@ -277,13 +277,11 @@ def apply_tensor_parallel(units: Iterable[tuple[str, nn.Module]], mesh: DeviceMe
 
 # --- FSDP2 ------------------------------------------------------------------------------
 
-def fsdp_ignored(topo: Topology, key: StageKey, root: nn.Module,
-                 keep: frozenset[str] = frozenset()) -> set[nn.Parameter]:
-    """Parameters of stage `key` that stages outside its replica set also hold, and
-    those named in `keep`."""
+def fsdp_ignored(topo: Topology, key: StageKey, root: nn.Module) -> set[nn.Parameter]:
+    """Parameters of stage `key` that stages outside its replica set also hold."""
     replicas = set(topo.replicas_of(key))
     return {param for name, param in root.named_parameters()
-            if set(topo.holders[name]) != replicas or name in keep}
+            if set(topo.holders[name]) != replicas}
 
 
 def apply_fsdp(chunks: Sequence[ChunkModule], mesh: DeviceMesh, *, reshard: bool,

@@ -211,10 +211,11 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
     replicas = topo.replicas_of(key)
     counts = {plan.pipelines[p].num_microbatches for p, _ in replicas}
     reshard = stage.zero == 3 and len(counts) == 1
-    read = Counter(name for names in info.uses for name in names)
-    shared = frozenset(name for name, layers in read.items() if layers > 1)
-    ignored = fsdp_ignored(topo, key, built.root, shared if reshard else frozenset())
-    kept = ignored - fsdp_ignored(topo, key, built.root)  # for the shared reads alone
+    ignored = fsdp_ignored(topo, key, built.root)
+    read = Counter(name for names in info.uses for name in names)  # (parallel.py: ZeRO)
+    kept = sorted(name for name, param in built.root.named_parameters()
+                  if reshard and read[name] > 1 and param not in ignored)
+    ignored |= {built.root.get_parameter(name) for name in kept}
     managed: set[int] = set()
     if stage.zero >= 1 and len(replicas) > 1:
         if stage.zero == 3 and not reshard:
@@ -225,9 +226,8 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
         apply_fsdp(built.chunks, groups.dp_mesh, reshard=reshard, ignored=ignored)
         managed = fsdp_managed(built.chunks, ignored)
         if kept:
-            names = sorted(n for n, p in built.root.named_parameters() if p in kept)
             notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-3 keeps "
-                         f"{', '.join(names)} unsharded: several of the stage's layers "
+                         f"{', '.join(kept)} unsharded: several of the stage's layers "
                          "read it, and a gather around one layer's forward would leave it "
                          "sharded for the other")
         if ignored and not managed:
