@@ -22,6 +22,9 @@ console = Console()
 
 
 def devices(
+    text: Annotated[str | None, typer.Argument(
+        help="Only device types whose name or an alias holds this (e.g. a100, mi300).",
+        show_default=False)] = None,
     vendor: Annotated[str | None, typer.Option(
         "--vendor", help="Only this vendor: nvidia, amd, generic.")] = None,
     sources: Annotated[bool, typer.Option(
@@ -32,15 +35,19 @@ def devices(
     """List the device catalog: memory, bandwidth and dense peak FLOP/s per dtype.
 
     Examples:
+      planner devices a100
       planner devices --vendor amd
       planner devices --sources
       planner devices --json
     """
     from cost_models.catalog import load_catalog
-    from planner.errors import unknown_name_error
+    from planner.errors import PlannerError, unknown_name_error
 
     catalog = load_catalog()
-    specs = list(catalog.devices.values())
+    specs = catalog.matching(text or "")
+    if not specs:
+        raise PlannerError("no-match", f"No device type matches {text!r}.",
+                           ["`planner devices` without a search lists all of them"])
     if vendor:
         vendors = sorted({d.vendor for d in specs})
         if vendor.lower() not in vendors:

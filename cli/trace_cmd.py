@@ -23,24 +23,31 @@ console = Console()
 
 
 def models(
+    text: Annotated[str | None, typer.Argument(
+        help="Only models whose name, family or description holds this (e.g. 70b, experts).",
+        show_default=False)] = None,
     family: Annotated[str | None, typer.Option("--family", help="Only this family.")] = None,
     json_out: opt.JsonOut = False,
 ) -> None:
     """List the built-in model zoo with parameter counts.
 
-    Example: planner models --family llama
+    Examples: planner models llama; planner models --family llama
     """
-    from planner.errors import unknown_name_error
+    from planner.errors import PlannerError, unknown_name_error
     from planner.models import FLAVORS, load_model, model_spec
+    from planner.models.zoo import matching
 
     families = sorted({f.family for f in FLAVORS.values()})
     if family and family.lower() not in families:
         raise unknown_name_error("unknown-family", "model family", family, families,
                                  "planner models")
+    found = [f for f in matching(text or "") if not family or f.family == family.lower()]
+    if not found:
+        raise PlannerError("no-match", f"No zoo model matches {text!r}"
+                           + (f" in family {family}." if family else "."),
+                           ["`planner models` without a search lists all of them"])
     rows = []
-    for flavor in FLAVORS.values():
-        if family and flavor.family != family.lower():
-            continue
+    for flavor in found:
         loaded = load_model(model_spec(flavor.name))
         params = sum(p.numel() for p in loaded.module.parameters())
         rows.append({"name": flavor.name, "family": flavor.family,

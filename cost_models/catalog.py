@@ -48,6 +48,12 @@ class Catalog:
                                      "planner devices")
         return self.devices[names[wanted]]
 
+    def matching(self, text: str) -> list[DeviceSpec]:
+        """The device types whose name or an alias holds `text` (any case); all for ""."""
+        wanted = text.strip().lower()
+        return [d for d in self.devices.values() if wanted in d.name.lower() or any(
+            wanted in a.lower() for a, n in self.aliases.items() if n == d.name)]
+
     def link(self, name: str) -> LinkSpec:
         """A link type by key ("nvlink3") or display name ("NVLink 3")."""
         wanted = name.strip().lower()

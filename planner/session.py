@@ -49,9 +49,9 @@ class Command:
 
 COMMANDS: tuple[Command, ...] = (
     Command("models", "models [TEXT]", "list the model zoo, or search it for TEXT",
-            "planner models [--family F]", "setup"),
+            "planner models [TEXT] [--family F]", "setup"),
     Command("devices", "devices [TEXT]", "list device types, or search them for TEXT",
-            "planner devices", "setup"),
+            "planner devices [TEXT]", "setup"),
     Command("examples", "examples", "list the built-in example clusters",
             "planner solve --help (the --cluster option)", "setup"),
     Command("model", "model NAME [--layers N --hidden N --heads N --kv-heads N --ffn N "
@@ -558,12 +558,10 @@ class Session:
         return None
 
     def _cmd_models(self, args: list[str], reply: Reply) -> None:
-        from planner.models import FLAVORS
+        from planner.models.zoo import matching
 
         text = " ".join(args).lower()
-        rows = tuple((f.name, f.family, f.description) for f in FLAVORS.values()
-                     if not text or text in f.name or text in f.family
-                     or text in f.description.lower())
+        rows = tuple((f.name, f.family, f.description) for f in matching(text))
         if not rows:
             raise PlannerError("no-match", f"No zoo model matches {text!r}.",
                                ["`models` without a search lists all of them"])
@@ -578,11 +576,8 @@ class Session:
         text = " ".join(args).lower()
         catalog = load_catalog()
         rows = []
-        for d in catalog.devices.values():
+        for d in catalog.matching(text):
             aliases = [a for a, n in catalog.aliases.items() if n == d.name]
-            if text and text not in d.name.lower() and not any(text in a.lower()
-                                                               for a in aliases):
-                continue
             flops = d.peak_flops.get("bf16") or d.peak_flops.get("fp16") \
                 or d.peak_flops.get("fp32", 0.0)
             rows.append((d.name, d.vendor, f"{d.memory / 2**30:.4g} GiB",

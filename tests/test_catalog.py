@@ -169,6 +169,16 @@ def test_cli_devices_json_and_table():
     assert "nvlink3" in table.stdout and "Sources" in table.stdout
 
 
+def test_cli_devices_searches_names_and_aliases_as_the_session_does():
+    a100 = json.loads(runner.invoke(app, ["devices", "a100", "--json"]).stdout)
+    assert {r["name"] for r in a100} == {"A100-40G-SXM", "A100-80G-SXM", "A100-40G-PCIE",
+                                         "A100-80G-PCIE"}
+    by_alias = json.loads(runner.invoke(app, ["devices", "A100-SXM4-80GB", "--json"]).stdout)
+    assert [r["name"] for r in by_alias] == ["A100-80G-SXM"]
+    none = runner.invoke(app, ["devices", "zzz"])
+    assert none.exit_code == 1 and "No device type matches 'zzz'" in none.output
+
+
 def test_cli_devices_unknown_vendor():
     result = runner.invoke(app, ["devices", "--vendor", "intel"])
     assert result.exit_code == 1 and "Unknown vendor 'intel'" in result.output

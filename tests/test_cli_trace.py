@@ -32,6 +32,10 @@ def test_models_lists_the_zoo_with_counts():
             "resnet152", "mixtral-8x7b", "mlp", "llama3-405b"} <= set(rows)
     table = run("models", "--family", "llama")
     assert "llama3-8b" in table.stdout and "gpt2" not in table.stdout
+    found = {r["name"] for r in json.loads(run("models", "70b", "--json").stdout)}
+    assert found == {"llama2-70b", "llama3-70b"}
+    none = run("models", "70b", "--family", "gpt")
+    assert none.exit_code == 1 and "No zoo model matches '70b' in family gpt" in none.output
 
 
 def test_trace_table():

@@ -128,6 +128,14 @@ OVERRIDES: Mapping[type, Mapping[str, str]] = {
 }
 
 
+def matching(text: str) -> list[Flavor]:
+    """The zoo flavors whose name, family or description holds `text` (any case); all
+    for ""."""
+    wanted = text.strip().lower()
+    return [f for f in FLAVORS.values() if wanted in f.name or wanted in f.family
+            or wanted in f.description.lower()]
+
+
 def flavor(name: str) -> Flavor:
     try:
         return FLAVORS[name.lower()]
