@@ -23,6 +23,7 @@ gradients overflow on any rank.
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import os
 import time
@@ -128,6 +129,10 @@ def run(options: RunOptions, env: dict[str, str] | None = None) -> dict[str, Any
     try:
         return _train(options, plan, layout, place, run_dir, attempt)
     finally:
+        # the model, FSDP and the schedules hold the groups in reference cycles: freed
+        # now, the groups' worker threads end while the interpreter is alive (left to
+        # interpreter exit, gloo's sometimes aborted the rank after a finished run)
+        gc.collect()
         dist.destroy_process_group()
 
 
