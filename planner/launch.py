@@ -319,9 +319,17 @@ def _render_local(setup: _Setup) -> str:
         "wait || true",
         'if [ "$status" = 0 ]; then',
         '  echo "run-local.sh: done; summary: $RUN_DIR/summary.json, logs: $LOGS"',
-        "else  # the runtime's first error paragraph, as every rank logs it",
-        '  cat "$LOGS"/*.log 2>/dev/null | awk \'/^error: /{if (found) exit; found=1; print; '
-        'next} found && /^  [0-9]+\\) /{print; next} found{exit}\' >&2 || true',
+        "else  # the runtime's first error paragraph, as every rank logs it, else the cause",
+        '  reason=$(cat "$LOGS"/*.log 2>/dev/null | awk \'/^error: /{if (found) exit; found=1; '
+        'print; next} found && /^  [0-9]+\\) /{print; next} found{exit}\' || true)',
+        '  if [ -n "$reason" ]; then',
+        '    printf \'%s\\n\' "$reason" >&2',
+        '  elif grep -qs EADDRINUSE "$LOGS"/*.log; then',
+        '    echo "run-local.sh: port $PORT is in use (another run?): run again with" \\',
+        '      "PLANNER_MASTER_PORT set to a free port" >&2',
+        "  else",
+        '    tail -q -n 1 "$LOGS"/*.log >&2 || true',
+        "  fi",
         "fi",
         'exit "$status"']
     return "\n".join(lines) + "\n"

@@ -210,3 +210,28 @@ def test_a_failed_local_run_prints_the_runtimes_error(tmp_path):
     # the ranks of a node write one log at once, so two of their lines can interleave
     assert "error: Could not import module 'no_such_module'" in run.stderr
     assert run.stderr.startswith("run-local.sh: a node failed")
+
+
+def test_a_local_run_on_a_taken_port_says_so(tmp_path):
+    """torchrun fails before the runtime starts when another run holds the port: the
+    terminal gets that cause and the setting that moves the port."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    write_plan(tiny_plan("1x2xcpu", pp=2), tmp_path / "plan.json")
+    out = tmp_path / "launch"
+    result = CliRunner().invoke(app, ["launch", str(tmp_path / "plan.json"), "--out", str(out),
+                                      "--target", "local", "--python", sys.executable])
+    assert result.exit_code == 0, result.output
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(["bash", str(out / "run-local.sh")], capture_output=True,
+                             text=True, timeout=240,
+                             env={**os.environ, "PLANNER_MASTER_PORT": str(port)})
+    assert run.returncode == 1
+    assert f"port {port} is in use" in run.stderr and "PLANNER_MASTER_PORT" in run.stderr
