@@ -401,6 +401,8 @@ def test_stage_pins_place_the_first_and_last_stages(tmp_path):
      "--pp 3 stages of --tp 4 need 12 devices"),
     (["estimate", "llama2-13b", "--cluster", "1x2xT4", "-B", "2"], "does not fit in memory"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "0"], "--tp must be at least 1"),
+    (["estimate", "gpt-tiny", "--cluster", CLUSTER, "-B", "0"],
+     "--global-batch must be at least 1 (got 0)"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--micro-batch", "0"],
      "--micro-batch must be at least 1"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "3"], "use one of --tp 1, 2, 4"),

@@ -64,8 +64,8 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                       must_fit: bool = False) -> list[PipelinePlan] | None:
     """The uniform recipe's pipelines, stage memory included but not yet priced (None
     with `must_fit` if a device's memory overflows)."""
-    for name, value in (("--tp", tp), ("--pp", pp), ("--micro-batch", micro_batch),
-                        ("--interleave", interleave)):
+    for name, value in (("--global-batch", training.global_batch), ("--tp", tp), ("--pp", pp),
+                        ("--micro-batch", micro_batch), ("--interleave", interleave)):
         if value < 1:
             raise PlannerError("bad-option", f"{name} must be at least 1 (got {value}).")
     if interleave > 1 and schedule is Schedule.GPIPE:
