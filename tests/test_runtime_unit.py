@@ -211,3 +211,18 @@ def test_an_existing_run_is_not_restarted_from_scratch(tmp_path):
     (tmp_path / "checkpoints" / "step-00000002").mkdir()
     (tmp_path / "checkpoints" / "step-00000002" / ".metadata").write_bytes(b"")
     assert complete_steps(Path(tmp_path)) == [2, 4]
+
+
+def test_tensor_parallelism_leaves_mixture_of_experts_blocks_whole():
+    """Its experts are not sharded, so a mixture-of-experts block stays whole on every
+    tensor-parallel rank, as the cost model prices it; a dense block is sharded."""
+    from planner.models import load_model, model_spec
+    from planner.runtime.parallel import _transformer_block
+
+    shape = {"layers": 1, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 100}
+    moe = load_model(model_spec("mixtral-8x7b", shape), seq_len=16, device="meta").module
+    dense = load_model(model_spec("llama3-8b", shape), seq_len=16, device="meta").module
+    (moe_block,) = [m for m in moe.modules() if type(m).__name__ == "Block"]
+    (dense_block,) = [m for m in dense.modules() if type(m).__name__ == "Block"]
+    assert _transformer_block(moe_block, 2, "layer 1") is None
+    assert _transformer_block(dense_block, 2, "layer 1") is not None

@@ -231,3 +231,19 @@ def test_tensor_parallelism_covers_the_layers_the_runtime_shards():
 
     with pytest.raises(PlannerError, match="shards none of this model's layers"):
         check_tp_divides(resnet.layers, 2, (1, 2))
+
+
+def test_mixture_of_experts_blocks_are_priced_whole_on_every_tp_rank():
+    """The runtime shards no expert, so it replicates a mixture-of-experts block on its
+    tensor-parallel group; the trace says so, and the cost model charges every rank
+    the whole block (it halved the experts at tp 2: a Mixtral plan at tp 2 needed
+    nearly twice the memory it predicted)."""
+    from planner.errors import PlannerError
+    from planner.solver.table import check_tp_divides
+
+    moe = trace_model(model_spec("mixtral-8x7b", {"layers": 2, "hidden": 64, "heads": 4,
+                                                  "kv_heads": 2, "ffn": 128, "vocab": 100}),
+                      seq_len=32)
+    assert not any(layer.tp_sharded or layer.tp_comm_bytes for layer in moe.layers)
+    with pytest.raises(PlannerError, match="transformer blocks without experts"):
+        check_tp_divides(moe.layers, 2, (1, 2))

@@ -37,8 +37,10 @@ Tensor parallelism (tp > 1): Megatron-style DTensor plans for the zoo's
 transformer blocks (q, k, v, MLP up/gate column-parallel; attention output and
 MLP down row-parallel; heads divided among the shards) and MLP blocks; the
 embedding, head and other layers are replicated on the tp group (correct, not
-sharded). A user's layer may define `tensor_parallel_plan() -> {submodule:
-"colwise" | "rowwise"}`.
+sharded), and so are mixture-of-experts blocks: their experts are not sharded, and
+the cost model prices such a block whole on every rank (`trace.layers._tp_sharded`).
+A user's layer may define `tensor_parallel_plan() -> {submodule: "colwise" |
+"rowwise"}`.
 """
 
 from __future__ import annotations
@@ -220,9 +222,10 @@ def _styles(plan: dict[str, str]) -> dict:
 
 
 def _transformer_block(unit: nn.Module, tp: int, where: str) -> dict | None:
-    from planner.models.transformer import MLP, Attention, Block
+    from planner.models.transformer import MLP, Attention, Block, MoE
 
-    if not isinstance(unit, Block) or not isinstance(unit.attn, Attention):
+    if (not isinstance(unit, Block) or not isinstance(unit.attn, Attention)
+            or isinstance(unit.mlp, MoE)):  # (its experts are not sharded: see the docstring)
         return None
     cfg = unit.attn.cfg
     kv = cfg.kv_heads_

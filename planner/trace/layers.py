@@ -147,15 +147,17 @@ def _tp_comm_bytes(group: _Group, fixed_or_input: set[str]) -> float:
 
 def _tp_sharded(unit: nn.Module | None) -> bool:
     """Whether the runtime shards this layer's unit over a tensor-parallel group
-    (`planner.runtime.parallel.apply_tensor_parallel`): zoo transformer blocks, MLP
-    blocks and modules with a `tensor_parallel_plan`; everything else is replicated."""
+    (`planner.runtime.parallel.apply_tensor_parallel`): zoo transformer blocks without
+    experts, MLP blocks and modules with a `tensor_parallel_plan`; everything else,
+    mixture-of-experts blocks included, is replicated."""
     from planner.models.mlp import MLPBlock
-    from planner.models.transformer import Block
+    from planner.models.transformer import Block, MoE
 
     if unit is None:
         return False
     return (callable(getattr(unit, "tensor_parallel_plan", None))
-            or isinstance(unit, (Block, MLPBlock)))
+            or isinstance(unit, MLPBlock)
+            or (isinstance(unit, Block) and not isinstance(unit.mlp, MoE)))
 
 
 def _selective_bytes(group: _Group, input_bytes: float) -> float:
