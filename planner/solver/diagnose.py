@@ -40,15 +40,15 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
     room = sum(n.devices * (n.device.memory - (0.25 if n.device.is_cpu else 1.0) * GIB)
                for n in cluster.nodes)
     if params * per_param > room:
+        holders = (f"the {cluster.num_devices} devices of cluster {cluster.name} have"
+                   if cluster.num_devices > 1 else f"the one device of cluster {cluster.name} has")
         return PlannerError(
             "infeasible",
             f"The model is larger than the whole cluster's memory: {params / 1e9:.3g}B "
             f"parameters need {params * per_param / GIB:,.0f} GiB for weights, gradients and "
-            f"optimizer states ({per_param:g} bytes each), and "
-            + (f"the {cluster.num_devices} devices of cluster {cluster.name} have"
-               if cluster.num_devices > 1 else f"the one device of cluster {cluster.name} has")
-            + f" {room / GIB:,.0f} GiB after the framework reserve.", [MORE_DEVICES, *unexclude,
-                         "train in a smaller dtype or with a lighter optimizer"])
+            f"optimizer states ({per_param:g} bytes each), and {holders} "
+            f"{room / GIB:,.0f} GiB after the framework reserve.",
+            [MORE_DEVICES, *unexclude, "train in a smaller dtype or with a lighter optimizer"])
     devices = [n for n in cluster.nodes for _ in range(n.devices)]
     stages = min(len(layers), len(devices))
     worst = None
