@@ -113,6 +113,7 @@ def what_if(
     max_tp: opt.MaxTp = None,
     pp: opt.Pp = None,
     dp: opt.Dp = None,
+    max_dp: opt.MaxDp = None,
     micro_batch: opt.MicroBatch = None,
     max_stages: Annotated[int | None, typer.Option(
         "--max-stages", help="Most stages per pipeline.", rich_help_panel="Constraints")] = None,
@@ -187,6 +188,7 @@ def what_if(
                            "too.")
     constraints = Constraints(exclude=tuple(exclude or ()), mixed=mixed)
     for key, value in (("tp", tp), ("max-tp", max_tp), ("pp", pp), ("dp", dp),
+                       ("max-dp", max_dp),
                        ("micro-batch", micro_batch), ("max-stages", max_stages),
                        ("recompute", recompute), ("zero", zero),
                        ("first-stage", first_stage), ("last-stage", last_stage),

@@ -46,6 +46,7 @@ Tp = Annotated[int | None, _constraint("--tp", "Tensor-parallel degree.")]
 MaxTp = Annotated[int | None, _constraint("--max-tp", "Largest tensor-parallel degree.")]
 Pp = Annotated[int | None, _constraint("--pp", "Pipeline stages per pipeline.")]
 Dp = Annotated[int | None, _constraint("--dp", "Number of pipelines side by side.")]
+MaxDp = Annotated[int | None, _constraint("--max-dp", "Most pipelines side by side.")]
 MicroBatch = Annotated[int | None, _constraint("--micro-batch", "Micro-batch size.")]
 Recompute = Annotated[str | None, _constraint(
     "--recompute", "none, selective or full (default: the solver picks per stage).")]

@@ -97,6 +97,7 @@ def solve(
     max_tp: opt.MaxTp = None,
     pp: opt.Pp = None,
     dp: opt.Dp = None,
+    max_dp: opt.MaxDp = None,
     micro_batch: opt.MicroBatch = None,
     max_stages: Annotated[int, typer.Option(
         "--max-stages", help="Most stages per pipeline.", rich_help_panel="Constraints")] = 16,
@@ -133,7 +134,7 @@ def solve(
                           ffn=ffn, vocab=vocab, settings=settings)
     graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape)
     options = SolveOptions(
-        limits=Limits(tp=tp, max_tp=max_tp, pp=pp, dp=dp, micro_batch=micro_batch,
+        limits=Limits(tp=tp, max_tp=max_tp, pp=pp, dp=dp, max_dp=max_dp, micro_batch=micro_batch,
                       max_stages=max_stages, mixed=mixed, first_stage=first_stage,
                       last_stage=last_stage, interleave=interleave,
                       interleaves=(1,) if max_interleave is None else tuple(

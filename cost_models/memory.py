@@ -7,6 +7,8 @@ For P parameters in the stage, on one device of a tensor-parallel group of
     weights     P/tp * dtype bytes                 (/dp under ZeRO-3)
     gradients   P/tp * gradient bytes              (/dp under ZeRO-2 and 3)
     optimizer   P/tp * optimizer state bytes       (/dp under ZeRO-1, 2 and 3)
+                (tied weights the runtime keeps out of ZeRO's sharding stay whole:
+                `planner.types.model.zero_kept`)
     activations per micro-batch * micro-batches in flight, by recompute policy:
                   none       the bytes each layer saves for backward
                   selective  the layer input plus outputs of matmuls and attention
@@ -57,9 +59,16 @@ def activation_bytes(layer: Layer, *, recompute: Recompute, tp: int) -> float:
 
 def stage_memory(layers: Sequence[Layer], *, device: DeviceSpec, training: TrainingSpec,
                  tp: int = 1, dp: int = 1, zero: int = 0, recompute: Recompute = Recompute.NONE,
-                 micro_batch: int = 1, in_flight: int = 1) -> MemoryBreakdown:
-    """Memory of one device that holds `layers` (a stage, or one virtual stage)."""
+                 micro_batch: int = 1, in_flight: int = 1, kept: float = 0.0
+                 ) -> MemoryBreakdown:
+    """Memory of one device that holds `layers` (a stage, or one virtual stage);
+    `kept`: parameters of them that ZeRO leaves whole (`planner.types.model.zero_kept`)."""
     params = params_per_rank(layers, tp)
+
+    def held(per_param: float, level: int) -> float:
+        """Bytes of a term that ZeRO stage `level` and above shard over dp."""
+        return (params - kept) * per_param / (dp if zero >= level else 1) + kept * per_param
+
     weight = dtype_bytes(training.dtype)
     grad = training.optimizer.grad_bytes or weight
     per_sample = sum(activation_bytes(layer, recompute=recompute, tp=tp) for layer in layers)
@@ -69,9 +78,9 @@ def stage_memory(layers: Sequence[Layer], *, device: DeviceSpec, training: Train
         activations += max(activation_bytes(layer, recompute=Recompute.NONE, tp=tp)
                            for layer in layers) * micro_batch
     return MemoryBreakdown(
-        weights=params * weight / (dp if zero >= 3 else 1),
-        gradients=params * grad / (dp if zero >= 2 else 1),
-        optimizer=params * optimizer_state_bytes(training) / (dp if zero >= 1 else 1),
+        weights=held(weight, 3),
+        gradients=held(grad, 2),
+        optimizer=held(optimizer_state_bytes(training), 1),
         activations=activations,
         reserve=0.25 * GIB if device.is_cpu else GIB,
     )

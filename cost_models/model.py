@@ -46,7 +46,7 @@ class CostModel(Protocol):
 
     def memory(self, layers: Sequence[Layer], device: DeviceSpec, training: TrainingSpec, *,
                tp: int, dp: int, zero: int, recompute: Recompute, micro_batch: int,
-               in_flight: int) -> MemoryBreakdown: ...
+               in_flight: int, kept: float = 0.0) -> MemoryBreakdown: ...
 
     def optimizer_time(self, params: float, device: DeviceSpec,
                        training: TrainingSpec) -> float: ...
@@ -98,13 +98,14 @@ class AnalyticalCostModel:
 
     def memory(self, layers: Sequence[Layer], device: DeviceSpec, training: TrainingSpec, *,
                tp: int = 1, dp: int = 1, zero: int = 0, recompute: Recompute = Recompute.NONE,
-               micro_batch: int = 1, in_flight: int = 1) -> MemoryBreakdown:
+               micro_batch: int = 1, in_flight: int = 1, kept: float = 0.0) -> MemoryBreakdown:
         key = ("memory", tuple(layer.signature for layer in layers), id(device), training, tp,
-               dp, zero, recompute, micro_batch, in_flight)
+               dp, zero, recompute, micro_batch, in_flight, kept)
         if key not in self.memo:
             self.memo[key] = stage_memory(layers, device=device, training=training, tp=tp,
                                           dp=dp, zero=zero, recompute=recompute,
-                                          micro_batch=micro_batch, in_flight=in_flight)
+                                          micro_batch=micro_batch, in_flight=in_flight,
+                                          kept=kept)
             self.memo["alive", key] = device
         return self.memo[key]
 

@@ -24,6 +24,7 @@ from planner.solver.predict import pipeline_times, stage_timings
 from planner.solver.timing import in_flight
 from planner.timeline import Timeline, build_timeline, ranges, timeline_dict
 from planner.types import CostBreakdown, Layer, ModelGraph, Plan, Recompute, StagePlan
+from planner.types.model import zero_kept
 from planner.units import fmt_bytes, fmt_seconds
 
 TERMS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
@@ -367,6 +368,7 @@ def _memory_without(plan: Plan, pipe_index: int, stage: StagePlan, layers: Seque
                 in_flight=in_flight(stage.index, len(pipe.stages), pipe.num_microbatches,
                                     pipe.schedule, pipe.interleave))
     args.update(change)
+    args["kept"] = zero_kept(layers, set(stage.held()), args["zero"])  # type: ignore[arg-type]
     device = plan.cluster.node(stage.devices.node).device
     return costs.memory(held, device, plan.training, **args).total  # type: ignore[arg-type]
 

@@ -78,7 +78,7 @@ COMMANDS: tuple[Command, ...] = (
             "what-if: change a link, e.g. link network 25Gbps",
             "planner what-if PLAN --link TARGET=BANDWIDTH", "what-if"),
     Command("constrain", "constrain KEY=VALUE ...", "fix or bound the search: tp, max-tp, pp, "
-            "dp, micro-batch, max-stages, recompute (none|selective|full), zero (0-3), "
+            "dp, max-dp, micro-batch, max-stages, recompute (none|selective|full), zero (0-3), "
             "first-stage / last-stage (a device type), mixed (yes|no)",
             "planner solve --tp N --pp N ... (same names)", "constrain"),
     Command("exclude", "exclude NODE ...", "do not use these nodes",
@@ -121,7 +121,7 @@ COMMANDS: tuple[Command, ...] = (
 _BY_NAME = {c.name: c for c in COMMANDS}
 _ALIASES = {"exit": "quit", "q": "quit", "?": "help"}
 _UNRECORDED = {"help", "history", "quit", "cli"}
-CONSTRAINT_KEYS = ("tp", "max-tp", "pp", "dp", "micro-batch", "max-stages", "recompute",
+CONSTRAINT_KEYS = ("tp", "max-tp", "pp", "dp", "max-dp", "micro-batch", "max-stages", "recompute",
                    "zero", "first-stage", "last-stage", "interleave", "max-interleave", "mixed")
 
 
@@ -135,6 +135,7 @@ class Constraints:
     max_tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    max_dp: int | None = None
     micro_batch: int | None = None
     max_stages: int | None = None
     recompute: str | None = None
@@ -184,6 +185,7 @@ class Constraints:
         from planner.types import Recompute
 
         limits = Limits(tp=self.tp, max_tp=self.max_tp, pp=self.pp, dp=self.dp,
+                        max_dp=self.max_dp,
                         micro_batch=self.micro_batch, mixed=self.mixed,
                         first_stage=self.first_stage, last_stage=self.last_stage,
                         interleave=self.interleave,

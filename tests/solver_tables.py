@@ -136,6 +136,8 @@ def structures(table: CostTable, batch: int, limits: Limits):
             for counts in itertools.product(*(range(1, m + 1) for m in maxima)):
                 if limits.dp is not None and sum(counts) != limits.dp:
                     continue
+                if limits.max_dp is not None and sum(counts) > limits.max_dp:
+                    continue
                 yield config, tuple(ClassShape(types=p, n=n) for p, n in zip(
                     patterns, counts, strict=True))
 
@@ -145,7 +147,7 @@ def _structure(table: CostTable, config: Config, space: Space,
     table = fold(table, config.interleave)  # v chunks per device: the same cuts each round
     placement = place(table, shapes, config.tp)
     pipelines = sum(s.n for s in shapes)
-    space = zero_space(space, shapes, config)  # the runtime's ZeRO: one class, 1F1B
+    space = zero_space(space, shapes, config, microbatches)  # the runtime's ZeRO: one class
     if placement is None or pipelines > microbatches or space is None:
         return float("inf")
     options = []

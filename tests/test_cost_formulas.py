@@ -243,6 +243,54 @@ def test_a_head_tied_to_the_embedding_holds_a_copy_on_its_own_stage():
     assert held[0, last] == pytest.approx(graph.params)
 
 
+def test_zero_keeps_tied_weights_whole_where_the_runtime_does():
+    """The runtime sums a tied weight whose owner and readers sit on different stages
+    outside ZeRO's sharding, and ZeRO-3 keeps every tied weight whole: the memory of
+    such a stage holds it whole, and the solver's capacity per layer range prices the
+    same states as `stage_memory` for every range, ZeRO stage and recompute policy."""
+    from cost_models.cluster import load_cluster
+    from cost_models.model import AnalyticalCostModel
+    from planner.solver.partition import Option, _capacity
+    from planner.solver.table import build_table
+    from planner.types.model import zero_kept
+
+    graph = trace_model(model_spec("gpt2-small", {"layers": 2}), seq_len=128)
+    layers, last = graph.layers, len(graph.layers)
+    tied = 50257 * 768
+    training = TrainingSpec(global_batch=8, seq_len=128)
+    assert zero_kept(layers, range(0, last - 1), 2) == tied  # the head is elsewhere
+    assert zero_kept(layers, range(last - 1, last), 1) == tied  # its copy
+    assert zero_kept(layers, range(0, last), 2) == 0  # all on one stage: sharded
+    assert zero_kept(layers, range(0, last), 3) == tied  # but ZeRO-3 keeps it whole
+    assert zero_kept(layers, range(1, last - 1), 3) == 0  # blocks tie nothing
+    assert zero_kept(layers, range(0, last - 1), 0) == 0
+    first = layers[:last - 1]
+    sharded = stage_memory(first, device=GPU, training=training, dp=4, zero=2)
+    whole = stage_memory(first, device=GPU, training=training, dp=4, zero=2, kept=tied)
+    assert whole.gradients - sharded.gradients == pytest.approx(tied * 2 * 3 / 4)
+    assert whole.weights == sharded.weights  # ZeRO-2 does not shard weights
+
+    cluster = load_cluster("1x2xA100-80G")
+    table = build_table(layers, cluster, training, AnalyticalCostModel(cluster),
+                        tps=(1,), micro_batches=(1,))
+    device = cluster.nodes[0].device
+    info = table.type(device.name)
+    options = tuple(Option(r, z) for r in Recompute for z in (0, 1, 2, 3))
+    capacity = _capacity(table, device.name, 1, 1, 4, options)
+    for option, most in zip(options, capacity, strict=True):
+        for a in range(last):
+            for b in range(a + 1, last + 1):
+                args = dict(device=device, training=training, dp=4, zero=option.zero,
+                            recompute=option.recompute,
+                            kept=zero_kept(layers, range(a, b), option.zero))
+                one = stage_memory(layers[a:b], in_flight=1, **args)
+                two = stage_memory(layers[a:b], in_flight=2, **args)
+                per = two.activations - one.activations
+                states = one.weights + one.gradients + one.optimizer
+                room = info.memory - info.reserve - states - (one.activations - per)
+                assert most[a, b] == pytest.approx(room / per, rel=1e-9), (option, a, b)
+
+
 def test_activations_scale_with_micro_batches_in_flight(llama7b):
     training = TrainingSpec(global_batch=8, seq_len=4096)
     one = stage_memory(llama7b.layers[1:3], device=GPU, training=training, micro_batch=1)

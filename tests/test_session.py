@@ -93,6 +93,12 @@ def test_load_solve_whatif_save(tracer, tmp_path):
     assert "--add 1x4xV100-32G" in cli[1] and "--link network=1Gbps" in cli[1]
 
 
+def test_max_dp_bounds_the_pipelines_and_names_its_flag(tracer):
+    session = start(tracer, "constrain max-dp=2", "solve")
+    assert len(session.state.plan.pipelines) <= 2
+    assert "--max-dp 2" in session.run("cli").items[0][1][0]
+
+
 def test_transcript_replays_to_the_same_plan(tracer, tmp_path):
     session = start(tracer, "solve", "add 1x4xV100-32G", "constrain max-tp=1")
     path = tmp_path / "t.txt"

@@ -410,6 +410,10 @@ def test_stage_pins_place_the_first_and_last_stages(tmp_path):
      "--dp 9 pipelines need 9 devices, but the usable nodes"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--pp", "3", "--max-stages", "2"],
      "--pp 3 contradicts --max-stages 2"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--dp", "4", "--max-dp", "2"],
+     "--dp 4 contradicts --max-dp 2"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--max-dp", "0"],
+     "--max-dp must be at least 1"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--first-stage", "V100-16G", "--last-stage",
       "A100-40G", "--no-mixed"], "which --no-mixed rules out"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", str(10**10)], "--global-batch must be"),
@@ -426,6 +430,8 @@ def test_stage_pins_place_the_first_and_last_stages(tmp_path):
      "runs without ZeRO"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--max-interleave", "0"],
      "--max-interleave must be at least 1"),
+    (["estimate", "gpt-tiny", "--cluster", CLUSTER, "-B", "10", "--pp", "1", "--dp", "4",
+      "--zero", "3"], "--zero 3 needs every pipeline to run as many micro-batches"),
 ])
 def test_cli_bad_input(args, needle):
     result = runner.invoke(app, args)
@@ -483,3 +489,26 @@ def test_sends_between_nodes_share_the_nodes_network_cards(setup):
     plan = solve(graph, load_cluster("2x2xA100-80G@1Gbps/10us"), training,
                  SolveOptions(limits=Limits(tp=2, pp=2), gap=0.0, with_baselines=False))[0]
     assert plan.solver.objective == pytest.approx(plan.prediction.step_time, rel=1e-9)
+
+
+def test_zero3_runs_only_where_every_pipeline_runs_as_many_micro_batches():
+    """ZeRO-3 gathers a stage's weights from all its replicas around every forward, so
+    the runtime runs it only where they all run as many micro-batches (else as ZeRO-2,
+    with whole weights the plan did not count). 14 micro-batches over 8 devices: with
+    ZeRO-3 required, the plan's pipelines must divide them evenly, and a recipe that
+    cannot is refused."""
+    graph = trace_model(model_spec("opt-125m", {"layers": 4}), seq_len=512, dtype="fp16")
+    cluster = load_cluster("1x8xA100-40G")
+    training = TrainingSpec(global_batch=14, seq_len=512, dtype="fp16")
+    plans = solve(graph, cluster, training, SolveOptions(
+        gap=0.0, top_k=3, with_baselines=False, limits=Limits(micro_batch=1),
+        space=Space(zeros=(3,))))
+    assert plans
+    for plan in plans:
+        counts = {p.num_microbatches for p in plan.pipelines}
+        assert len(plan.pipelines) == 1 or len(counts) == 1, counts
+        assert len(plan.pipelines) in (1, 2, 7, 14)
+    costs = AnalyticalCostModel(cluster)
+    with pytest.raises(PlannerError, match="--zero 3 needs every pipeline"):
+        uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                     training=training, costs=costs, tp=1, pp=1, dp=4, zero=3)

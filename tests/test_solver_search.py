@@ -77,6 +77,22 @@ def test_search_equals_brute_force_interleaved(seed):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
+def test_search_equals_brute_force_with_few_pipelines(seed):
+    """--dp fixes the number of pipelines side by side, --max-dp bounds it."""
+    rng = random.Random(seed)
+    table, batch, limits = random_instance(rng)
+    fixed = rng.random() < 0.5
+    count = rng.randint(1, 3)
+    limits = dataclasses.replace(limits, dp=count if fixed else None,
+                                 max_dp=None if fixed else count)
+    assert_equals_brute_force(table, batch, limits)
+    best = best_or_none(table, batch, limits)
+    assert best is None or (sum(s.n for s in best.shapes) == count if fixed
+                            else sum(s.n for s in best.shapes) <= count)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
 def test_search_equals_brute_force_with_pinned_stages(seed):
     rng = random.Random(seed)
     table, batch, limits = random_instance(rng)

@@ -55,7 +55,8 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
                            f"{training.global_batch:,}).")
     limits = options.limits
     for flag, value in (("--tp", limits.tp), ("--max-tp", limits.max_tp), ("--pp", limits.pp),
-                        ("--dp", limits.dp), ("--micro-batch", limits.micro_batch),
+                        ("--dp", limits.dp), ("--max-dp", limits.max_dp),
+                        ("--micro-batch", limits.micro_batch),
                         ("--max-stages", limits.max_stages), ("--interleave", limits.interleave),
                         ("--max-interleave", max(limits.interleaves, default=0))):
         if value is not None and value < 1:
@@ -103,9 +104,10 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
             f"nodes of cluster {cluster.name} have {devices}.",
             ["lower " + " or ".join(f for f, v in (("--dp", limits.dp), ("--pp", limits.pp),
                                                    ("--tp", tp)) if v), "add devices"])
-    if tp is not None and limits.max_tp is not None and tp > limits.max_tp:
-        raise PlannerError("bad-option", f"--tp {tp} contradicts --max-tp {limits.max_tp}.",
-                           ["drop one of them"])
+    for fixed, most, name in ((tp, limits.max_tp, "tp"), (limits.dp, limits.max_dp, "dp")):
+        if fixed is not None and most is not None and fixed > most:
+            raise PlannerError("bad-option", f"--{name} {fixed} contradicts --max-{name} "
+                               f"{most}.", ["drop one of them"])
     if limits.pp is not None and limits.pp > len(model.layers):
         raise PlannerError("bad-option", f"--pp {limits.pp} is more stages than the model has "
                            f"layers ({len(model.layers)}).", [f"use --pp {len(model.layers)} "

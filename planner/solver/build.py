@@ -26,6 +26,7 @@ from planner.types import (
     StagePlan,
     TrainingSpec,
 )
+from planner.types.model import zero_kept
 from planner.types.training import Recompute
 
 
@@ -41,7 +42,8 @@ def stage_plan(*, index: int, layers: Sequence[Layer], bounds: tuple[int, int],
     memory = costs.memory(held, device, training, tp=tp, dp=replicas, zero=zero,
                           recompute=recompute, micro_batch=micro_batch,
                           in_flight=in_flight(index, stages, microbatches, schedule,
-                                              interleave))
+                                              interleave),
+                          kept=zero_kept(layers, {layer.index for layer in held}, zero))
     return StagePlan(index=index, layers=bounds, chunks=chunks,
                      modules=tuple(m for layer in held for m in layer.modules),
                      device_type=device_type,

@@ -93,8 +93,9 @@ def _constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, s
     for flag, value in (("--tp", limits.tp), ("--pp", limits.pp), ("--dp", limits.dp)):
         if value is not None:
             out.append((f"{flag} {value}", f"drop {flag} {value}, or pick another value"))
-    if limits.max_tp is not None:
-        out.append((f"--max-tp {limits.max_tp}", f"raise --max-tp {limits.max_tp}"))
+    for flag, value in (("--max-tp", limits.max_tp), ("--max-dp", limits.max_dp)):
+        if value is not None:
+            out.append((f"{flag} {value}", f"raise {flag} {value}"))
     if limits.max_stages < stages and limits.pp is None:
         out.append((f"--max-stages {limits.max_stages}",
                     f"raise --max-stages {limits.max_stages} (one pipeline over every device "
@@ -133,10 +134,19 @@ def _leanest_kept(layers: Sequence[Layer], cluster: ClusterSpec, training: Train
         pipelines = uniform_pipelines(
             layers=layers, cluster=cluster, training=training, costs=costs, tp=tp, pp=pp,
             dp=dp, micro_batch=limits.micro_batch or 1, recompute=policy,
-            zero=max(space.zeros) if dp > 1 else min(space.zeros))
+            zero=_leanest_zero(space, dp, training.global_batch // (limits.micro_batch or 1)))
     except PlannerError as exc:
         return None, exc.message
     problems = overflows(pipelines or [], cluster)
     if not problems:
         return None, None
     return f"tp {tp}, pp {pp}, dp {dp}, recompute {policy.value}: {problems[0]}", None
+
+
+def _leanest_zero(space: Space, dp: int, microbatches: int) -> int:
+    """The ZeRO stage that saves the most memory for dp pipelines (ZeRO-3 only where
+    they run equal micro-batch counts, `evaluate.zero_space`)."""
+    if dp == 1:
+        return min(space.zeros)
+    return max((z for z in space.zeros if z < 3 or microbatches % dp == 0),
+               default=min(space.zeros))

@@ -12,7 +12,9 @@ pipelines hold it on; a weight tied across stages (a head reading the
 embedding's) is all-reduced on its own, after, among every stage holding either
 layer (as the runtime sums it). ZeRO shards a stage over its class's pipelines, and only in
 structures of one class (`zero_space`: as the runtime, which shards only layers
-no other replica set holds); ZeRO-3 stages reduce-scatter per micro-batch.
+no other replica set holds), ZeRO-3 only where its pipelines run as many
+micro-batches; ZeRO-3 stages reduce-scatter per micro-batch. Tied weights split
+across stages, and all of them under ZeRO-3, stay whole in memory (`CostTable.zero_kept`).
 The optimizer step updates each device's share of its stage's parameters.
 """
 
@@ -255,17 +257,22 @@ class Priced:
     extra: float  # no choice of splits pays less for gradient sync and optimizer
 
 
-def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config) -> Space | None:
+def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config,
+               microbatches: int) -> Space | None:
     """The choices a structure's classes have: ZeRO shards a stage only among replicas
     holding layers no other stage holds (the runtime keeps the rest out of FSDP), and
     with two classes every layer has two holders, so they run without ZeRO; so do
     interleaved pipelines, in this search (each chunk gathers and reduce-scatters on
     its own, which the stage's ZeRO-3 price does not model, and ZeRO-free they are
-    searched in the part whose bounds are tight, `search._parts`). None if the user
-    allowed ZeRO stages only."""
-    if len(shapes) == 1 and config.interleave == 1:
-        return space
-    return dataclasses.replace(space, zeros=(0,)) if 0 in space.zeros else None
+    searched in the part whose bounds are tight, `search._parts`). ZeRO-3 gathers the
+    weights around every forward, a collective all replicas must join as often, so it
+    needs the class's pipelines to run the same number of micro-batches (the runtime
+    runs it as ZeRO-2 otherwise). None if nothing is left of what the user allowed."""
+    if len(shapes) > 1 or config.interleave > 1:
+        space = dataclasses.replace(space, zeros=tuple(z for z in space.zeros if z == 0))
+    elif 3 in space.zeros and microbatches % shapes[0].n:
+        space = dataclasses.replace(space, zeros=tuple(z for z in space.zeros if z != 3))
+    return space if space.zeros else None
 
 
 def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassShape, ...],
@@ -273,7 +280,7 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
     """Price a structure with each class's smallest-bottleneck split, and bound it."""
     table = fold(table, config.interleave)
     placement = place(table, shapes, config.tp)
-    space = zero_space(space, shapes, config)
+    space = zero_space(space, shapes, config, microbatches)
     if placement is None or space is None:
         return None
     results = []

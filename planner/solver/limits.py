@@ -13,6 +13,7 @@ class Limits:
     max_tp: int | None = None
     pp: int | None = None  # stages per pipeline
     dp: int | None = None  # number of pipelines
+    max_dp: int | None = None  # most pipelines
     micro_batch: int | None = None
     interleave: int | None = None  # model chunks per device (1: plain 1F1B)
     # the chunk counts tried if `interleave` is free: interleaving only on request, as its
@@ -24,6 +25,11 @@ class Limits:
     mixed: bool = True
     first_stage: str | None = None  # device type of every pipeline's first stage
     last_stage: str | None = None  # ... and of its last stage
+
+    @property
+    def most_pipelines(self) -> int | None:
+        """The most pipelines a plan may have (None: no limit)."""
+        return self.dp if self.dp is not None else self.max_dp
 
     def allows(self, types: tuple[str, ...]) -> bool:
         """Whether a pipeline of these stage device types obeys the stage pins."""

@@ -292,9 +292,12 @@ def _capacity(table: CostTable, kind: str, tp: int, mb: int, n: int,
         out = []
         for option in options:
             z = option.zero
-            state = range_params * (table.weight_bytes / (n if z >= 3 else 1)
-                                    + table.grad_bytes / (n if z >= 2 else 1)
-                                    + table.state_bytes / (n if z >= 1 else 1))
+            per_param = table.weight_bytes + table.grad_bytes + table.state_bytes
+            sharded = (table.weight_bytes / (n if z >= 3 else 1)
+                       + table.grad_bytes / (n if z >= 2 else 1)
+                       + table.state_bytes / (n if z >= 1 else 1))
+            # tied weights the runtime keeps out of ZeRO stay whole (`CostTable.zero_kept`)
+            state = range_params * sharded + table.zero_kept(z) * (per_param - sharded)
             slack = info.memory - info.reserve - state
             if option.recompute is Recompute.FULL:
                 slack = slack - range_max

@@ -69,7 +69,8 @@ SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class
                 "one tried; 1F1B, or interleaved 1F1B over several stages with the same cuts "
                 "in every round, whole multiples of its stages in micro-batches and no ZeRO; "
                 "exact layer splits and recompute per stage, ZeRO per stage in structures of "
-                "one class; optimal micro-batch shares")
+                "one class (ZeRO-3 where its pipelines run equal micro-batch counts); "
+                "optimal micro-batch shares")
 
 
 _DIVE_TRIES = 16  # times a dive prices a child's families at each level before it picks one
@@ -235,7 +236,9 @@ class _Search:
             # child stands for 1..n of them (the smaller counts are its lazy siblings)
             n = min([f.n_max, bound.m - sum(node.counts)]
                     + [(bound.slots[k] - used.get(k, 0)) // f.types.count(k)
-                       for k in set(f.types)])
+                       for k in set(f.types)]
+                    + ([most - sum(node.counts)] if (most := self.limits.most_pipelines)
+                       is not None else []))
             if n >= 1:
                 options.append((f, n))
         after = self.next_level(levels, node.level + 1)
@@ -304,7 +307,8 @@ class _Search:
             left = slots[kind] - sum(s.n * s.stages for s in chosen if s.types[0] == kind)
             pick = None
             for f in level:
-                n = min(f.n_max, left // len(f.types), microbatches - sum(s.n for s in chosen))
+                n = min(f.n_max, left // len(f.types), microbatches - sum(s.n for s in chosen),
+                        (self.limits.most_pipelines or microbatches) - sum(s.n for s in chosen))
                 if n < 1 or not self.limits.allows(f.types):
                     continue
                 shapes = tuple(sorted((*chosen, ClassShape(f.types, n)), key=_placement_order))
@@ -570,6 +574,8 @@ def _shapes(node: _Node) -> tuple[ClassShape, ...]:
 def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Space,
           best: list[Evaluation], top_k: int) -> None:
     if limits.dp is not None and sum(node.counts) != limits.dp:
+        return
+    if limits.max_dp is not None and sum(node.counts) > limits.max_dp:
         return
     if not all(limits.allows(types) for types in node.chosen):
         return  # a seed the stage pins rule out

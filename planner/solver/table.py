@@ -107,6 +107,30 @@ class CostTable:
             self.cache["range params", tp] = out
         return self.cache["range params", tp]
 
+    def zero_kept(self, zero: int) -> np.ndarray:
+        """[a, b) matrix of the parameters of tied weights one rank of a stage holding
+        layers [a, b) keeps whole under ZeRO stage `zero` (`types.model.zero_kept`:
+        the rule, per layer range; cached)."""
+        key = ("zero kept", 3 if zero >= 3 else min(zero, 1))  # (1 and 2 alike)
+        if key not in self.cache:
+            size = self.num_layers + 1
+            a = np.arange(size)[:, None]
+            b = np.arange(size)[None, :]
+            groups: dict[tuple[int, float], list[int]] = {}
+            for reader, owner, params in self.tied:
+                groups.setdefault((owner, float(params)), [owner]).append(reader)
+            out = np.zeros((size, size))
+            for (_, params), ends in groups.items():
+                inside = [(a <= i) & (i < b) for i in ends]
+                touched = np.logical_or.reduce(inside)
+                whole = np.logical_and.reduce(inside)
+                if zero >= 3:
+                    out += params * touched
+                elif zero >= 1:
+                    out += params * (touched & ~whole)
+            self.cache[key] = out
+        return self.cache[key]
+
     def type(self, name: str) -> TypeInfo:
         return next(t for t in self.types if t.name == name)
 

@@ -114,6 +114,13 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
     if total < dp:
         raise PlannerError("bad-option", f"{total} micro-batches cannot feed {dp} pipelines.",
                            ["use a smaller --micro-batch or --dp"])
+    if zero == 3 and total % dp:
+        raise PlannerError(
+            "bad-option", f"--zero 3 needs every pipeline to run as many micro-batches as "
+            f"the others (each forward gathers the weights from all replicas), but {total} "
+            f"micro-batches over --dp {dp} pipelines leave some with one more.",
+            ["use --zero 2", "or make --dp divide the micro-batches (change the global "
+             "batch, --micro-batch or --dp)"])
     if interleave > 1 and any(m % pp for m in _even(total, dp)):
         raise PlannerError("bad-option", "An interleaved schedule needs each pipeline's "
                            f"micro-batch count to be a multiple of --pp {pp}.",

@@ -11,7 +11,7 @@ named `*_fixed` (weights read by a kernel) do not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -200,3 +200,24 @@ def params_per_rank(layers: Sequence[Layer], tp: int) -> float:
     copies = {owner: params for layer in layers for owner, params in layer.tied
               if owner not in indices}
     return sum(layer.params / layer.tp_share(tp) for layer in layers) + sum(copies.values())
+
+
+def zero_kept(layers: Sequence[Layer], held: Collection[int], zero: int) -> float:
+    """Parameters of tied weights that a stage holding the layers `held` (indices into
+    the whole model's `layers`) keeps whole under ZeRO stage `zero`, as the runtime
+    does: a weight whose owner and readers are not all on the stage has holders
+    outside its replica set, so its gradient is summed unsharded beside ZeRO; and
+    ZeRO-3 keeps every tied weight whole, since a gather around one reader's forward
+    would leave it sharded for the other (replicated on a tp group: whole per rank)."""
+    if zero < 1:
+        return 0.0
+    groups: dict[tuple[int, int], list[int]] = {}
+    for layer in layers:
+        for owner, params in layer.tied:
+            groups.setdefault((owner, params), [owner]).append(layer.index)
+    kept = 0.0
+    for (_, params), ends in groups.items():
+        inside = [i in held for i in ends]
+        if any(inside) and (zero >= 3 or not all(inside)):
+            kept += params
+    return kept
