@@ -124,6 +124,7 @@ def what_if(
     last_stage: opt.LastStage = None,
     interleave: opt.Interleave = None,
     max_interleave: opt.MaxInterleave = None,
+    schedule: opt.ScheduleChoice = None,
     mixed: opt.Mixed = True,
     time_limit: opt.TimeLimit = 60.0,
     output: Output = None,
@@ -192,7 +193,8 @@ def what_if(
                        ("micro-batch", micro_batch), ("max-stages", max_stages),
                        ("recompute", recompute), ("zero", zero),
                        ("first-stage", first_stage), ("last-stage", last_stage),
-                       ("interleave", interleave), ("max-interleave", max_interleave)):
+                       ("interleave", interleave), ("max-interleave", max_interleave),
+                       ("schedule", schedule)):
         if value is not None:
             constraints = parse_constraint(constraints, key, str(value))
     names = {n.name for n in cluster.nodes}

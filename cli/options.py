@@ -63,6 +63,10 @@ Interleave = Annotated[int | None, _constraint(
 MaxInterleave = Annotated[int | None, _constraint(
     "--max-interleave", "Most model chunks per device the solver tries (default 1: plain "
     "1F1B; interleaved 1F1B's prediction runs high on unbalanced pipelines).")]
+ScheduleChoice = Annotated[str | None, _constraint(
+    "--schedule", "1f1b, gpipe (plans of one pipeline class) or interleaved (with "
+    "--interleave or --max-interleave); default: the solver tries 1F1B and GPipe, and "
+    "interleaved 1F1B as --max-interleave allows.")]
 Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Constraints",
                                      help="Allow pipelines that mix two device types.")]
 TimeLimit = Annotated[float | None, typer.Option(

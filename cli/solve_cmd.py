@@ -109,6 +109,7 @@ def solve(
     mixed: opt.Mixed = True,
     interleave: opt.Interleave = None,
     max_interleave: opt.MaxInterleave = None,
+    schedule: opt.ScheduleChoice = None,
     layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
     kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
     settings: opt.Set = None,
@@ -123,6 +124,7 @@ def solve(
     from planner.errors import PlannerError
     from planner.files import check_writable
     from planner.solver import Limits, SolveOptions, Space, solve
+    from planner.solver.limits import parse_schedule
 
     if top_k < 1:
         raise PlannerError("bad-option", f"--top-k must be at least 1 (got {top_k}).")
@@ -138,7 +140,8 @@ def solve(
                       max_stages=max_stages, mixed=mixed, first_stage=first_stage,
                       last_stage=last_stage, interleave=interleave,
                       interleaves=(1,) if max_interleave is None else tuple(
-                          range(1, max_interleave + 1))),
+                          range(1, max_interleave + 1)),
+                      schedule=parse_schedule(schedule) if schedule else None),
         space=Space(policies=_policies(recompute),
                     zeros=(zero,) if zero is not None else (0, 1, 2, 3)),
         exclude=tuple(exclude or ()), top_k=top_k, gap=gap, time_limit=time_limit)
@@ -179,7 +182,8 @@ def estimate(
     zero: Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")] = 0,
     interleave: Annotated[int, typer.Option(
         "--interleave", help="Model chunks per device (interleaved 1F1B).")] = 1,
-    schedule: Annotated[str, typer.Option("--schedule", help="1f1b or gpipe.")] = "1f1b",
+    schedule: Annotated[str, typer.Option(
+        "--schedule", help="1f1b, gpipe or interleaved (with --interleave).")] = "1f1b",
     output: Output = None,
     json_out: opt.JsonOut = False,
     force: opt.Force = False,
@@ -198,16 +202,16 @@ def estimate(
     from cost_models.model import AnalyticalCostModel
     from planner.errors import PlannerError
     from planner.files import check_writable
+    from planner.solver.limits import parse_schedule
     from planner.solver.uniform import memory_remedies, overflows, uniform_plan
     from planner.types import Schedule
 
     if zero not in (0, 1, 2, 3):
         raise PlannerError("bad-option", f"--zero must be 0, 1, 2 or 3 (got {zero}).")
-    try:
-        chosen = Schedule(schedule)
-    except ValueError:
-        raise PlannerError("bad-option", f"--schedule {schedule!r} is not one of "
-                           f"{', '.join(s.value for s in Schedule)}.") from None
+    chosen = parse_schedule(schedule)
+    if chosen is Schedule.INTERLEAVED and interleave < 2:
+        raise PlannerError("bad-option", "--schedule interleaved needs model chunks per "
+                           "device: give --interleave V (V of 2 or more).")
     if output is not None:
         check_writable(output, force=force)
     shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,

@@ -79,6 +79,7 @@ COMMANDS: tuple[Command, ...] = (
             "planner what-if PLAN --link TARGET=BANDWIDTH", "what-if"),
     Command("constrain", "constrain KEY=VALUE ...", "fix or bound the search: tp, max-tp, pp, "
             "dp, max-dp, micro-batch, max-stages, recompute (none|selective|full), zero (0-3), "
+            "schedule (1f1b|gpipe|interleaved), "
             "first-stage / last-stage (a device type), mixed (yes|no)",
             "planner solve --tp N --pp N ... (same names)", "constrain"),
     Command("exclude", "exclude NODE ...", "do not use these nodes",
@@ -122,7 +123,8 @@ _BY_NAME = {c.name: c for c in COMMANDS}
 _ALIASES = {"exit": "quit", "q": "quit", "?": "help"}
 _UNRECORDED = {"help", "history", "quit", "cli"}
 CONSTRAINT_KEYS = ("tp", "max-tp", "pp", "dp", "max-dp", "micro-batch", "max-stages", "recompute",
-                   "zero", "first-stage", "last-stage", "interleave", "max-interleave", "mixed")
+                   "zero", "first-stage", "last-stage", "interleave", "max-interleave",
+                   "schedule", "mixed")
 
 
 # ---------------------------------------------------------------- state
@@ -144,6 +146,7 @@ class Constraints:
     last_stage: str | None = None
     interleave: int | None = None  # model chunks per device
     max_interleave: int | None = None
+    schedule: str | None = None  # 1f1b, gpipe or interleaved
     mixed: bool = True
     exclude: tuple[str, ...] = ()
     pinned: tuple[str, ...] = ()
@@ -182,6 +185,7 @@ class Constraints:
 
     def options(self, cluster: ClusterSpec, *, time_limit: float | None, top_k: int) -> Any:
         from planner.solver import Limits, SolveOptions, Space
+        from planner.solver.limits import parse_schedule
         from planner.types import Recompute
 
         limits = Limits(tp=self.tp, max_tp=self.max_tp, pp=self.pp, dp=self.dp,
@@ -189,6 +193,7 @@ class Constraints:
                         micro_batch=self.micro_batch, mixed=self.mixed,
                         first_stage=self.first_stage, last_stage=self.last_stage,
                         interleave=self.interleave,
+                        schedule=parse_schedule(self.schedule) if self.schedule else None,
                         **({"max_stages": self.max_stages} if self.max_stages else {}),
                         **({"interleaves": tuple(range(1, self.max_interleave + 1))}
                            if self.max_interleave else {}))
@@ -221,6 +226,11 @@ def parse_constraint(constraints: Constraints, key: str, value: str) -> Constrai
         return dataclasses.replace(constraints, recompute=value)
     if key in ("first-stage", "last-stage"):
         return dataclasses.replace(constraints, **{attr: value.strip()})
+    if key == "schedule":
+        from planner.solver.limits import parse_schedule, schedule_name
+
+        return dataclasses.replace(constraints, schedule=schedule_name(
+            parse_schedule(value, "schedule")))
     number = parse_int(value, key)
     if key == "zero" and number not in (0, 1, 2, 3):
         raise PlannerError("bad-value", f"zero must be 0, 1, 2 or 3 (got {number}).")

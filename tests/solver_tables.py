@@ -157,7 +157,8 @@ def _structure(table: CostTable, config: Config, space: Space,
                             links=class_links(table, slots, flows),
                             gathers=zero_gathers(table, slots), schedule=config.schedule,
                             policies=space.policies, zeros=space.zeros,
-                            interleave=config.interleave)
+                            interleave=config.interleave,
+                            microbatches=-(-microbatches // shape.n) if config.gpipe else None)
         splits = []
         for cuts in itertools.combinations(range(1, table.num_layers), shape.stages - 1):
             split = costs.split_at((0, *cuts, table.num_layers))

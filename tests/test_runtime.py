@@ -104,6 +104,17 @@ def test_pipelines_split_differently_gpipe(tmp_path):
     _check_against_reference(plan, _run(tmp_path, plan))
 
 
+def test_a_gpipe_solver_plan_with_zero(tmp_path):
+    """The search's GPipe plans (one class, every pipeline holding all its micro-batches)
+    run as planned, here with ZeRO sharding each stage over two pipelines."""
+    plan = solver_plan("1x4xcpu", batch=8, schedule=Schedule.GPIPE, pp=2, dp=2,
+                       micro_batch=1)
+    assert {p.schedule for p in plan.pipelines} == {Schedule.GPIPE}
+    assert [p.num_microbatches for p in plan.pipelines] == [4, 4]
+    assert all(s.zero >= 1 for p in plan.pipelines for s in p.stages)
+    _check_against_reference(plan, _run(tmp_path, plan))
+
+
 def test_interleaved_schedule_with_a_data_hook(tmp_path):
     plan = tiny_plan("1x2xcpu", pp=2, interleave=2, micro_batch=2, batch=8)
     assert plan.pipelines[0].schedule is Schedule.INTERLEAVED

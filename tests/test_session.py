@@ -93,10 +93,12 @@ def test_load_solve_whatif_save(tracer, tmp_path):
     assert "--add 1x4xV100-32G" in cli[1] and "--link network=1Gbps" in cli[1]
 
 
-def test_max_dp_bounds_the_pipelines_and_names_its_flag(tracer):
-    session = start(tracer, "constrain max-dp=2", "solve")
-    assert len(session.state.plan.pipelines) <= 2
-    assert "--max-dp 2" in session.run("cli").items[0][1][0]
+def test_max_dp_and_schedule_bound_the_search_and_name_their_flags(tracer):
+    session = start(tracer, "constrain max-dp=2 schedule=gpipe", "solve")
+    plan = session.state.plan
+    assert len(plan.pipelines) <= 2 and {p.schedule.value for p in plan.pipelines} == {"gpipe"}
+    command = session.run("cli").items[0][1][0]
+    assert "--max-dp 2" in command and "--schedule gpipe" in command
 
 
 def test_transcript_replays_to_the_same_plan(tracer, tmp_path):
@@ -125,6 +127,7 @@ def test_bad_input_is_one_clear_error_and_changes_nothing(tracer):
         "constrain tp=two": "whole number",
         "constrain tq=2": "did you mean 'tp'",
         "constrain zero=7": "0, 1, 2 or 3",
+        "constrain schedule=zigzag": "is not one of 1f1b, gpipe, interleaved",
         "exclude nosuch-node": "has no node",
         "remove 3xV100-32G": "Cannot remove 3",
         "link network fast": "bandwidth",

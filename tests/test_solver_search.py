@@ -13,7 +13,11 @@ from cost_models.comm import Collective, CommGroup
 from planner.errors import PlannerError
 from planner.solver.evaluate import Space, price, refine
 from planner.solver.limits import Limits
+from planner.solver.partition import class_costs, gpipe_front
 from planner.solver.search import search
+from planner.solver.timing import pipeline_time
+from planner.types import LinkSpec, Schedule
+from planner.types.training import Recompute
 from tests.solver_tables import (
     GIB,
     brute_force,
@@ -73,6 +77,48 @@ def test_search_equals_brute_force_interleaved(seed):
         table = random_table(seed, layers=table.num_layers + 1,
                              types=[(t.name, list(t.node_devices)) for t in table.types])
     assert_equals_brute_force(table, batch, dataclasses.replace(limits, interleave=2))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_equals_brute_force_gpipe(seed):
+    """GPipe alone: structures of one class of several stages, each holding all its
+    micro-batches, on its staircase of (period, fill) (random instances rarely pick it
+    where 1F1B competes)."""
+    table, batch, limits = random_instance(random.Random(seed))
+    assert_equals_brute_force(table, batch, dataclasses.replace(
+        limits, schedule=Schedule.GPIPE, interleaves=(1,)))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_gpipe_front_is_every_split_no_other_beats(seed):
+    """GPipe's staircase (`partition.gpipe_front`) against every split of a random
+    class: the splits no other beats in both period and fill, by period."""
+    rng = random.Random(seed)
+    types = [(f"t{i}", [rng.randint(1, 2)]) for i in range(rng.randint(1, 2))]
+    table = random_table(rng.randrange(10**6), layers=rng.randint(3, 7), types=types,
+                         link_speed=rng.choice([0.01, 0.1, 1.0]))
+    stages = tuple(rng.choice([t for t, _ in types]) for _ in range(rng.randint(2, 4)))
+    stages = tuple(sorted(stages))  # a block per type
+    if len(stages) > table.num_layers:
+        return
+    links = [LinkSpec(name="l", bandwidth=rng.choice([1e6, 1e8, 1e10]), latency=1e-5)
+             for _ in stages[1:]]
+    costs = class_costs(table, stages, tp=1, mb=1, n=1, links=links,
+                        gathers=[(0.0, 0.0)] * len(stages), schedule=Schedule.GPIPE,
+                        policies=tuple(Recompute), zeros=(0,), microbatches=rng.randint(1, 4))
+    splits = [s for cuts in itertools.combinations(range(1, table.num_layers), len(stages) - 1)
+              if (s := costs.split_at((0, *cuts, table.num_layers))) is not None]
+    expected = sorted({(round(x.bottleneck, 12), round(x.weights, 12)) for x in splits
+                       if not any((y.bottleneck <= x.bottleneck and y.weights < x.weights)
+                                  or (y.bottleneck < x.bottleneck and y.weights <= x.weights)
+                                  for y in splits)})
+    got = [(round(x.bottleneck, 12), round(x.weights, 12)) for x in gpipe_front(costs)]
+    assert got == expected
+    for split in splits:  # the period is GPipe's (timing.py)
+        assert split.bottleneck == pytest.approx(pipeline_time(
+            split.stages, 1, schedule=Schedule.GPIPE).period)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -24,10 +24,10 @@ from planner.solver.bounds import lower_bound
 from planner.solver.build import from_evaluation
 from planner.solver.diagnose import diagnose
 from planner.solver.evaluate import Space
-from planner.solver.limits import Limits
+from planner.solver.limits import Limits, schedule_name
 from planner.solver.search import SEARCH_SPACE, Progress, SearchResult, search
 from planner.solver.table import CostTable, build_table, check_tp_divides
-from planner.types import ClusterSpec, ModelGraph, Plan, SolverReport, TrainingSpec
+from planner.types import ClusterSpec, ModelGraph, Plan, Schedule, SolverReport, TrainingSpec
 
 __all__ = ["Limits", "Progress", "SolveOptions", "Space", "solve"]
 
@@ -61,6 +61,7 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
                         ("--max-interleave", max(limits.interleaves, default=0))):
         if value is not None and value < 1:
             raise PlannerError("bad-option", f"{flag} must be at least 1 (got {value}).")
+    _check_schedule(limits)
     _check_interleave(limits, options.space, len(model.layers))
     # --max-stages bounds a free --pp; only one the user changed contradicts a fixed one
     if (limits.pp is not None and limits.max_stages < limits.pp
@@ -120,6 +121,23 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         raise PlannerError("bad-option", f"--dp {limits.dp} pipelines cannot share a global "
                            f"batch of {training.global_batch}.", ["lower --dp"])
     return used
+
+
+def _check_schedule(limits: Limits) -> None:
+    """A fixed schedule must agree with the chunk counts and the stages allowed."""
+    schedule, v = limits.schedule, limits.interleave
+    if schedule is None:
+        return
+    name = f"--schedule {schedule_name(schedule)}"
+    if schedule is Schedule.INTERLEAVED and (v or max(limits.interleaves, default=1)) < 2:
+        raise PlannerError("bad-option", f"{name} needs model chunks per device: give "
+                           "--interleave V or --max-interleave V (V of 2 or more).")
+    if schedule is not Schedule.INTERLEAVED and v is not None and v > 1:
+        raise PlannerError("bad-option", f"--interleave {v} runs interleaved 1F1B, which "
+                           f"contradicts {name}.", ["drop one of them"])
+    if schedule is not Schedule.ONE_F_ONE_B and limits.pp == 1:
+        raise PlannerError("bad-option", f"{name} needs pipelines of several stages, which "
+                           "contradicts --pp 1.", ["drop one of them"])
 
 
 def _check_interleave(limits: Limits, space: Space, layers: int) -> None:

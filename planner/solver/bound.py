@@ -18,7 +18,13 @@ from cost_models.comm import send_sharing, shared_by
 from planner.solver.evaluate import Config, Space
 from planner.solver.interleave import fold
 from planner.solver.limits import Limits
-from planner.solver.partition import INF, ZERO_GATHER_REF, class_costs, optimize
+from planner.solver.partition import (
+    INF,
+    ZERO_GATHER_REF,
+    ClassResult,
+    class_costs,
+    optimize,
+)
 from planner.solver.structure import capacity, node_labels
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
@@ -43,8 +49,8 @@ class Family:
     tight: bool = False
 
 
-def families(table: CostTable, config: Config, limits: Limits, space: Space
-             ) -> list[list[Family]]:
+def families(table: CostTable, config: Config, limits: Limits, space: Space,
+             microbatches: int) -> list[list[Family]]:
     """The level of mixed patterns first (absent with `mixed` off or a single type),
     then one level of homogeneous patterns per device type, fastest type first.
 
@@ -61,8 +67,9 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
     1 / sum_k c_k / W_k is not one.) Where a block's states and kept activations
     (at least the fewest micro-batches any of its stages holds) overflow its
     devices, the recompute that frees the bytes over, at the cheapest rate any layer
-    and policy frees them, is added to its time. A family whose devices cannot hold
-    the states however the layers are split is dropped."""
+    and policy frees them, is added to its time (GPipe's stages hold all their
+    micro-batches: at least their even share over the most pipelines). A family whose
+    devices cannot hold the states however the layers are split is dropped."""
     table = fold(table, config.interleave)
     busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, config.tp, config.mb))
             for t in table.types}
@@ -96,6 +103,10 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
                    + table.grad_bytes / (shard if z >= 2 else 1)
                    + table.state_bytes / (shard if z >= 1 else 1) for z in space.zeros)
 
+    def runs(n: int) -> int:
+        """Micro-batches a pipeline of n side by side runs at least (for in_flight)."""
+        return -(-microbatches // n) if config.gpipe else 10**9
+
     @functools.cache
     def most(kind: str, count: int) -> int:
         return capacity(table, config.tp, kind, count)
@@ -115,7 +126,8 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
             if s <= slots[kind] and (found := fits([(kind, s)])):
                 total = work[kind] + float(recompute(
                     kind, held[-1] * state_bytes(found[1]), kept_acts[-1], np.array(s),
-                    np.array(in_flight(s - 1, s, 10**9, config.schedule, config.interleave))))
+                    np.array(in_flight(s - 1, s, runs(found[1]), config.schedule,
+                                       config.interleave))))
                 period = max(total / s, largest_layer[kind, kind])
                 out.append(Family(types=found[0], n_max=found[1], min_busy=period,
                                   total=fill(total, period)))
@@ -135,12 +147,13 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
         j = np.arange(table.num_layers + 1)[None, :]
         ok = ((j >= ca) & (j <= table.num_layers - cb) & (need <= ca * rooms[a])
               & (need[:, -1:] - need <= cb * rooms[b]))
-        first = np.array([float(in_flight(int(c) - 1, int(c + d), 10**9, config.schedule,
-                                               config.interleave))
-                          for c, d in zip(ca[:, 0], cb[:, 0], strict=True)])[:, None]
-        last = np.array([float(in_flight(int(c + d) - 1, int(c + d), 10**9, config.schedule,
-                                              config.interleave))
-                         for c, d in zip(ca[:, 0], cb[:, 0], strict=True)])[:, None]
+        counts = [runs(found[1]) for found, _, _ in kept]
+        first = np.array([float(in_flight(int(c) - 1, int(c + d), m, config.schedule,
+                                          config.interleave))
+                          for c, d, m in zip(ca[:, 0], cb[:, 0], counts, strict=True)])[:, None]
+        last = np.array([float(in_flight(int(c + d) - 1, int(c + d), m, config.schedule,
+                                         config.interleave))
+                         for c, d, m in zip(ca[:, 0], cb[:, 0], counts, strict=True)])[:, None]
         head = prefix[a][None, :] + recompute(a, need, kept_acts[None, :], ca, first)
         tail = (work[b] - prefix[b])[None, :] + recompute(
             b, need[:, -1:] - need, kept_acts[-1] - kept_acts[None, :], cb, last)
@@ -172,8 +185,10 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space
 
 def stage_counts(limits: Limits, config: Config, longest: int) -> range:
     """Stages per pipeline: --pp or 1 to `longest`; at least 2 interleaved (one stage
-    holding every chunk is plain 1F1B, which the configuration without chunks has)."""
-    least = 2 if config.interleave > 1 else 1
+    holding every chunk is plain 1F1B, which the configuration without chunks has) or
+    with GPipe (one stage holding every micro-batch runs as 1F1B's one stage does, in
+    less memory)."""
+    least = 2 if config.interleave > 1 or config.gpipe else 1
     return range(max(limits.pp, least), limits.pp + 1) if limits.pp else range(
         least, longest + 1)
 
@@ -239,21 +254,30 @@ def cheapest_gather(table: CostTable, kind: str) -> tuple[float, float]:
     return latency, latency + ZERO_GATHER_REF / (2 * bandwidth)
 
 
-def tighten(table: CostTable, config: Config, space: Space, family: Family) -> None:
-    """Replace the family's bounds by its exact split on optimistic terms, which no
-    placement and no smaller count of its pipelines beats: ZeRO sharded over n_max
-    pipelines (the most memory relief), the fastest links any placement could give
-    (`_boundary_links`), and the cheapest ZeRO-3 gathers any group could have."""
+def tight_result(table: CostTable, config: Config, space: Space, family: Family,
+                 microbatches: int) -> ClassResult | None:
+    """The family's exact split on optimistic terms, which no placement and no smaller
+    count of its pipelines beats: ZeRO sharded over n_max pipelines (the most memory
+    relief, and GPipe's fewest micro-batches held), the fastest links any placement
+    could give (`_boundary_links`), and the cheapest ZeRO-3 gathers any group could
+    have (cached)."""
     table = fold(table, config.interleave)
-    key = ("tight", family.types, family.n_max, config, space)
+    held = -(-microbatches // family.n_max) if config.gpipe else None
+    key = ("tight", family.types, family.n_max, config, space, held)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
             table, family.types, tp=config.tp, mb=config.mb, n=family.n_max,
             links=_boundary_links(table, family.types, config.tp),
             gathers=[cheapest_gather(table, kind) for kind in family.types],
             schedule=config.schedule, policies=space.policies, zeros=space.zeros,
-            interleave=config.interleave))
-    result = table.cache[key]
+            interleave=config.interleave, microbatches=held))
+    return table.cache[key]
+
+
+def tighten(table: CostTable, config: Config, space: Space, family: Family,
+            microbatches: int) -> None:
+    """Replace the family's bounds by those of its `tight_result`."""
+    result = tight_result(table, config, space, family, microbatches)
     family.tight = True
     if result is None:
         family.min_busy = family.total = float("inf")

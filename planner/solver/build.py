@@ -84,7 +84,7 @@ def from_evaluation(evaluation: Evaluation, *, model: ModelSpec, training: Train
         # a split of the folded table (`interleave.py`); one stage holds every chunk,
         # which is plain 1F1B
         v = config.interleave if shape.stages > 1 else 1
-        schedule = Schedule.INTERLEAVED if v > 1 else Schedule.ONE_F_ONE_B
+        schedule = config.schedule if v > 1 or config.gpipe else Schedule.ONE_F_ONE_B
         held = [chunks((split.bounds[s], split.bounds[s + 1]), len(layers),
                        config.interleave) for s in range(shape.stages)]
         if v == 1:

@@ -31,11 +31,13 @@ import numpy as np
 from cost_models.comm import Collective, CommGroup, send_sharing, shared_by
 from planner.solver.interleave import fold
 from planner.solver.partition import (
+    INF,
     ZERO_GATHER_REF,
     ClassResult,
     Split,
     Staircase,
     class_costs,
+    gpipe_front,
     optimize,
 )
 from planner.solver.shares import grouped_shares, shares
@@ -49,14 +51,17 @@ from planner.types.training import Recompute
 class Config:
     """What every class of a structure shares: tensor-parallel degree, micro-batch size
     and model chunks per device (interleaved 1F1B if more than one; the search prices
-    it on the folded table, `interleave.fold`)."""
+    it on the folded table, `interleave.fold`), or GPipe's schedule."""
 
     tp: int
     mb: int
     interleave: int = 1
+    gpipe: bool = False
 
     @property
     def schedule(self) -> Schedule:
+        if self.gpipe:
+            return Schedule.GPIPE
         return Schedule.INTERLEAVED if self.interleave > 1 else Schedule.ONE_F_ONE_B
 
 
@@ -121,18 +126,20 @@ def zero_gathers(table: CostTable, slots: Sequence[Sequence[Slot]]
 
 
 def class_result(table: CostTable, shape: ClassShape, config: Config, space: Space,
-                 slots: Sequence[Sequence[Slot]], flows: dict[str, int] | None = None
-                 ) -> ClassResult | None:
-    """The class's best split (cached by everything its prices depend on)."""
+                 slots: Sequence[Sequence[Slot]], microbatches: int,
+                 flows: dict[str, int] | None = None) -> ClassResult | None:
+    """The class's best split (cached by everything its prices depend on); GPipe's
+    pipelines hold all their micro-batches, at most their even share of these."""
     table = fold(table, config.interleave)
     links = tuple(class_links(table, slots, flows))
     gathers = tuple(zero_gathers(table, slots))
-    key = ("class", shape, config, space, links, gathers)
+    most = -(-microbatches // shape.n) if config.gpipe else None
+    key = ("class", shape, config, space, links, gathers, most)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
             table, shape.types, tp=config.tp, mb=config.mb, n=shape.n, links=links,
             gathers=gathers, schedule=config.schedule, policies=space.policies,
-            zeros=space.zeros, interleave=config.interleave))
+            zeros=space.zeros, interleave=config.interleave, microbatches=most))
     return table.cache[key]
 
 
@@ -267,7 +274,11 @@ def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config,
     searched in the part whose bounds are tight, `search._parts`). ZeRO-3 gathers the
     weights around every forward, a collective all replicas must join as often, so it
     needs the class's pipelines to run the same number of micro-batches (the runtime
-    runs it as ZeRO-2 otherwise). None if nothing is left of what the user allowed."""
+    runs it as ZeRO-2 otherwise). GPipe runs structures of one class only (its
+    pipelines hold all their micro-batches, a count known before the shares only there).
+    None if nothing is left of what the user allowed."""
+    if config.gpipe and len(shapes) > 1:
+        return None
     if len(shapes) > 1 or config.interleave > 1:
         space = dataclasses.replace(space, zeros=tuple(z for z in space.zeros if z == 0))
     elif 3 in space.zeros and microbatches % shapes[0].n:
@@ -286,7 +297,7 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
     results = []
     flows = placement_sharing(placement, config.tp)
     for shape, slots in zip(shapes, placement, strict=True):
-        result = class_result(table, shape, config, space, slots, flows)
+        result = class_result(table, shape, config, space, slots, microbatches, flows)
         if result is None:
             return None
         results.append(result)
@@ -351,6 +362,8 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
     `bar`: the steps after it have no smaller largest stage (nor a smaller total than
     the floor), and the other classes run at best at their own bounds."""
     result = priced.results[index]
+    if result.costs.gpipe:
+        return _gpipe_steps(table, priced, index, microbatches, bar)
     stair = _staircase(table, result)
     lines = [(shape.n, r.min_period, r.floor) for shape, r in zip(
         priced.shapes, priced.results, strict=True)]
@@ -363,6 +376,22 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
             break
         count += 1
     return stair.points[:count]
+
+
+def _gpipe_steps(table: CostTable, priced: Priced, index: int, microbatches: int,
+                 bar: float) -> list[Split]:
+    """`_useful_steps` of a GPipe class (the one class of its structure): the splits of
+    its staircase (`partition.gpipe_front`) whose period may still beat `bar`, as its
+    busiest pipeline runs the most micro-batches of its shares at least at the
+    class's least fill and the structure's least sync."""
+    result, shape = priced.results[index], priced.shapes[index]
+    most = max(shares([(shape.n, result.min_period, result.floor)], microbatches) or [1])
+    limit = (bar - priced.extra - result.floor) / (most - 1) if most > 1 else INF
+    memo = table.cache.setdefault("gpipe fronts", {})
+    known = memo.get(id(result))
+    if known is None or known[1] < limit:  # (kept as long as the result: its id is valid)
+        known = memo[id(result)] = (result, limit, gpipe_front(result.costs, limit))
+    return [split for split in known[2] if split.bottleneck < limit]
 
 
 def _fastest(lines: Sequence[tuple[int, float, float]], microbatches: int) -> float:

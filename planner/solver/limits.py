@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.errors import PlannerError
+from planner.types import Schedule
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -20,6 +23,9 @@ class Limits:
     # closed form runs above the simulator on unbalanced pipelines, which cutting every
     # round alike leaves more of (benchmarks/closed_form.py)
     interleaves: tuple[int, ...] = (1,)
+    # the schedule (None: 1F1B, GPipe for plans of one pipeline class, and interleaved
+    # 1F1B with the chunk counts above)
+    schedule: Schedule | None = None
     max_stages: int = 16
     max_micro_batch: int = 16
     mixed: bool = True
@@ -35,3 +41,25 @@ class Limits:
         """Whether a pipeline of these stage device types obeys the stage pins."""
         return ((self.first_stage is None or types[0] == self.first_stage)
                 and (self.last_stage is None or types[-1] == self.last_stage))
+
+
+SCHEDULE_NAMES = {"1f1b": Schedule.ONE_F_ONE_B, "gpipe": Schedule.GPIPE,
+                  "interleaved": Schedule.INTERLEAVED}
+
+
+def schedule_name(schedule: Schedule) -> str:
+    """The name `--schedule` takes for a schedule."""
+    return next(k for k, v in SCHEDULE_NAMES.items() if v is schedule)
+
+
+def parse_schedule(text: str, flag: str = "--schedule") -> Schedule:
+    """A schedule by name (`SCHEDULE_NAMES`, or its plan-file value); a clear error for
+    another."""
+    key = text.strip().lower()
+    if key in SCHEDULE_NAMES:
+        return SCHEDULE_NAMES[key]
+    try:
+        return Schedule(key)
+    except ValueError:
+        raise PlannerError("bad-option", f"{flag} {text!r} is not one of "
+                           f"{', '.join(SCHEDULE_NAMES)}.") from None

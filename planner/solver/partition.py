@@ -33,9 +33,14 @@ w_s = t_s / v + 2 (S v - 1) c_s / (S - 1) (`ClassCosts.h_w`):
 the period is exactly max_s h_s, with no round trips, and T(m) = (m - 1) P + sum_s w_s
 + (1 - 1/v) P, so the staircase holds every split that can be best.
 
-Memory of stage s (position s holds in-flight micro-batches of the schedule)
-must fit: states sharded by ZeRO over the class's n pipelines, activations by
-recompute policy, plus the framework reserve.
+GPipe runs all forwards, then all backwards: T(m) = (m - 1) P + sum_s w_s with
+P = max(F, C) + max(B, C) (the largest forward, backward and send; timing.py), at
+least max_s h_s with h_s = max(t_s, 2 c_s), and no round trips. Its staircase
+(`gpipe_front`) holds every split that no other beats in both P and the fill.
+
+Memory of stage s (position s holds in-flight micro-batches of the schedule, all
+of a pipeline's with GPipe) must fit: states sharded by ZeRO over the class's n
+pipelines, activations by recompute policy, plus the framework reserve.
 """
 
 from __future__ import annotations
@@ -48,7 +53,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.solver.table import POLICIES, CostTable
-from planner.solver.timing import StageTiming, in_flight, round_trip, stage_period
+from planner.solver.timing import (
+    StageTiming,
+    in_flight,
+    pipeline_time,
+    round_trip,
+    stage_period,
+)
 from planner.types import LinkSpec, Schedule
 from planner.types.training import Recompute
 
@@ -89,6 +100,7 @@ class ClassCosts:
     parts: dict  # per-stage sums for rebuilding StageTiming
     links: tuple  # what each stage's send depends on (None for the last stage)
     interleave: int = 1  # model chunks per device (interleaved 1F1B; see `h_w`)
+    gpipe: bool = False  # GPipe's schedule (see `h_w` and `gpipe_front`)
     _hw: dict = field(default_factory=dict, repr=False)  # shared between classes
     _stage_hw: list = field(default_factory=list, repr=False, init=False)  # `h_w`, per stage
 
@@ -107,14 +119,15 @@ class ClassCosts:
         """h = max(busy, send) and w = busy + 2 send, per layer range [a, b); with v
         chunks per device (v > 1), h = max(busy, bwd + v send) and w = busy / v
         + 2 (S v - 1) send / (S - 1), interleaved 1F1B's period and fill (`timing.py`)
-        being (m - 1) max_s h_s + sum_s w_s + (1 - 1/v) max_s h_s."""
+        being (m - 1) max_s h_s + sum_s w_s + (1 - 1/v) max_s h_s; GPipe, h = max(busy,
+        2 send), which no split's period max(F, C) + max(B, C) is below."""
         if not self._stage_hw:
             v, ways = self.interleave, self.ways
             for t in range(self.stages):
-                key = (id(self.busy[t]), self.links[t], v, ways)
+                key = (id(self.busy[t]), self.links[t], v, ways, self.gpipe)
                 if key not in self._hw:
                     send = self.send[t][None, :]
-                    hop = send
+                    hop = 2 * send if self.gpipe else send
                     if v > 1:  # (interleaved structures run ZeRO-free: no gathers)
                         fwd = self.parts[t]["fwd"]
                         hop = self.busy[t] - (fwd[None, :] - fwd[:, None]) + v * send
@@ -125,24 +138,14 @@ class ClassCosts:
 
     def solve(self, bound: float) -> tuple[float, list[np.ndarray]]:
         """G(bound) and the argmin tables to rebuild the split."""
-        g = self._start()
-        rows, choices = slice(0, 1), []
-        for s in range(self.stages):
-            h, w = self.h_w(s)
-            total = g[rows, None] + np.where(h[rows] <= bound, w[rows], INF)
-            arg = total.argmin(axis=0)
-            g = total[arg, np.arange(len(g))]
-            choices.append(arg + rows.start)
-            rows = _reached(g)
-            if rows is None:
-                return INF, choices
-        return float(g[-1]), choices
+        return _least_sum([self.h_w(s)[0] for s in range(self.stages)],
+                          [self.h_w(s)[1] for s in range(self.stages)], bound)
 
     def cost(self, bound: float, pairs: Sequence[int] = ()) -> float:
         """G(bound) alone (`solve` without the argmin tables); with `pairs` (stages s
         that open a window with s + 1, disjoint), the least sum over those windows of
         their busy times and the sends inside them instead."""
-        g = self._start()
+        g = _start(self.busy[0].shape[0])
         rows = slice(0, 1)
         firsts = set(pairs) if pairs else None
         for s in range(self.stages):
@@ -157,12 +160,6 @@ class ClassCosts:
             if rows is None:
                 return INF
         return float(g[-1])
-
-    def _start(self) -> np.ndarray:
-        """Per layer boundary, 0 at the first and infinite elsewhere."""
-        g = np.full(self.busy[0].shape[0], INF)
-        g[0] = 0.0
-        return g
 
     def slow_pairs(self) -> tuple[int, ...]:
         """Stages s whose send to s + 1 takes a link slower than the class's fastest
@@ -183,7 +180,7 @@ class ClassCosts:
         the least busy time of stage s ending at each layer boundary (the only thing of
         a feasible prefix the next window depends on). Stage s may start at boundary a
         with at most min(P, 2P - least busy of stage s-1 ending at a - 2 c_s-1(a))."""
-        g = self._start()
+        g = _start(self.busy[0].shape[0])
         rows, into = slice(0, 1), np.zeros_like(g)  # (no send into the first stage)
         for s in range(self.stages):
             room = np.minimum(period, 2 * (period - into[rows]) - g[rows])
@@ -196,16 +193,18 @@ class ClassCosts:
         return bool(g[-1] < INF)
 
     def min_bottleneck(self) -> float:
-        """The smallest achievable max_s h_s (a min-max dynamic program)."""
-        g = self._start()
-        rows = slice(0, 1)
-        for s in range(self.stages):
-            h, _ = self.h_w(s)
-            g = np.maximum(g[rows, None], h[rows]).min(axis=0)
-            rows = _reached(g)
-            if rows is None:
-                return INF
-        return float(g[-1])
+        """The smallest achievable max_s h_s."""
+        return _least_max([self.h_w(s)[0] for s in range(self.stages)])
+
+    def forward_backward(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stage s's forward and backward seconds per layer range [a, b) (infinite where
+        nothing fits): ZeRO-3 gathers once for the forward and twice more for the
+        backward, which also holds recompute."""
+        busy, p = self.busy[s], self.parts[s]
+        zero3 = [i for i, o in enumerate(self.options) if o.zero == 3]
+        fwd = (p["fwd"][None, :] - p["fwd"][:, None]
+               + np.where(np.isin(self.option[s], zero3), p["gather"], 0.0))
+        return np.where(np.isfinite(busy), fwd, INF), busy - fwd
 
     def split(self, choices: list[np.ndarray]) -> Split:
         """The split the dynamic program's argmin tables describe."""
@@ -238,8 +237,12 @@ class ClassCosts:
                 send=send))
             options.append(option)
         v = self.interleave  # h and w as `h_w`
-        largest = max(stage_period(st, v) for st in stages)
         weights = sum(st.busy / v + self.ways * st.send for st in stages)
+        if self.gpipe:  # a forward pipeline, then a backward one (timing.py)
+            period = pipeline_time(stages, 1, schedule=Schedule.GPIPE).period
+            return Split(bounds=tuple(bounds), options=tuple(options), stages=tuple(stages),
+                         bottleneck=period, total=weights, largest_h=period, weights=weights)
+        largest = max(stage_period(st, v) for st in stages)
         # the round trips of 1F1B's in-flight limits bound the period too (timing.py);
         # interleaved, the period is max_s h_s and the fill adds (1 - 1/v) of it
         trips = round_trip([s.busy for s in stages], [s.send for s in stages[:-1]]) \
@@ -254,6 +257,93 @@ def _reached(g: np.ndarray) -> slice | None:
     reached = g < INF
     first = int(reached.argmax())
     return slice(first, len(g) - int(reached[::-1].argmax())) if reached[first] else None
+
+
+def _start(size: int) -> np.ndarray:
+    """Per layer boundary, 0 at the first and infinite elsewhere."""
+    g = np.full(size, INF)
+    g[0] = 0.0
+    return g
+
+
+def _least_sum(h: Sequence[np.ndarray], w: Sequence[np.ndarray], bound: float
+               ) -> tuple[float, list[np.ndarray]]:
+    """The least sum over stages of w_s(range) over splits with every h_s(range) <= bound
+    (a dynamic program over (stage, boundary)), and its argmin tables."""
+    g = _start(h[0].shape[0])
+    rows, choices = slice(0, 1), []
+    for hs, ws in zip(h, w, strict=True):
+        total = g[rows, None] + np.where(hs[rows] <= bound, ws[rows], INF)
+        arg = total.argmin(axis=0)
+        g = total[arg, np.arange(len(g))]
+        choices.append(arg + rows.start)
+        rows = _reached(g)
+        if rows is None:
+            return INF, choices
+    return float(g[-1]), choices
+
+
+def _least_max(h: Sequence[np.ndarray]) -> float:
+    """The least max over stages of h_s(range) over splits (a min-max program)."""
+    g = _start(h[0].shape[0])
+    rows = slice(0, 1)
+    for hs in h:
+        g = np.maximum(g[rows, None], hs[rows]).min(axis=0)
+        rows = _reached(g)
+        if rows is None:
+            return INF
+    return float(g[-1])
+
+
+def gpipe_front(costs: ClassCosts, limit: float = INF) -> list[Split]:
+    """GPipe's staircase: every split with a period below `limit` that no other beats
+    in both period and fill, by period. A split's period is max_s phi_s + max_s beta_s
+    (phi_s: stage s's forward or its send, whichever is longer; beta_s: its backward
+    or send; timing.py), so for each forward cap X (every value a phi takes, upward)
+    the splits with all phi_s <= X are walked as 1F1B's staircase is, by their largest
+    beta, each step the least fill below it; the caps stop once no split with a
+    larger phi can come below the limit or the period of one at the least fill."""
+    phi, beta, fill = [], [], []
+    for s in range(costs.stages):
+        fwd, bwd = costs.forward_backward(s)
+        send = costs.send[s][None, :]
+        phi.append(np.maximum(fwd, send))
+        beta.append(np.maximum(bwd, send))
+        fill.append(costs.h_w(s)[1])
+    floor = costs.cost(INF)
+    least_beta = _least_max(beta)
+    caps = np.unique(np.concatenate([p[np.isfinite(p)] for p in phi]))
+    points: list[Split] = []
+    done = limit  # the least period of a split at the least fill (or the limit)
+    for cap in caps[caps >= _least_max(phi)]:
+        if cap + least_beta >= done:
+            break
+        capped = [np.where(p <= cap, b, INF) for p, b in zip(phi, beta, strict=True)]
+        steps = np.unique(np.concatenate([c[np.isfinite(c)] for c in capped]))
+        bound = _least_max(capped)
+        while cap + bound < done:
+            total, choices = _least_sum(capped, fill, bound)
+            points.append(costs.split(choices))
+            if total <= floor + 1e-12:
+                done = min(done, points[-1].bottleneck)
+                break
+            lo, hi = bisect.bisect_right(steps, bound), len(steps) - 1
+            if lo > hi or not _least_sum(capped, fill, float(steps[hi]))[0] < total - 1e-12:
+                break
+            while lo < hi:  # the smallest bound whose least fill is below this one's
+                mid = (lo + hi) // 2
+                if _least_sum(capped, fill, float(steps[mid]))[0] < total - 1e-12:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            bound = float(steps[lo])
+    front: list[Split] = []
+    for split in sorted(points, key=lambda x: (x.bottleneck, x.weights)):
+        if split.bottleneck >= limit:
+            break
+        if not front or split.weights < front[-1].weights - 1e-12:
+            front.append(split)
+    return front
 
 
 def _prefixes(table: CostTable, kind: str, tp: int, mb: int) -> tuple:
@@ -384,18 +474,22 @@ def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: flo
 def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: int,
                 links: Sequence[LinkSpec], gathers: Sequence[tuple[float, float]],
                 schedule: Schedule, policies: Sequence[Recompute], zeros: Sequence[int],
-                interleave: int = 1) -> ClassCosts:
+                interleave: int = 1, microbatches: int | None = None) -> ClassCosts:
     """Matrices of busy time, option choice and send time for every stage position
     (with `interleave` chunks per device, of a folded table: `interleave.py`).
 
     gathers[s]: seconds of a ZeRO-3 all-gather among the class's pipelines at stage s
-    of 1 byte and of ZERO_GATHER_REF bytes (gathers are priced affinely between)."""
+    of 1 byte and of ZERO_GATHER_REF bytes (gathers are priced affinely between).
+    microbatches: the most a pipeline runs, which GPipe holds all at once (needed
+    for it; else the schedule's in-flight limit)."""
+    if schedule is Schedule.GPIPE and microbatches is None:
+        raise ValueError("GPipe's memory needs the pipelines' micro-batch count")
     boundary = np.concatenate([[0.0], table.boundary]) * mb
     busy_all, option_all, send_all, parts_all = [], [], [], []
     for s, kind in enumerate(types):
         busy, choice, parts = _stage(
             table, kind, tp=tp, mb=mb, n=n,
-            flight=in_flight(s, len(types), 10**9, schedule, interleave),
+            flight=in_flight(s, len(types), microbatches or 10**9, schedule, interleave),
             gather=tuple(gathers[s]), policies=policies, zeros=zeros)
         last = s == len(types) - 1
         busy_all.append(busy)
@@ -406,7 +500,8 @@ def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: 
     hw = table.cache.setdefault(("h_w", mb), {})
     return ClassCosts(busy=busy_all, option=option_all, send=send_all,
                       options=_options(n, policies, zeros), parts=parts_all,
-                      links=(*links, None), interleave=interleave, _hw=hw)
+                      links=(*links, None), interleave=interleave,
+                      gpipe=schedule is Schedule.GPIPE, _hw=hw)
 
 
 @dataclass(frozen=True)
@@ -440,8 +535,8 @@ def optimize(costs: ClassCosts) -> ClassResult | None:
         return None
     floor = costs.cost(INF)
     first = costs.split(costs.solve(bottleneck)[1])
-    # interleaved, the period is max_s h_s: no round trips (`h_w`)
-    period = bottleneck if costs.interleave > 1 else _neighbours_period(
+    # interleaved, the period is max_s h_s: no round trips (`h_w`); GPipe's is at least it
+    period = bottleneck if costs.interleave > 1 or costs.gpipe else _neighbours_period(
         costs, _least_period(costs, bottleneck, floor), first.bottleneck)
     return ClassResult(costs=costs, least_weights=floor, smallest_max=bottleneck, first=first,
                        min_period=period)

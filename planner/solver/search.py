@@ -53,6 +53,7 @@ from planner.solver.bound import (
     cheapest_gather,
     families,
     optimizer_bound,
+    tight_result,
     tighten,
 )
 from planner.solver.evaluate import Config, Evaluation, Space, price, refine
@@ -62,15 +63,17 @@ from planner.solver.partition import INF, optimize, zero3_first
 from planner.solver.structure import ClassShape, place
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
+from planner.types import Schedule
 from planner.units import fmt_seconds
 
 SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
                 "type; one tp degree, micro-batch size and chunk count per plan, each allowed "
-                "one tried; 1F1B, or interleaved 1F1B over several stages with the same cuts "
-                "in every round, whole multiples of its stages in micro-batches and no ZeRO; "
-                "exact layer splits and recompute per stage, ZeRO per stage in structures of "
-                "one class (ZeRO-3 where its pipelines run equal micro-batch counts); "
-                "optimal micro-batch shares")
+                "one tried; 1F1B, GPipe over several stages in structures of one class, or "
+                "interleaved 1F1B over several stages with the same cuts in every round, "
+                "whole multiples of its stages in micro-batches and no ZeRO; exact layer "
+                "splits and recompute per stage, ZeRO per stage in structures of one class "
+                "(ZeRO-3 where its pipelines run equal micro-batch counts); optimal "
+                "micro-batch shares")
 
 
 _DIVE_TRIES = 16  # times a dive prices a child's families at each level before it picks one
@@ -127,8 +130,13 @@ def configs(table: CostTable, batch: int, limits: Limits) -> list[Config]:
            and m <= max(limits.max_micro_batch, limits.micro_batch or 0)]
     wanted = limits.interleaves if limits.pp != 1 else (1,)  # (one stage: plain 1F1B)
     chunks = choices(table.num_layers, (limits.interleave,) if limits.interleave else wanted)
+    schedule = limits.schedule
     for tp, mb, v in itertools.product(tps, mbs, chunks):
-        out.append(Config(tp=tp, mb=mb, interleave=v))
+        if schedule is None or schedule is (Schedule.INTERLEAVED if v > 1
+                                            else Schedule.ONE_F_ONE_B):
+            out.append(Config(tp=tp, mb=mb, interleave=v))
+    if schedule in (None, Schedule.GPIPE) and limits.pp != 1 and (limits.interleave or 1) == 1:
+        out += [Config(tp=tp, mb=mb, gpipe=True) for tp, mb in itertools.product(tps, mbs)]
     return out
 
 
@@ -157,8 +165,10 @@ class _Search:
         for config in configs(table, batch, limits):
             if single and config.interleave > 1:
                 continue  # interleaved pipelines run without ZeRO (`evaluate.zero_space`)
+            if config.gpipe and not single:
+                continue  # GPipe runs structures of one class (`evaluate.zero_space`)
             folded = self.view(config)
-            levels = families(folded, config, limits, space)
+            levels = families(folded, config, limits, space, batch // config.mb)
             slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
 
             costs = {t.name: folded.costs(t.name, config.tp, config.mb) for t in table.types}
@@ -203,11 +213,12 @@ class _Search:
         levels, bound, _ = self.state[node.config]
         fixed = self.fixed(node)
         loose = [f for f, _ in fixed if not f.tight]
+        microbatches = self.batch // node.config.mb
         for f in loose:
-            tighten(self.view(node.config), node.config, self.space, f)
+            tighten(self.view(node.config), node.config, self.space, f, microbatches)
         for level in levels[node.level:]:  # pricing one may make another the best
             while (f := best_per_slot(level, node.bound)) is not None and not f.tight:
-                tighten(self.view(node.config), node.config, self.space, f)
+                tighten(self.view(node.config), node.config, self.space, f, microbatches)
                 loose.append(f)
         if not loose:
             return True
@@ -352,10 +363,10 @@ class _Search:
 
     def zero3(self, config: Config, family: Family) -> Family:
         """The (tightened) family with its first stage on ZeRO-3."""
-        key = ("zero3 family", family.types, family.n_max, config, self.space)
+        key = ("zero3 family", family.types, family.n_max, config, self.space, self.batch)
         table = self.view(config)
         if key not in table.cache:
-            result = table.cache[("tight", family.types, family.n_max, config, self.space)]
+            result = tight_result(table, config, self.space, family, self.batch // config.mb)
             kind = family.types[0]
             forced = result and optimize(zero3_first(
                 table, result.costs, kind, tp=config.tp, mb=config.mb,
@@ -485,8 +496,9 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
     space = space or Space()
     best: list[Evaluation] = []
     counter = itertools.count()
-    runs = [_Search(table, batch, limits or Limits(), space, top_k, gap, single, best, counter)
-            for single in _parts(space)]
+    limits = limits or Limits()
+    runs = [_Search(table, batch, limits, space, top_k, gap, single, best, counter)
+            for single in _parts(space, limits)]
     status, taken = "optimal", float("inf")  # taken: the bound of a node mid-step
     try:
         _start(runs, table, batch, seeds, dives, start, time_limit)
@@ -549,15 +561,16 @@ def _bound(runs: list[_Search], best: list[Evaluation]) -> float:
                 *(n.bound for part in runs for n in part.heap[:1])], default=float("inf"))
 
 
-def _parts(space: Space) -> list[bool]:
+def _parts(space: Space, limits: Limits) -> list[bool]:
     """The search space in two parts with bounds of their own (True: the part of
     structures of one class). Structures of several classes run without ZeRO
     (`evaluate.zero_space`), so their part, which also holds the structures of one
     class that run without it and every interleaved one, is bounded without ZeRO; the
-    structures of one class of 1F1B pipelines are searched on their own with every
-    ZeRO stage allowed."""
-    return [single for single, wanted in ((False, 0 in space.zeros), (True, any(space.zeros)))
-            if wanted]
+    structures of one class of 1F1B or GPipe pipelines are searched on their own with
+    every ZeRO stage allowed (GPipe's only there)."""
+    gpipe = limits.schedule in (None, Schedule.GPIPE)
+    return [single for single, wanted in ((False, 0 in space.zeros),
+                                          (True, any(space.zeros) or gpipe)) if wanted]
 
 
 def _placement_order(shape: ClassShape) -> tuple[bool, str]:
