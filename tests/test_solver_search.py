@@ -13,7 +13,12 @@ from cost_models.comm import Collective, CommGroup
 from planner.errors import PlannerError
 from planner.solver.evaluate import Space, price, refine
 from planner.solver.limits import Limits
-from planner.solver.partition import class_costs, gpipe_front
+from planner.solver.partition import (
+    _enumerated_front,
+    _walked_front,
+    class_costs,
+    gpipe_front,
+)
 from planner.solver.search import search
 from planner.solver.timing import pipeline_time
 from planner.types import LinkSpec, Schedule
@@ -93,8 +98,9 @@ def test_search_equals_brute_force_gpipe(seed):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_gpipe_front_is_every_split_no_other_beats(seed):
-    """GPipe's staircase (`partition.gpipe_front`) against every split of a random
-    class: the splits no other beats in both period and fill, by period."""
+    """GPipe's staircase (`partition.gpipe_front`, both ways of finding it) against
+    every split of a random class: the splits no other beats in both period and fill,
+    by period, those below a limit where one is given."""
     rng = random.Random(seed)
     types = [(f"t{i}", [rng.randint(1, 2)]) for i in range(rng.randint(1, 2))]
     table = random_table(rng.randrange(10**6), layers=rng.randint(3, 7), types=types,
@@ -114,8 +120,15 @@ def test_gpipe_front_is_every_split_no_other_beats(seed):
                        if not any((y.bottleneck <= x.bottleneck and y.weights < x.weights)
                                   or (y.bottleneck < x.bottleneck and y.weights <= x.weights)
                                   for y in splits)})
-    got = [(round(x.bottleneck, 12), round(x.weights, 12)) for x in gpipe_front(costs)]
-    assert got == expected
+    phi, beta = costs.phi_beta()
+    fill = [costs.h_w(s)[1] for s in range(costs.stages)]
+    for front in (_walked_front, _enumerated_front):  # (gpipe_front picks one by size)
+        got = [(round(x.bottleneck, 12), round(x.weights, 12))
+               for x in front(costs, phi, beta, fill, float("inf"))]
+        assert got == expected, front.__name__
+    limit = expected[len(expected) // 2][0] - 1e-9  # (between two of its periods)
+    assert [(round(x.bottleneck, 12), round(x.weights, 12))
+            for x in gpipe_front(costs, limit)] == [p for p in expected if p[0] < limit]
     for split in splits:  # the period is GPipe's (timing.py)
         assert split.bottleneck == pytest.approx(pipeline_time(
             split.stages, 1, schedule=Schedule.GPIPE).period)

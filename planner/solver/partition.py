@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+import itertools
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -196,15 +198,20 @@ class ClassCosts:
         """The smallest achievable max_s h_s."""
         return _least_max([self.h_w(s)[0] for s in range(self.stages)])
 
-    def forward_backward(self, s: int) -> tuple[np.ndarray, np.ndarray]:
-        """Stage s's forward and backward seconds per layer range [a, b) (infinite where
-        nothing fits): ZeRO-3 gathers once for the forward and twice more for the
+    def phi_beta(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per stage and layer range [a, b), GPipe's phi (the forward or the send,
+        whichever is longer) and beta (the backward or the send); infinite where
+        nothing fits. ZeRO-3 gathers once for the forward and twice more for the
         backward, which also holds recompute."""
-        busy, p = self.busy[s], self.parts[s]
         zero3 = [i for i, o in enumerate(self.options) if o.zero == 3]
-        fwd = (p["fwd"][None, :] - p["fwd"][:, None]
-               + np.where(np.isin(self.option[s], zero3), p["gather"], 0.0))
-        return np.where(np.isfinite(busy), fwd, INF), busy - fwd
+        phi, beta = [], []
+        for s in range(self.stages):
+            busy, p, send = self.busy[s], self.parts[s], self.send[s][None, :]
+            fwd = (p["fwd"][None, :] - p["fwd"][:, None]
+                   + np.where(np.isin(self.option[s], zero3), p["gather"], 0.0))
+            phi.append(np.where(np.isfinite(busy), np.maximum(fwd, send), INF))
+            beta.append(np.maximum(busy - fwd, send))
+        return phi, beta
 
     def split(self, choices: list[np.ndarray]) -> Split:
         """The split the dynamic program's argmin tables describe."""
@@ -295,48 +302,99 @@ def _least_max(h: Sequence[np.ndarray]) -> float:
     return float(g[-1])
 
 
+def _next_bound(least: Callable[[float], float], steps: np.ndarray, bound: float,
+                total: float) -> float | None:
+    """The next step of a staircase: the smallest of `steps` above `bound` at which the
+    least fill (`least`, non-increasing) falls below `total` (None if none does; the
+    largest is tried first, as the walks of `_walked_front` often have no next step,
+    where `Staircase.extend`'s usually has one)."""
+    lo, hi = bisect.bisect_right(steps, bound), len(steps) - 1
+    if lo > hi or not least(float(steps[hi])) < total - 1e-12:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if least(float(steps[mid])) < total - 1e-12:
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(steps[lo])
+
+
+_ENUMERATED = 20000  # GPipe fronts of at most this many splits are found by enumeration
+
+
+def _enumerated_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarray],
+                      fill: list[np.ndarray], limit: float) -> list[Split]:
+    """`gpipe_front` by pricing every split at once (few stages: few splits)."""
+    layers = phi[0].shape[0] - 1
+    cuts = np.array(list(itertools.combinations(range(1, layers), costs.stages - 1)),
+                    dtype=int).reshape(-1, costs.stages - 1)
+    bounds = np.concatenate([np.zeros((len(cuts), 1), dtype=int), cuts,
+                             np.full((len(cuts), 1), layers)], axis=1)
+    a, b = bounds[:, :-1], bounds[:, 1:]
+    stage = np.arange(costs.stages)
+    period = (np.stack([phi[s][a[:, s], b[:, s]] for s in stage]).max(axis=0)
+              + np.stack([beta[s][a[:, s], b[:, s]] for s in stage]).max(axis=0))
+    weights = np.stack([fill[s][a[:, s], b[:, s]] for s in stage]).sum(axis=0)
+    front: list[Split] = []
+    best = INF
+    for i in np.lexsort((weights, period)):
+        if not period[i] < limit:
+            break
+        if weights[i] < best - 1e-12:
+            best = weights[i]
+            front.append(costs.split_at(tuple(int(x) for x in bounds[i])))
+    return front
+
+
 def gpipe_front(costs: ClassCosts, limit: float = INF) -> list[Split]:
     """GPipe's staircase: every split with a period below `limit` that no other beats
     in both period and fill, by period. A split's period is max_s phi_s + max_s beta_s
     (phi_s: stage s's forward or its send, whichever is longer; beta_s: its backward
-    or send; timing.py), so for each forward cap X (every value a phi takes, upward)
-    the splits with all phi_s <= X are walked as 1F1B's staircase is, by their largest
-    beta, each step the least fill below it; the caps stop once no split with a
-    larger phi can come below the limit or the period of one at the least fill."""
-    phi, beta, fill = [], [], []
-    for s in range(costs.stages):
-        fwd, bwd = costs.forward_backward(s)
-        send = costs.send[s][None, :]
-        phi.append(np.maximum(fwd, send))
-        beta.append(np.maximum(bwd, send))
-        fill.append(costs.h_w(s)[1])
+    or send; timing.py), which is not one term per stage: where the splits are few,
+    every one is priced (`_enumerated_front`), else `_walked_front` finds them."""
+    phi, beta = costs.phi_beta()
+    fill = [costs.h_w(s)[1] for s in range(costs.stages)]
+    layers = phi[0].shape[0] - 1
+    front = _enumerated_front if math.comb(layers - 1, costs.stages - 1) <= _ENUMERATED \
+        else _walked_front
+    return front(costs, phi, beta, fill, limit)
+
+
+def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarray],
+                  fill: list[np.ndarray], limit: float) -> list[Split]:
+    """`gpipe_front` by dynamic programs: for each forward cap X (every value a phi
+    takes, upward) the splits with all phi_s <= X are walked as 1F1B's staircase is,
+    by their largest beta, each step the least fill below it; the caps stop once no
+    split with a larger phi can come below the limit or the period of one at the least
+    fill, and a cap is skipped where every range whose phi it is has a beta that keeps
+    the splits holding it there too (those with a smaller phi were walked before)."""
     floor = costs.cost(INF)
-    least_beta = _least_max(beta)
-    caps = np.unique(np.concatenate([p[np.isfinite(p)] for p in phi]))
+    least_beta, lowest = _least_max(beta), _least_max(phi)
+    # per value a phi takes, the least beta of a range with that phi
+    pairs = np.concatenate([np.stack([p[np.isfinite(p)], b[np.isfinite(p)]])
+                            for p, b in zip(phi, beta, strict=True)], axis=1)
+    pairs = pairs[:, np.argsort(pairs[0], kind="stable")]
+    caps, starts = np.unique(pairs[0], return_index=True)
+    least_at = np.minimum.reduceat(pairs[1], starts)
     points: list[Split] = []
     done = limit  # the least period of a split at the least fill (or the limit)
-    for cap in caps[caps >= _least_max(phi)]:
+    for cap, least in zip(caps, least_at, strict=True):
         if cap + least_beta >= done:
             break
+        if cap < lowest or cap + least >= done:
+            continue
         capped = [np.where(p <= cap, b, INF) for p, b in zip(phi, beta, strict=True)]
         steps = np.unique(np.concatenate([c[np.isfinite(c)] for c in capped]))
         bound = _least_max(capped)
-        while cap + bound < done:
+        while bound is not None and cap + bound < done:
             total, choices = _least_sum(capped, fill, bound)
             points.append(costs.split(choices))
             if total <= floor + 1e-12:
                 done = min(done, points[-1].bottleneck)
                 break
-            lo, hi = bisect.bisect_right(steps, bound), len(steps) - 1
-            if lo > hi or not _least_sum(capped, fill, float(steps[hi]))[0] < total - 1e-12:
-                break
-            while lo < hi:  # the smallest bound whose least fill is below this one's
-                mid = (lo + hi) // 2
-                if _least_sum(capped, fill, float(steps[mid]))[0] < total - 1e-12:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            bound = float(steps[lo])
+            bound = _next_bound(lambda b, capped=capped: _least_sum(capped, fill, b)[0],
+                                steps[:bisect.bisect_left(steps, done - cap)], bound, total)
     front: list[Split] = []
     for split in sorted(points, key=lambda x: (x.bottleneck, x.weights)):
         if split.bottleneck >= limit:
@@ -535,9 +593,13 @@ def optimize(costs: ClassCosts) -> ClassResult | None:
         return None
     floor = costs.cost(INF)
     first = costs.split(costs.solve(bottleneck)[1])
-    # interleaved, the period is max_s h_s: no round trips (`h_w`); GPipe's is at least it
-    period = bottleneck if costs.interleave > 1 or costs.gpipe else _neighbours_period(
-        costs, _least_period(costs, bottleneck, floor), first.bottleneck)
+    # interleaved, the period is max_s h_s: no round trips (`h_w`); GPipe's is at least
+    # that, and the least largest phi plus the least largest beta (`gpipe_front`)
+    if costs.gpipe:
+        period = max(bottleneck, sum(map(_least_max, costs.phi_beta())))
+    else:
+        period = bottleneck if costs.interleave > 1 else _neighbours_period(
+            costs, _least_period(costs, bottleneck, floor), first.bottleneck)
     return ClassResult(costs=costs, least_weights=floor, smallest_max=bottleneck, first=first,
                        min_period=period)
 
