@@ -551,3 +551,20 @@ def test_gpipe_wins_where_sends_are_slow_and_runs_as_simulated():
                 dp=len(best.pipelines), zero=s.zero, recompute=s.recompute,
                 micro_batch=p.micro_batch, in_flight=p.num_microbatches,
                 kept=zero_kept(graph.layers, set(s.held()), s.zero))
+
+
+def test_a_schedule_no_plan_fits_names_itself():
+    """GPipe holds all of a pipeline's micro-batches: with 4,096 samples per step none
+    fits, 1F1B does, and the error says which constraint to drop."""
+    from planner.types import Schedule
+
+    graph = trace_model(model_spec("llama2-13b", {"layers": 8}), seq_len=4096, dtype="fp16")
+    cluster = load_cluster("1x8xA100-80G,1x2xRTX4090@100Gbps")
+    training = TrainingSpec(global_batch=4096, seq_len=4096, dtype="fp16")
+    options = SolveOptions(with_baselines=False)
+    with pytest.raises(PlannerError) as err:
+        solve(graph, cluster, training, dataclasses.replace(
+            options, limits=Limits(schedule=Schedule.GPIPE)))
+    assert "constraints given (--schedule gpipe)" in err.value.message
+    assert err.value.remedies[0].startswith("drop --schedule gpipe")
+    assert solve(graph, cluster, training, options)

@@ -19,9 +19,9 @@ from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.errors import PlannerError
 from planner.solver.evaluate import Space
-from planner.solver.limits import Limits
+from planner.solver.limits import Limits, schedule_name
 from planner.solver.uniform import even_bounds, overflows, uniform_pipelines
-from planner.types import ClusterSpec, Layer, TrainingSpec
+from planner.types import ClusterSpec, Layer, Schedule, TrainingSpec
 from planner.types.training import Recompute
 
 MORE_DEVICES = "add devices, or devices with more memory"
@@ -64,11 +64,20 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
                f"micro-batches of 1 puts {count} layer(s) on one device of node {node.name} "
                f"({node.device.name}), needing {memory.total / GIB:.1f} GiB of its "
                f"{node.device.memory / GIB:.1f} GiB ({terms}; largest: {memory.largest()})")
-    if over > 1:
+    given = _constraints(limits, space, stages)
+    # an even spread that overflows the devices with the most memory rules out every
+    # plan; one that overflows smaller devices only may not, where constraints were given
+    largest = node.device.memory >= max(n.device.memory for n in cluster.nodes)
+    if over > 1 and (largest or not given):
         return PlannerError(
             "infeasible", f"No plan fits in device memory. Even {leanest}.",
             [MORE_DEVICES, *unexclude, "train with a shorter --seq-len"])
-    given = _constraints(limits, space, stages)
+    if over > 1:
+        return PlannerError(
+            "infeasible", f"No plan fits in device memory under the constraints given "
+            f"({', '.join(flag for flag, _ in given)}), and spreading the layers evenly "
+            f"does not help: {leanest}.",
+            [*(remedy for _, remedy in given), MORE_DEVICES, *unexclude])
     if not given:
         return PlannerError(
             "infeasible", f"No plan fits in device memory, although {leanest}: plans that "
@@ -114,6 +123,11 @@ def _constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, s
                         ("--last-stage", limits.last_stage)):
         if value is not None:
             out.append((f"{flag} {value}", f"drop {flag} {value}"))
+    if limits.schedule is not None:
+        name = schedule_name(limits.schedule)
+        why = (" (GPipe holds all of a pipeline's micro-batches at once)"
+               if limits.schedule is Schedule.GPIPE else "")
+        out.append((f"--schedule {name}", f"drop --schedule {name}{why}"))
     if not limits.mixed:
         out.append(("--no-mixed", "drop --no-mixed (a pipeline may then span two device "
                                   "types)"))
