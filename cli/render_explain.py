@@ -119,7 +119,8 @@ def stage_timing_table(analysis: Analysis) -> FitWords:
                                        f"ZeRO-{r.zero}" if r.zero else "") if x) or "-"
         table.add_row(describe_pipelines(r.pipelines) if r.stage == 0 else "", str(r.stage),
                       r.layers, r.device_type + (f" x{r.tp}" if r.tp > 1 else ""),
-                      f"{r.microbatches} x {r.micro_batch}" if r.stage == 0 else "", savers,
+                      f"{r.microbatches} x {r.micro_batch}{r.schedule}" if r.stage == 0
+                      else "", savers,
                       f"{fmt_seconds(r.fwd)} / {fmt_seconds(r.bwd)}",
                       *(fmt_seconds(getattr(r, key)) for _, key in extra),
                       fmt_seconds(r.send),

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cli.tables import FitWords, fit_words
-from planner.types import PipelinePlan, Plan, Schedule
+from planner.types import PipelinePlan, Plan
 from planner.units import fmt_bytes, fmt_seconds
 
 
@@ -55,7 +55,7 @@ def stage_table(plan: Plan, layer_names: list[str] | None = None) -> FitWords:
             layers = " + ".join(_layer_names(c, layer_names) for c in s.chunks)
             rows.append(([str(len(members)) if s.index == 0 else "", str(s.index), layers,
                           s.device_type, str(s.tp),
-                          f"{shares} of {rep.micro_batch}{_schedule(rep)}"
+                          f"{shares} of {rep.micro_batch}{rep.schedule_note()}"
                           if s.index == 0 else "",
                           s.recompute.value, str(s.zero), memory], s.index == 0))
     table = Table(title="Pipelines (identical pipelines grouped)", title_justify="left")
@@ -67,13 +67,6 @@ def stage_table(plan: Plan, layer_names: list[str] | None = None) -> FitWords:
             table.add_section()
         table.add_row(*cells)
     return fit_words(table)
-
-
-def _schedule(pipeline: PipelinePlan) -> str:
-    """The schedule, where it is not plain 1F1B."""
-    if pipeline.schedule is Schedule.INTERLEAVED and pipeline.interleave > 1:
-        return f", interleaved in {pipeline.interleave} chunks"
-    return ", GPipe" if pipeline.schedule is Schedule.GPIPE else ""
 
 
 def prediction_panel(plan: Plan) -> Panel:

@@ -76,6 +76,7 @@ class StageRow:
     tp: int
     micro_batch: int
     microbatches: int
+    schedule: str  # `PipelinePlan.schedule_note`
     recompute: str
     zero: int
     fwd: float  # seconds per micro-batch, tp communication included
@@ -202,7 +203,8 @@ def stage_rows(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[St
             rows.append(StageRow(
                 pipelines=tuple(members), stage=s.index, layers=_layer_text(s, names),
                 device_type=s.device_type, nodes=nodes, tp=s.tp, micro_batch=rep.micro_batch,
-                microbatches=rep.num_microbatches, recompute=s.recompute.value, zero=s.zero,
+                microbatches=rep.num_microbatches, schedule=rep.schedule_note(),
+                recompute=s.recompute.value, zero=s.zero,
                 fwd=t.fwd, bwd=t.bwd, recompute_time=t.recompute, tp_time=t.tp_fwd + t.tp_bwd,
                 send=t.send, busy_share=t.busy / busiest))
     return rows

@@ -73,7 +73,7 @@ def report_html(analysis: Analysis) -> str:
          "ZeRO", "fwd", "bwd", "of which recompute", "tp comm", "send"],
         [[escape(describe_pipelines(r.pipelines)), str(r.stage), escape(r.layers),
           escape(r.device_type), escape(", ".join(r.nodes)), str(r.tp),
-          f"{r.microbatches} x {r.micro_batch}", escape(r.recompute), str(r.zero),
+          f"{r.microbatches} x {r.micro_batch}{r.schedule}", escape(r.recompute), str(r.zero),
           fmt_seconds(r.fwd), fmt_seconds(r.bwd), fmt_seconds(r.recompute_time),
           fmt_seconds(r.tp_time), fmt_seconds(r.send)] for r in analysis.stages],
         {1, 5, 9, 10, 11, 12, 13}))

@@ -88,6 +88,18 @@ def test_analysis_covers_the_plan(solved):
     assert data["kind"] == "explanation" and data["timeline"]["lanes"]
 
 
+def test_stage_rows_name_a_schedule_other_than_1f1b(solved):
+    _, plan, graph = solved
+    gpipe = dataclasses.replace(plan, pipelines=tuple(
+        dataclasses.replace(p, schedule=Schedule.GPIPE) for p in plan.pipelines))
+    analysis = analyze(gpipe, graph.layers)
+    assert all(r.schedule == ", GPipe" for r in analysis.stages)
+    assert f"{gpipe.pipelines[0].micro_batch}, GPipe" in report_html(analysis)
+    plain = dataclasses.replace(plan, pipelines=tuple(
+        dataclasses.replace(p, schedule=Schedule.ONE_F_ONE_B) for p in plan.pipelines))
+    assert all(r.schedule == "" for r in analyze(plain, graph.layers).stages)
+
+
 def test_memory_rows_name_every_node_their_pipelines_use():
     """Identical stages of pipelines on two nodes are one row that says so (it showed
     the first pipeline's node for all of them)."""

@@ -98,6 +98,12 @@ class PipelinePlan:
     schedule: Schedule
     interleave: int = 1
 
+    def schedule_note(self) -> str:
+        """The schedule, for tables, where it is not plain 1F1B (else empty)."""
+        if self.schedule is Schedule.INTERLEAVED and self.interleave > 1:
+            return f", interleaved in {self.interleave} chunks"
+        return ", GPipe" if self.schedule is Schedule.GPIPE else ""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CostBreakdown:
