@@ -336,15 +336,22 @@ def _enumerated_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.nd
     period = (np.stack([phi[s][a[:, s], b[:, s]] for s in stage]).max(axis=0)
               + np.stack([beta[s][a[:, s], b[:, s]] for s in stage]).max(axis=0))
     weights = np.stack([fill[s][a[:, s], b[:, s]] for s in stage]).sum(axis=0)
-    front: list[Split] = []
+    return [costs.split_at(tuple(int(x) for x in bounds[i]))
+            for i in _unbeaten(period, weights, limit)]
+
+
+def _unbeaten(periods: np.ndarray, weights: np.ndarray, limit: float) -> list[int]:
+    """The indices, by period, of the points below `limit` in period that no other
+    beats in both period and weight (one of each tie)."""
+    kept: list[int] = []
     best = INF
-    for i in np.lexsort((weights, period)):
-        if not period[i] < limit:
+    for i in np.lexsort((weights, periods)):
+        if not periods[i] < limit:
             break
         if weights[i] < best - 1e-12:
             best = weights[i]
-            front.append(costs.split_at(tuple(int(x) for x in bounds[i])))
-    return front
+            kept.append(int(i))
+    return kept
 
 
 def gpipe_front(costs: ClassCosts, limit: float = INF) -> list[Split]:
@@ -395,13 +402,8 @@ def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarra
                 break
             bound = _next_bound(lambda b, capped=capped: _least_sum(capped, fill, b)[0],
                                 steps[:bisect.bisect_left(steps, done - cap)], bound, total)
-    front: list[Split] = []
-    for split in sorted(points, key=lambda x: (x.bottleneck, x.weights)):
-        if split.bottleneck >= limit:
-            break
-        if not front or split.weights < front[-1].weights - 1e-12:
-            front.append(split)
-    return front
+    return [points[i] for i in _unbeaten(np.array([p.bottleneck for p in points]),
+                                         np.array([p.weights for p in points]), limit)]
 
 
 def _prefixes(table: CostTable, kind: str, tp: int, mb: int) -> tuple:

@@ -316,10 +316,11 @@ class _Search:
                 continue
             kind = level[0].types[0]
             left = slots[kind] - sum(s.n * s.stages for s in chosen if s.types[0] == kind)
+            pipes = min(microbatches, self.limits.most_pipelines or microbatches) - sum(
+                s.n for s in chosen)
             pick = None
             for f in level:
-                n = min(f.n_max, left // len(f.types), microbatches - sum(s.n for s in chosen),
-                        (self.limits.most_pipelines or microbatches) - sum(s.n for s in chosen))
+                n = min(f.n_max, left // len(f.types), pipes)
                 if n < 1 or not self.limits.allows(f.types):
                     continue
                 shapes = tuple(sorted((*chosen, ClassShape(f.types, n)), key=_placement_order))
