@@ -134,6 +134,32 @@ def test_an_interleaved_solver_plan_with_uneven_chunks(tmp_path):
     _check_against_reference(plan, _run(tmp_path, plan))
 
 
+def test_pipelines_of_different_tensor_parallel_degrees(tmp_path):
+    """Pipeline 0 runs the whole model on two tensor-parallel ranks, pipeline 1 on two
+    stages of one device each: the blocks' gradients are summed between a sharded and an
+    unsharded copy, the token table between a replicated copy and a stage that holds it
+    beside the head, and the checkpoint holds one copy of each parameter."""
+    plan = tiny_plan("1x4xcpu", pp=2, dp=2, shares=[3, 1])
+    first = plan.pipelines[0]
+    whole = dataclasses.replace(
+        first.stages[0], layers=(0, first.stages[-1].layers[1]),
+        chunks=((0, first.stages[-1].layers[1]),),
+        modules=tuple(m for s in first.stages for m in s.modules), tp=2,
+        devices=dataclasses.replace(first.stages[0].devices, devices=(0, 1)))
+    plan = dataclasses.replace(plan, pipelines=(
+        dataclasses.replace(first, stages=(whole,)), plan.pipelines[1]))
+    assert [[s.tp for s in p.stages] for p in plan.pipelines] == [[2], [1, 1]]
+    run_dir = _run(tmp_path, plan, steps=STEPS - 1)  # then resume from its checkpoint
+    run_ranks(tmp_path / "plan.json", run_dir=run_dir, steps=STEPS, resume=True,
+              optimizer="sgd")
+    summary = _check_against_reference(plan, run_dir)
+    assert summary["world_size"] == 4
+    # Adam's states are written once per parameter too
+    (tmp_path / "adam").mkdir()
+    _run(tmp_path / "adam", plan, optimizer="adamw", steps=1)
+    assert complete_steps(tmp_path / "adam" / "run") == [1]
+
+
 def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path):
     """The generated local launch (torchrun) with restarts: SIGKILL a rank mid-run; the
     restarted ranks resume from the latest checkpoint and the loss curve is the one of

@@ -4,7 +4,9 @@ Layout: RUN_DIR/checkpoints/step-00000010/ is the state after 10 optimizer steps
 Every rank saves its stage's model and optimizer state, keyed by the parameter
 names of the whole model (`get_state_dict` with a flattened optimizer state),
 so a parameter that several ranks hold (replicas, tied weights) is written once
-and a DTensor (tensor-parallel or FSDP shard) as one global tensor. DCP writes
+and a DTensor (tensor-parallel or FSDP shard) as one global tensor. A parameter
+held by stages of different tensor-parallel degrees is written by those of one
+degree (DCP cannot merge a whole copy with shards); loading reshards it. DCP writes
 `.metadata` last, after every rank's data, so a directory without it (a crash
 during the save) is never resumed from.
 
@@ -56,11 +58,17 @@ def _options() -> object:
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def save(run_dir: Path, step: int, root: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+def save(run_dir: Path, step: int, root: nn.Module, optimizer: torch.optim.Optimizer,
+         others: frozenset[str] = frozenset()) -> Path:
+    """Save this rank's state, leaving out the parameters in `others` (and their
+    optimizer states), which ranks laid out differently write (`parallel.written_by_others`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(root, optimizer, options=_options())
+    model_state = {k: v for k, v in model_state.items() if k not in others}
+    optim_state = {k: v for k, v in optim_state.items()
+                   if not (k.startswith("state.") and k[6:].rsplit(".", 1)[0] in others)}
     path = step_dir(run_dir, step)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
     return path

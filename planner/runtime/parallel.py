@@ -11,7 +11,9 @@ order (torch requires all ranks to take part in creating each group):
   * per set of stages holding the same parameters, a group for summing their
     gradients (pipelines may split layers differently, and a head tied to the
     embedding shares its weight with the first stage, so these sets need not form
-    a mesh).
+    a mesh): one per tensor-parallel index where the stages share a tp degree,
+    else one of their first ranks (`GradientSum`). A pipeline's stages share one
+    degree: its chains pair the stages' ranks index by index.
 
 Gradients. Each pipeline's loss for a micro-batch is the model's (mean) loss
 times micro_batch / global_batch, so the losses of all micro-batches of all
@@ -90,6 +92,14 @@ class Topology:
     def replicas_of(self, key: StageKey) -> list[StageKey]:
         return self.replicas[replica_key(self.stage(key))]
 
+    def sum_groups(self, keys: Sequence[StageKey]) -> list[tuple[int, ...]]:
+        """The rank groups that sum the gradients of parameters these stages hold: one
+        per tensor-parallel index where they share a tp degree, else the first ranks
+        of the stages (see `GradientSum`)."""
+        tps = {self.stage(k).tp for k in keys}
+        indices = range(next(iter(tps))) if len(tps) == 1 else range(1)
+        return [tuple(sorted(self.ranks(k)[t] for k in keys)) for t in indices]
+
 
 def topology(plan: Plan, layout: Layout, info: ModelInfo) -> Topology:
     for p in plan.pipelines:
@@ -109,13 +119,6 @@ def topology(plan: Plan, layout: Layout, info: ModelInfo) -> Topology:
             for name in params[key]:
                 holders.setdefault(name, []).append(key)
             replicas.setdefault(replica_key(s), []).append(key)
-    for name, keys in holders.items():
-        tps = {plan.pipelines[k[0]].stages[k[1]].tp for k in keys}
-        if len(tps) > 1:
-            raise PlannerError(
-                "unsupported-plan", f"Parameter {name} is held by stages with tensor-parallel "
-                f"degrees {sorted(tps)}; the runtime sums its gradients shard by shard, so "
-                "every stage holding it needs the same tp.", ["solve with a fixed --tp"])
     for key, stages in replicas.items():
         stages.sort(key=lambda k: layout.stage_ranks(*k))
         tp = plan.pipelines[stages[0][0]].stages[stages[0][1]].tp
@@ -128,6 +131,15 @@ def topology(plan: Plan, layout: Layout, info: ModelInfo) -> Topology:
                     "parallel shard.", ["give each stage consecutive devices"])
     return Topology(plan=plan, layout=layout, replicas=replicas, holders=holders,
                     params=params)
+
+
+def written_by_others(topo: Topology, key: StageKey) -> frozenset[str]:
+    """Parameters of stage `key` that a checkpoint takes from other stages: those whose
+    holders mix tensor-parallel degrees, where the first holder's degree is not this
+    stage's."""
+    tp = topo.stage(key).tp
+    return frozenset(name for name in topo.params[key]
+                     if topo.stage(min(topo.holders[name])).tp != tp)
 
 
 @dataclass
@@ -157,13 +169,6 @@ class Groups:
         return self.stage_mesh["dp"]
 
 
-def sync_sets(topo: Topology) -> dict[str, tuple[int, ...]]:
-    """Per parameter name: the stages (as sorted ranks at tp index 0) whose gradients
-    are summed."""
-    return {name: tuple(sorted(topo.ranks(k)[0] for k in keys))
-            for name, keys in topo.holders.items()}
-
-
 def build_groups(topo: Topology, rank: int, device_type: str) -> Groups:
     """Create every group on every rank (same order), and this rank's meshes."""
     plan, layout = topo.plan, topo.layout
@@ -180,9 +185,7 @@ def build_groups(topo: Topology, rank: int, device_type: str) -> Groups:
             wanted.append(tuple(topo.ranks(k)[t] for k in stages))
     holder_sets = sorted({tuple(sorted(keys)) for keys in topo.holders.values()})
     for keys in holder_sets:  # gradient sums
-        tp = topo.stage(keys[0]).tp
-        for t in range(tp):
-            wanted.append(tuple(sorted(topo.ranks(k)[t] for k in keys)))
+        wanted.extend(topo.sum_groups(keys))
     by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
     created: set[tuple[int, ...]] = set()  # on every rank alike, member or not: new_group
     for ranks in wanted:                   # is collective, its calls must match
@@ -319,34 +322,80 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """The whole gradient of a parameter (gathered over its tensor-parallel ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a whole gradient, laid out as `like` (no communication)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(like, DTensor):
+        return full
+    mesh = like.device_mesh
+    whole = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, like.placements).to_local()
+
+
+@dataclass
+class _Bucket:
+    """Parameters whose gradients one set of stages sums. `group` sums them; with
+    `gather`, the set mixes tensor-parallel degrees: each stage gathers its whole
+    gradients (`tp_group`), its first rank sums them with the other stages' first ranks
+    (`group`, None on the other ranks) and hands the sum back to its tp ranks (`source`
+    broadcasts it), which keep their shards."""
+
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup | None
+    gather: bool = False
+    tp_group: dist.ProcessGroup | None = None
+    source: int = 0
+
+
 class GradientSum:
     """Sums the gradients of unsharded parameters over the stages holding them, one
-    flat all-reduce per group, groups in one global order (no deadlock)."""
+    flat all-reduce per set of holders, sets in one global order (no deadlock). Where
+    the holders' tensor-parallel degrees differ, each stage's first rank all-reduces
+    its whole gradients, so every stage moves its parameters' gradients once, as
+    where they are equal (each tp rank its shard)."""
 
     def __init__(self, root: nn.Module, topo: Topology, groups: Groups, rank: int,
                  skip: set[int]) -> None:
         me = topo.layout.of(rank)
-        buckets: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        mine = topo.ranks((me.pipeline, me.stage))
+        held: dict[tuple[StageKey, ...], list[nn.Parameter]] = {}
         for name, param in sorted(root.named_parameters()):
-            if id(param) in skip or not param.requires_grad:
-                continue
-            keys = topo.holders[name]
-            ranks = tuple(sorted(topo.ranks(k)[me.tp_rank] for k in keys))
-            if len(ranks) > 1:
-                buckets.setdefault(ranks, []).append(param)
-        self.buckets = [(groups.by_ranks[ranks], params)
-                        for ranks, params in sorted(buckets.items())]
+            keys = tuple(sorted(topo.holders[name]))
+            if id(param) not in skip and param.requires_grad and len(keys) > 1:
+                held.setdefault(keys, []).append(param)
+        self.buckets: list[_Bucket] = []
+        for keys, params in sorted(held.items()):
+            found = topo.sum_groups(keys)
+            if len(found) > 1 or len({topo.stage(k).tp for k in keys}) == 1:
+                ranks = next(r for r in found if rank in r)
+                self.buckets.append(_Bucket(params, groups.by_ranks[ranks]))
+            else:
+                self.buckets.append(_Bucket(
+                    params, groups.by_ranks.get(found[0]), gather=True,
+                    tp_group=groups.by_ranks[tuple(sorted(mine))], source=mine[0]))
 
     def __call__(self) -> None:
-        for group, params in self.buckets:
-            grads = []
-            for p in params:
+        for bucket in self.buckets:
+            for p in bucket.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                grads.append(_local(p.grad))
+            grads = [_full(p.grad) if bucket.gather else _local(p.grad)
+                     for p in bucket.params]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            if bucket.group is not None:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group)
+            if bucket.gather and dist.get_world_size(bucket.tp_group) > 1:
+                dist.broadcast(flat, src=bucket.source, group=bucket.tp_group)
             offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            for p, g in zip(bucket.params, grads, strict=True):
+                value = flat[offset:offset + g.numel()].view_as(g)
+                _local(p.grad).copy_(_shard(value, p.grad) if bucket.gather else value)
                 offset += g.numel()

@@ -49,6 +49,7 @@ from planner.runtime.parallel import (
     fsdp_ignored,
     fsdp_managed,
     topology,
+    written_by_others,
 )
 from planner.runtime.schedule import PipelineRunner
 from planner.runtime.stage import apply_recompute, build_stage, inspect_model
@@ -243,6 +244,7 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
         notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-{stage.zero} has no "
                      "replica to shard with (one copy of these layers)")
     gradient_sum = GradientSum(built.root, topo, groups, rank, skip=managed)
+    others = written_by_others(topo, key)
     params = list(dict.fromkeys(built.root.parameters()))
     opt_name = options.optimizer or ("sgd" if plan.training.optimizer.name == "sgd"
                                      else "adamw")
@@ -310,9 +312,9 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
         done = step + 1
         if options.checkpoint_every and done % options.checkpoint_every == 0 and (
                 done < options.steps or not options.final_checkpoint):
-            checkpoint.save(run_dir, done, built.root, optimizer)
+            checkpoint.save(run_dir, done, built.root, optimizer, others)
     if options.final_checkpoint and first < options.steps:
-        checkpoint.save(run_dir, options.steps, built.root, optimizer)
+        checkpoint.save(run_dir, options.steps, built.root, optimizer, others)
     return _summarize(options, plan, layout, place, run_dir, built, step_seconds,
                       busy_seconds, losses, first, notes, attempt)
 
