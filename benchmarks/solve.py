@@ -4,6 +4,8 @@
     python benchmarks/solve.py --only 0 2    # some scenarios, printed only
     python benchmarks/solve.py --max-interleave 2   # interleaved 1F1B searched too: its
                                                     # own section, "solve-interleaved"
+    python benchmarks/solve.py --tp-per-class       # a tp degree per class: its own
+                                                    # section, "solve-tp-per-class"
 
 Targets: search at most 1 s up to 64 GPUs, 10 s at 1,024 and 60 s at 4,096, each
 with a reported gap of at most 1%, and never slower than a baseline; the simulator
@@ -53,7 +55,7 @@ def dtype_for(cluster) -> str:
     return "bf16" if all("bf16" in d.peak_flops for d in kinds) else "fp16"
 
 
-def run(index: int, max_interleave: int = 1) -> str:
+def run(index: int, max_interleave: int = 1, tp_per_class: bool = False) -> str:
     name, spec, batch, seq, label = SCENARIOS[index]
     cluster = load_cluster(spec)
     dtype = dtype_for(cluster)
@@ -65,7 +67,8 @@ def run(index: int, max_interleave: int = 1) -> str:
     searches, totals = [], []
     for _ in range(REPEATS if limit is None else 1):  # this machine is shared and noisy
         start = time.perf_counter()
-        limits = Limits(interleaves=tuple(range(1, max_interleave + 1)))
+        limits = Limits(interleaves=tuple(range(1, max_interleave + 1)),
+                        tp_per_class=tp_per_class)
         plan = solve(graph, cluster, training, SolveOptions(time_limit=limit, limits=limits))[0]
         totals.append(time.perf_counter() - start)
         searches.append(plan.solver.wall_time)
@@ -77,9 +80,13 @@ def run(index: int, max_interleave: int = 1) -> str:
     for b in plan.baselines:
         ratios.append(f"{b.name} {b.prediction.step_time / pred.step_time:.2f}x"
                       if b.prediction else f"{b.name} n/a")
+    tps = {s.tp for p in plan.pipelines for s in p.stages}
     shape = f"{len(plan.pipelines)} pipelines, " + ", ".join(sorted({
         f"{len(p.stages)} stages of {'+'.join(dict.fromkeys(s.device_type for s in p.stages))}"
+        + (f" tp {p.stages[0].tp}" if len(tps) > 1 else "")
         + (f" ({p.interleave} chunks)" if p.interleave > 1 else "") for p in plan.pipelines}))
+    if len(tps) == 1:
+        shape += f"; tp {tps.pop()}"
     row = (f"| {label} | {cluster.num_devices} | {dtype} | {search_time:.2f} s | "
            f"{total:.1f} s | {report.status} | {report.gap:.2%} | "
            f"{pred.step_time:.3g} s | {pred.samples_per_s:,.1f} | {pred.mfu:.1%} | "
@@ -92,9 +99,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", type=int, nargs="*")
     parser.add_argument("--max-interleave", type=int, default=1)
+    parser.add_argument("--tp-per-class", action="store_true")
     args = parser.parse_args()
     indices = args.only if args.only is not None else range(len(SCENARIOS))
-    rows = [run(i, args.max_interleave) for i in indices]
+    rows = [run(i, args.max_interleave, args.tp_per_class) for i in indices]
     if args.only is not None:
         return
     body = ("| scenario | GPUs | dtype | search | solve incl. baselines | status | gap | "
@@ -112,6 +120,11 @@ def main() -> None:
             "plan on the fastest device type alone); a ratio above 1 means the plan is that "
             "much faster. Closed form vs simulator: the plan's predicted step time against "
             "the event-driven replay of the same plan.")
+    if args.tp_per_class:
+        write_section("solve-tp-per-class", "python benchmarks/solve.py --tp-per-class",
+                      body + " Each pipeline class may take its own tensor-parallel degree "
+                      "(`--tp-per-class`; the default is one degree per plan).")
+        return
     if args.max_interleave > 1:
         write_section("solve-interleaved",
                       f"python benchmarks/solve.py --max-interleave {args.max_interleave}",

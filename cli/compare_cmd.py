@@ -126,6 +126,7 @@ def what_if(
     max_interleave: opt.MaxInterleave = None,
     schedule: opt.ScheduleChoice = None,
     mixed: opt.Mixed = True,
+    tp_per_class: opt.TpPerClass = False,
     time_limit: opt.TimeLimit = 60.0,
     output: Output = None,
     cluster_out: Annotated[Path | None, typer.Option(
@@ -187,7 +188,8 @@ def what_if(
     if (nic or group) and not add:
         raise PlannerError("bad-option", "--nic and --group describe --add nodes; give --add "
                            "too.")
-    constraints = Constraints(exclude=tuple(exclude or ()), mixed=mixed)
+    constraints = Constraints(exclude=tuple(exclude or ()), mixed=mixed,
+                              tp_per_class=tp_per_class)
     for key, value in (("tp", tp), ("max-tp", max_tp), ("pp", pp), ("dp", dp),
                        ("max-dp", max_dp),
                        ("micro-batch", micro_batch), ("max-stages", max_stages),

@@ -69,6 +69,11 @@ ScheduleChoice = Annotated[str | None, _constraint(
     "interleaved 1F1B as --max-interleave allows.")]
 Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Constraints",
                                      help="Allow pipelines that mix two device types.")]
+TpPerClass = Annotated[bool, typer.Option(
+    "--tp-per-class/--no-tp-per-class", rich_help_panel="Constraints",
+    help="Let each pipeline class (pipelines alike) take its own tensor-parallel degree, "
+    "e.g. tp 8 on small-memory GPUs beside tp 4 on large ones (default: one degree per plan; "
+    "the larger search takes longer on large clusters).")]
 TimeLimit = Annotated[float | None, typer.Option(
     "--time-limit", help="Seconds for the search (the fastest type alone gets at most a "
     "quarter, the whole cluster the rest); return the best plan found by then (the report "

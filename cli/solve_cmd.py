@@ -107,6 +107,7 @@ def solve(
     first_stage: opt.FirstStage = None,
     last_stage: opt.LastStage = None,
     mixed: opt.Mixed = True,
+    tp_per_class: opt.TpPerClass = False,
     interleave: opt.Interleave = None,
     max_interleave: opt.MaxInterleave = None,
     schedule: opt.ScheduleChoice = None,
@@ -137,7 +138,8 @@ def solve(
     graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape)
     options = SolveOptions(
         limits=Limits(tp=tp, max_tp=max_tp, pp=pp, dp=dp, max_dp=max_dp, micro_batch=micro_batch,
-                      max_stages=max_stages, mixed=mixed, first_stage=first_stage,
+                      max_stages=max_stages, mixed=mixed, tp_per_class=tp_per_class,
+                      first_stage=first_stage,
                       last_stage=last_stage, interleave=interleave,
                       interleaves=(1,) if max_interleave is None else tuple(
                           range(1, max_interleave + 1)),

@@ -80,7 +80,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("constrain", "constrain KEY=VALUE ...", "fix or bound the search: tp, max-tp, pp, "
             "dp, max-dp, micro-batch, max-stages, recompute (none|selective|full), zero (0-3), "
             "schedule (1f1b|gpipe|interleaved), "
-            "first-stage / last-stage (a device type), mixed (yes|no)",
+            "first-stage / last-stage (a device type), mixed (yes|no), tp-per-class (yes|no)",
             "planner solve --tp N --pp N ... (same names)", "constrain"),
     Command("exclude", "exclude NODE ...", "do not use these nodes",
             "planner solve --exclude NODE", "constrain"),
@@ -124,7 +124,8 @@ _ALIASES = {"exit": "quit", "q": "quit", "?": "help"}
 _UNRECORDED = {"help", "history", "quit", "cli"}
 CONSTRAINT_KEYS = ("tp", "max-tp", "pp", "dp", "max-dp", "micro-batch", "max-stages", "recompute",
                    "zero", "first-stage", "last-stage", "interleave", "max-interleave",
-                   "schedule", "mixed")
+                   "schedule", "mixed", "tp-per-class")
+_SWITCHES = {"mixed": True, "tp-per-class": False}  # yes/no constraints and their defaults
 
 
 # ---------------------------------------------------------------- state
@@ -148,6 +149,7 @@ class Constraints:
     max_interleave: int | None = None
     schedule: str | None = None  # 1f1b, gpipe or interleaved
     mixed: bool = True
+    tp_per_class: bool = False
     exclude: tuple[str, ...] = ()
     pinned: tuple[str, ...] = ()
 
@@ -160,9 +162,9 @@ class Constraints:
 
     def describe(self) -> list[str]:
         out = [f"{key}={getattr(self, key.replace('-', '_'))}" for key in CONSTRAINT_KEYS
-               if key != "mixed" and getattr(self, key.replace("-", "_")) is not None]
-        if not self.mixed:
-            out.append("mixed=no")
+               if key not in _SWITCHES and getattr(self, key.replace("-", "_")) is not None]
+        out += [f"{key}={'yes' if value else 'no'}" for key, default in _SWITCHES.items()
+                if (value := getattr(self, key.replace("-", "_"))) != default]
         if self.exclude:
             out.append("exclude " + ", ".join(self.exclude))
         if self.pinned:
@@ -174,9 +176,9 @@ class Constraints:
         out: list[str] = []
         for key in CONSTRAINT_KEYS:
             value = getattr(self, key.replace("-", "_"))
-            if key == "mixed":
-                if not value:
-                    out.append("--no-mixed")
+            if key in _SWITCHES:
+                if value != _SWITCHES[key]:
+                    out.append(f"--{key}" if value else f"--no-{key}")
             elif value is not None:
                 out += [f"--{key}", str(value)]
         for name in (self.excluded(cluster) if cluster is not None else self.exclude):
@@ -191,6 +193,7 @@ class Constraints:
         limits = Limits(tp=self.tp, max_tp=self.max_tp, pp=self.pp, dp=self.dp,
                         max_dp=self.max_dp,
                         micro_batch=self.micro_batch, mixed=self.mixed,
+                        tp_per_class=self.tp_per_class,
                         first_stage=self.first_stage, last_stage=self.last_stage,
                         interleave=self.interleave,
                         schedule=parse_schedule(self.schedule) if self.schedule else None,
@@ -214,11 +217,11 @@ def parse_constraint(constraints: Constraints, key: str, value: str) -> Constrai
                            + (f"; did you mean {near[0]!r}?" if near else ".")
                            , [f"use one of {', '.join(CONSTRAINT_KEYS)}"])
     attr = key.replace("-", "_")
-    if key == "mixed":
+    if key in _SWITCHES:
         flag = value.strip().lower()
         if flag not in ("yes", "no", "on", "off", "true", "false"):
-            raise PlannerError("bad-value", f"mixed must be yes or no (got {value!r}).")
-        return dataclasses.replace(constraints, mixed=flag in ("yes", "on", "true"))
+            raise PlannerError("bad-value", f"{key} must be yes or no (got {value!r}).")
+        return dataclasses.replace(constraints, **{attr: flag in ("yes", "on", "true")})
     if key == "recompute":
         if value not in ("none", "selective", "full"):
             raise PlannerError("bad-value", f"recompute must be none, selective or full (got "

@@ -23,7 +23,7 @@ from planner.solver.evaluate import (
 from planner.solver.interleave import fold
 from planner.solver.limits import Limits
 from planner.solver.partition import class_costs
-from planner.solver.search import configs
+from planner.solver.search import configs, degrees
 from planner.solver.structure import ClassShape, capacity, place
 from planner.solver.table import POLICIES, CostTable, LayerCosts, TypeInfo
 from planner.types import LinkSpec
@@ -131,29 +131,31 @@ def structures(table: CostTable, batch: int, limits: Limits):
             patterns = [p for p in pattern if p is not None]
             if not patterns or not all(limits.allows(p) for p in patterns):
                 continue
-            maxima = [min(capacity(table, config.tp, k, p.count(k)) for k in set(p))
-                      for p in patterns]
-            for counts in itertools.product(*(range(1, m + 1) for m in maxima)):
-                if limits.dp is not None and sum(counts) != limits.dp:
-                    continue
-                if limits.max_dp is not None and sum(counts) > limits.max_dp:
-                    continue
-                yield config, tuple(ClassShape(types=p, n=n) for p, n in zip(
-                    patterns, counts, strict=True))
+            choices = degrees(table, limits) if config.tp is None else [config.tp]
+            for tps in itertools.product(choices, repeat=len(patterns)):
+                maxima = [min(capacity(table, tp, k, p.count(k)) for k in set(p))
+                          for p, tp in zip(patterns, tps, strict=True)]
+                for counts in itertools.product(*(range(1, m + 1) for m in maxima)):
+                    if limits.dp is not None and sum(counts) != limits.dp:
+                        continue
+                    if limits.max_dp is not None and sum(counts) > limits.max_dp:
+                        continue
+                    yield config, tuple(ClassShape(types=p, n=n, tp=tp) for p, n, tp in zip(
+                        patterns, counts, tps, strict=True))
 
 
 def _structure(table: CostTable, config: Config, space: Space,
                shapes: tuple[ClassShape, ...], microbatches: int) -> float:
     table = fold(table, config.interleave)  # v chunks per device: the same cuts each round
-    placement = place(table, shapes, config.tp)
+    placement = place(table, shapes)
     pipelines = sum(s.n for s in shapes)
     space = zero_space(space, shapes, config, microbatches)  # the runtime's ZeRO: one class
     if placement is None or pipelines > microbatches or space is None:
         return float("inf")
     options = []
-    flows = placement_sharing(placement, config.tp)  # sends share the nodes' cards
+    flows = placement_sharing(placement)  # sends share the nodes' cards
     for shape, slots in zip(shapes, placement, strict=True):
-        costs = class_costs(table, shape.types, tp=config.tp, mb=config.mb, n=shape.n,
+        costs = class_costs(table, shape.types, tp=shape.tp, mb=config.mb, n=shape.n,
                             links=class_links(table, slots, flows),
                             gathers=zero_gathers(table, slots), schedule=config.schedule,
                             policies=space.policies, zeros=space.zeros,
@@ -199,4 +201,5 @@ def random_instance(rng: random.Random) -> tuple[CostTable, int, Limits]:
     if layers > 2 and rng.random() < 0.3:  # the last layer reads some of the first's weights
         table = replace(table, tied=((layers - 1, 0, float(table.params[0]) / 2),), cache={})
     chunks = (1, 2) if rng.random() < 0.3 else (1,)
-    return table, batch, Limits(max_stages=3, interleaves=chunks)
+    return table, batch, Limits(max_stages=3, interleaves=chunks,
+                                tp_per_class=rng.random() < 0.5)

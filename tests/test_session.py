@@ -101,6 +101,18 @@ def test_max_dp_and_schedule_bound_the_search_and_name_their_flags(tracer):
     assert "--max-dp 2" in command and "--schedule gpipe" in command
 
 
+def test_tp_per_class_is_a_switch_with_its_flag(tracer):
+    session = start(tracer, "constrain tp-per-class=yes mixed=no", "solve")
+    assert session.state.constraints.tp_per_class
+    assert session.state.constraints.describe() == ["mixed=no", "tp-per-class=yes"]
+    command = session.run("cli").items[0][1][0]
+    assert "--tp-per-class" in command and "--no-mixed" in command
+    assert session.run("unconstrain tp-per-class").ok
+    assert not session.state.constraints.tp_per_class
+    reply = session.run("constrain tp-per-class=maybe")
+    assert not reply.ok and "tp-per-class must be yes or no" in reply.error.message
+
+
 def test_transcript_replays_to_the_same_plan(tracer, tmp_path):
     session = start(tracer, "solve", "add 1x4xV100-32G", "constrain max-tp=1")
     path = tmp_path / "t.txt"

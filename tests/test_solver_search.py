@@ -71,6 +71,34 @@ def test_search_equals_brute_force_with_fixed_choices(seed):
     assert_equals_brute_force(table, batch, limits, space)
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_equals_brute_force_tp_per_class(seed):
+    """Each class at a tensor-parallel degree of its own (random instances mostly have
+    one degree): two or three types on nodes where tp 1 and 2 both fit, the smaller
+    types' memory often needing tp 2 while the larger run tp 1."""
+    assert_equals_brute_force(*_tp_per_class_instance(random.Random(seed)))
+
+
+def _tp_per_class_instance(rng):
+    types = [(f"t{i}", [rng.choice([2, 4]) for _ in range(rng.randint(1, 2))])
+             for i in range(rng.randint(2, 3))]
+    table = random_table(rng.randrange(10**6), layers=rng.randint(2, 4), types=types,
+                         tps=(1, 2), memory=rng.choice([4, 8, 16]) * GIB,
+                         link_speed=rng.choice([1.0, 10.0]))
+    return table, rng.choice([4, 6]), Limits(max_stages=2, tp_per_class=True)
+
+
+def test_classes_of_different_degrees_beat_one_degree():
+    """On this instance the best plan runs t0's pipelines at tp 1 beside t1's at tp 2,
+    faster than any plan of one degree."""
+    table, batch, limits = _tp_per_class_instance(random.Random(14))
+    best = best_or_none(table, batch, limits, None)
+    assert sorted((s.types[0], s.tp) for s in best.shapes) == [("t0", 1), ("t1", 2)]
+    same = best_or_none(table, batch, dataclasses.replace(limits, tp_per_class=False), None)
+    assert best.step_time < same.step_time * 0.999
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_search_equals_brute_force_interleaved(seed):
@@ -286,17 +314,17 @@ def test_zero3_shards_are_still_synchronised_across_classes():
     space = Space(zeros=(3,))
 
     def sync(shapes):
-        placement = place(table, shapes, 1)
+        placement = place(table, shapes)
         splits = []
         for shape, slots in zip(shapes, placement, strict=True):
             costs = class_costs(table, shape.types, tp=1, mb=1, n=shape.n,
                                 links=class_links(table, slots),
                                 gathers=[(0.0, 0.0)] * shape.stages,
-                                schedule=Config(1, 1).schedule, policies=space.policies,
+                                schedule=Config(1).schedule, policies=space.policies,
                                 zeros=space.zeros)
             splits.append(costs.split_at((0, table.num_layers)))
         assert all(stage.zero == 3 for split in splits for stage in split.options)
-        return sync_and_optimizer(table, Config(1, 1), shapes, placement, splits)[0]
+        return sync_and_optimizer(table, Config(1), shapes, placement, splits)[0]
 
     alone = sync((ClassShape(("t0",), 2),))
     together = sync((ClassShape(("t0",), 2), ClassShape(("t1",), 2)))
@@ -501,12 +529,12 @@ def test_node_labels_tell_which_stages_placement_puts_together(seed):
     for _ in range(rng.randint(1, 3)):
         blocks = rng.sample("ab", rng.randint(1, 2))
         shapes.append(ClassShape(tuple(k for k in blocks for _ in range(rng.randint(1, 5))),
-                                 rng.randint(1, 3)))
-    placement = place(table, tuple(shapes), 1)
+                                 rng.randint(1, 3), rng.choice([1, 1, 2])))
+    placement = place(table, tuple(shapes))
     if placement is None:
         return
     for shape, slots in zip(shapes, placement, strict=True):
-        labels = node_labels(table, shape.types, 1)
+        labels = node_labels(table, shape.types, shape.tp)
         for pipeline in slots:
             for i, j in itertools.combinations(range(shape.stages), 2):
                 if labels[i] != labels[j]:

@@ -43,16 +43,52 @@ class Family:
     faster)."""
 
     types: tuple[str, ...]
+    tp: int
     n_max: int
     min_busy: float  # no split has a bottleneck below this
     total: float  # no split has a total below this
     tight: bool = False
 
+    @property
+    def key(self) -> tuple[tuple[str, ...], int]:
+        """What tells the family apart from the others of its configuration."""
+        return self.types, self.tp
+
+    @property
+    def devices(self) -> int:
+        """Devices one of its pipelines takes."""
+        return len(self.types) * self.tp
+
+
+def device_work(table: CostTable, config: Config, tps: Sequence[int]) -> dict[str, float]:
+    """Per type, the fewest device-seconds a micro-batch of the whole model takes on it
+    at any of these tensor-parallel degrees (on the folded table)."""
+    table = fold(table, config.interleave)
+    return {t.name: min(tp * float((c := table.costs(t.name, tp, config.mb)).fwd.sum()
+                                   + c.bwd.sum()) for tp in tps) for t in table.types}
+
 
 def families(table: CostTable, config: Config, limits: Limits, space: Space,
-             microbatches: int) -> list[list[Family]]:
+             microbatches: int, tps: Sequence[int]) -> list[list[Family]]:
     """The level of mixed patterns first (absent with `mixed` off or a single type),
-    then one level of homogeneous patterns per device type, fastest type first.
+    then one level of homogeneous patterns per device type, fastest type first (the
+    fewest device-seconds per micro-batch); each level holds its patterns at every
+    tensor-parallel degree of `tps` (see `_families_at`)."""
+    table = fold(table, config.interleave)
+    found = [_families_at(table, config, limits, space, microbatches, tp) for tp in tps]
+    work = device_work(table, config, tps)
+    levels = [[f for homogeneous, _ in found for f in homogeneous[k]]
+              for k in sorted(work, key=lambda k: (work[k], k))]
+    if limits.mixed and len(table.types) > 1:
+        levels.insert(0, [f for _, mixed in found for f in mixed])
+    return levels
+
+
+def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
+                 microbatches: int, tp: int
+                 ) -> tuple[dict[str, list[Family]], list[Family]]:
+    """The families of one tensor-parallel degree: homogeneous ones per type, and the
+    mixed ones (every ordered pair of types).
 
     Each family starts with bounds from per-layer times alone. A split puts layers
     [0, j) on the c_a stages of type a and [j, L) on the c_b stages of type b (one
@@ -70,21 +106,21 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space,
     and policy frees them, is added to its time (GPipe's stages hold all their
     micro-batches: at least their even share over the most pipelines). A family whose
     devices cannot hold the states however the layers are split is dropped."""
-    table = fold(table, config.interleave)
-    busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, config.tp, config.mb))
+    busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, tp, config.mb))
             for t in table.types}
     work = {k: float(v.sum()) for k, v in busy.items()}
     prefix = {k: np.concatenate([[0.0], np.cumsum(v)]) for k, v in busy.items()}
-    slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
+    slots = {t.name: sum(d // tp for d in t.node_devices) for t in table.types}
     longest = min(limits.max_stages, table.num_layers)
     largest_layer = {(a, b): float(np.minimum(busy[a], busy[b]).max())
                      for a in busy for b in busy}
 
-    held = np.concatenate([[0.0], np.cumsum(table.rank_params(config.tp))])
+    held = np.concatenate([[0.0], np.cumsum(table.rank_params(tp))])
     rooms = {t.name: t.memory - t.reserve for t in table.types}
-    kept_acts = np.concatenate([[0.0], np.cumsum(table.activations(Recompute.NONE, config.tp))]
+    kept_acts = np.concatenate([[0.0], np.cumsum(table.activations(Recompute.NONE, tp))]
                                ) * config.mb
-    per_byte = {t.name: _recompute_per_byte(table, t.name, config, space) for t in table.types}
+    per_byte = {t.name: _recompute_per_byte(table, t.name, tp, config, space)
+                for t in table.types}
 
     def recompute(kind: str, states: np.ndarray, acts: np.ndarray, stages: np.ndarray,
                   flight: np.ndarray) -> np.ndarray:
@@ -109,7 +145,7 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space,
 
     @functools.cache
     def most(kind: str, count: int) -> int:
-        return capacity(table, config.tp, kind, count)
+        return capacity(table, tp, kind, count)
 
     def fits(blocks: list[tuple[str, int]]) -> tuple[tuple[str, ...], int] | None:
         """The family's stage types and most pipelines, or None if the stage pins rule
@@ -129,7 +165,7 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space,
                     np.array(in_flight(s - 1, s, runs(found[1]), config.schedule,
                                        config.interleave))))
                 period = max(total / s, largest_layer[kind, kind])
-                out.append(Family(types=found[0], n_max=found[1], min_busy=period,
+                out.append(Family(types=found[0], tp=tp, n_max=found[1], min_busy=period,
                                   total=fill(total, period)))
         return out
 
@@ -159,7 +195,7 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space,
             b, need[:, -1:] - need, kept_acts[-1] - kept_acts[None, :], cb, last)
         total = np.where(ok, head + tail, INF).min(axis=1)
         busiest = np.where(ok, np.maximum(head / ca, tail / cb), INF).min(axis=1)
-        return [Family(types=found[0], n_max=found[1],
+        return [Family(types=found[0], tp=tp, n_max=found[1],
                        total=fill(float(t), max(float(m), largest_layer[a, b])),
                        min_busy=max(float(m), largest_layer[a, b]))
                 for (found, _, _), t, m, live in zip(kept, total, busiest, ok.any(axis=1),
@@ -175,12 +211,9 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space,
     def lengths() -> range:
         return stage_counts(limits, config, longest)
 
-    kinds = sorted(work, key=lambda k: (work[k], k))
-    levels = [homogeneous(k) for k in kinds]
-    if limits.mixed and len(table.types) > 1:
-        levels.insert(0, [f for a, b in itertools.permutations(sorted(work), 2)
-                          for f in mixed(a, b)])
-    return levels
+    mixed_families = [f for a, b in itertools.permutations(sorted(work), 2)
+                      for f in mixed(a, b)] if limits.mixed and len(table.types) > 1 else []
+    return {k: homogeneous(k) for k in work}, mixed_families
 
 
 def stage_counts(limits: Limits, config: Config, longest: int) -> range:
@@ -193,17 +226,18 @@ def stage_counts(limits: Limits, config: Config, longest: int) -> range:
         least, longest + 1)
 
 
-def _recompute_per_byte(table: CostTable, kind: str, config: Config, space: Space) -> float:
+def _recompute_per_byte(table: CostTable, kind: str, tp: int, config: Config, space: Space
+                        ) -> float:
     """Fewest seconds of recompute per byte of activations it frees (per micro-batch
     in flight), over every layer and allowed policy on this type; 0 if keeping all
     activations is not allowed (then the policies' times are not extra)."""
     if Recompute.NONE not in space.policies:
         return 0.0
-    costs = table.costs(kind, config.tp, config.mb)
-    kept = table.activations(Recompute.NONE, config.tp) * config.mb
+    costs = table.costs(kind, tp, config.mb)
+    kept = table.activations(Recompute.NONE, tp) * config.mb
     best = INF
     for policy in space.policies:
-        freed = kept - table.activations(policy, config.tp) * config.mb
+        freed = kept - table.activations(policy, tp) * config.mb
         useful = freed > 0
         if useful.any():
             best = min(best, float((costs.recompute[policy][useful] / freed[useful]).min()))
@@ -263,11 +297,11 @@ def tight_result(table: CostTable, config: Config, space: Space, family: Family,
     have (cached)."""
     table = fold(table, config.interleave)
     held = -(-microbatches // family.n_max) if config.gpipe else None
-    key = ("tight", family.types, family.n_max, config, space, held)
+    key = ("tight", family.key, family.n_max, config, space, held)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
-            table, family.types, tp=config.tp, mb=config.mb, n=family.n_max,
-            links=_boundary_links(table, family.types, config.tp),
+            table, family.types, tp=family.tp, mb=config.mb, n=family.n_max,
+            links=_boundary_links(table, family.types, family.tp),
             gathers=[cheapest_gather(table, kind) for kind in family.types],
             schedule=config.schedule, policies=space.policies, zeros=space.zeros,
             interleave=config.interleave, microbatches=held))
@@ -291,7 +325,7 @@ def best_per_slot(level: list[Family], t: float) -> Family | None:
     per device slot by time t (None for the mixed level or an empty one)."""
     if not level or len(set(level[0].types)) > 1 or not np.isfinite(t):
         return None
-    return max(level, key=lambda f: (1 + (t - f.total) / f.min_busy) / len(f.types)
+    return max(level, key=lambda f: (1 + (t - f.total) / f.min_busy) / f.devices
                if t >= f.total and np.isfinite(f.min_busy) else 0.0)
 
 
@@ -338,14 +372,16 @@ class Bound:
     """
 
     def __init__(self, levels: list[list[Family]], microbatches: int,
-                 slots: dict[str, int], work: dict[str, float],
+                 devices: dict[str, int], work: dict[str, float],
                  optimizer: Callable[[Family, int], float], sync: SyncFloor,
                  single: bool = False) -> None:
-        """sync: the floors, its kinds the slots' in sorted order; single: structures
-        have one class (the open levels of a structure with none add one, alone)."""
-        self.m, self.levels, self.slots, self.optimizer = microbatches, levels, slots, optimizer
-        self.single = single
-        self.kinds = sorted(slots)
+        """devices: per type; work: per type, device-seconds per micro-batch of the whole
+        model at least (`device_work`); sync: the floors, its kinds the devices' in
+        sorted order; single: structures have one class (the open levels of a structure
+        with none add one, alone)."""
+        self.m, self.levels, self.devices = microbatches, levels, devices
+        self.optimizer, self.single = optimizer, single
+        self.kinds = sorted(devices)
         assert sync.kinds == self.kinds
         self.sync = sync
         self.work = np.array([work[k] for k in self.kinds])
@@ -353,7 +389,7 @@ class Bound:
         self._n_maxes: dict[int, np.ndarray] = {}
         self._bounds: dict[int, tuple] = {}
         self._masks: dict[tuple[str, ...], np.ndarray] = {}
-        self._stage_counts: dict[tuple[str, ...], np.ndarray] = {}
+        self._device_counts: dict[tuple[str, ...], np.ndarray] = {}
         self._joiners: dict[tuple[int, ...], tuple[float, np.ndarray] | None] = {}
         self._open: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
         self._alone: dict[tuple[int, ...], tuple[float, float]] = {}
@@ -365,7 +401,7 @@ class Bound:
         static = self._static.get(level)
         if static is None:
             families = self.levels[level]
-            counts = np.array([[f.types.count(k) for k in self.kinds] for f in families],
+            counts = np.array([self._counts(f) for f in families],
                               dtype=float).reshape(len(families), len(self.kinds))
             kinds = {k for f in families for k in f.types}
             home = self.kinds.index(kinds.pop()) if len(kinds) == 1 else -1
@@ -399,12 +435,12 @@ class Bound:
         self._open.clear()  # (the joiners and classes alone stay valid, if looser)
 
     def _counts(self, f: Family | None) -> np.ndarray:
-        """Stages of each type in one of the family's pipelines (cached by pattern)."""
-        types = f.types if f else ()
-        if types not in self._stage_counts:
-            self._stage_counts[types] = np.array([types.count(k) for k in self.kinds],
-                                                 dtype=float)
-        return self._stage_counts[types]
+        """Devices of each type one of the family's pipelines takes (cached)."""
+        key = f.key if f else ((), 1)
+        if key not in self._device_counts:
+            self._device_counts[key] = np.array([key[0].count(k) * key[1] for k in self.kinds],
+                                               dtype=float)
+        return self._device_counts[key]
 
     def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool
                      ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | float]]:
@@ -474,7 +510,7 @@ class Bound:
             families = [f for level in open_levels if not self._is_mixed(level)
                         for f in self.levels[level]]
             homes = np.array([self.kinds.index(f.types[0]) for f in families], dtype=int)
-            copies = np.array([self.sync.copies(f.types)[k] for f, k in zip(
+            copies = np.array([self.sync.copies(f.types, f.tp)[k] for f, k in zip(
                 families, homes, strict=True)])
             n_max = np.array([float(f.n_max) for f in families])
             rungs = 1 + int(np.ceil(np.log2(max(1.0, *(n_max / copies))))) if families else 1
@@ -484,7 +520,10 @@ class Bound:
                 np.array([self._mask(f) for f in families]).reshape(-1, len(self.kinds)),
                 np.array([float(len(f.types)) for f in families]),
                 np.array([self.optimizer(f, f.n_max) for f in families]),
-                homes, n_max, caps, lows, np.ceil((lows + 1) / copies[:, None]))
+                homes, n_max, caps, lows, np.ceil((lows + 1) / copies[:, None]),
+                np.array([float(f.devices) for f in families]),
+                np.array([self.sync.per_node(f.tp)[k] for f, k in zip(
+                    families, homes, strict=True)]))
         return self._families[key]
 
     def _open_done(self, t: np.ndarray, open_levels: Sequence[int], whole: bool,
@@ -498,11 +537,11 @@ class Bound:
         sync of the smallest (more nodes never sync faster), so none finishes more
         than the rung's most at that sync; per slot, the first rung's pace."""
         _, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
-        _, stages, _, homes, n_max, caps, lows, _ = self._open_families(open_levels)
-        if not len(stages):
+        _, _, _, homes, n_max, caps, lows, _, size, _ = self._open_families(open_levels)
+        if not len(size):
             return np.zeros((len(t), 0)), np.zeros((len(t), 0)) if per_slot else None
         n = np.minimum(n_max[None, :], np.floor(
-            np.maximum(free[:, homes], 0.0) / stages[None, :] + 1e-9))
+            np.maximum(free[:, homes], 0.0) / size[None, :] + 1e-9))
         if np.ndim(later) < 3:  # no sync beyond the fixed classes': the most pipelines
             ends = _done(t[:, None], total + later, inv_busy, whole)
             per, first = n * ends, ends
@@ -523,7 +562,8 @@ class Bound:
         of any class, so the fixed classes' floor leaves the rest to finish earlier),
         and its optimizer floor (with the floors to compare it to in `_core`). terms: the sync
         floors of the classes and the one added (`SyncFloor.terms`)."""
-        masks, stages, optimizer, homes, _, _, lows, spread = self._open_families(open_levels)
+        masks, stages, optimizer, _, _, _, lows, spread, _, per_node = self._open_families(
+            open_levels)
         if not len(stages):
             return None
         paid = [np.where(live, p, 0.0) if c == candidate else p
@@ -533,7 +573,7 @@ class Bound:
         kinds, rows = np.unique(together, axis=0, return_inverse=True)
         key = (tuple(open_levels), kinds.tobytes(), kinds.shape)
         if key not in self._owns:
-            joined = np.maximum(spread, np.ceil((lows + 2) / self.sync.per_node[homes][:, None]))
+            joined = np.maximum(spread, np.ceil((lows + 2) / per_node[:, None]))
             self._owns[key] = self.sync.open_floors(
                 masks, stages, np.split(kinds, len(classes), axis=1), spread, joined)
         own = self._owns[key][rows.reshape(-1)]
@@ -566,7 +606,9 @@ class Bound:
         size = (rows, len(self.kinds))
         classes = [(np.broadcast_to(self._mask(f), size),
                     np.full(rows, float(len(f.types))), np.full(rows, float(n)),
-                    np.full(rows, float(n)), np.broadcast_to(self.sync.copies(f.types), size))
+                    np.full(rows, float(n)),
+                    np.broadcast_to(self.sync.copies(f.types, f.tp), size),
+                    np.full(rows, self.sync.tp_index(f.tp)))
                    for f, n in fixed]
         live = np.array([f is not None for f, _ in candidates])
         if live.any():
@@ -574,7 +616,9 @@ class Bound:
                             np.array([float(len(f.types)) if f else 1.0 for f, _ in candidates]),
                             np.array([1.0 if fewer else float(n) for _, n in candidates]),
                             np.array([float(max(n, 1)) for _, n in candidates]),
-                            np.array([self.sync.copies(f.types if f else None)
+                            np.array([self.sync.copies(f.types, f.tp) if f else
+                                      self.sync.copies(None) for f, _ in candidates]),
+                            np.array([self.sync.tp_index(f.tp if f else None)
                                       for f, _ in candidates])))
         joiner = self._joiner(open_levels)
         if joiner is None or not classes:
@@ -585,7 +629,8 @@ class Bound:
             stages, mask = joiner
             ones = np.ones(rows)
             joined = [*classes, (np.broadcast_to(mask, size), np.full(rows, stages), ones,
-                                 ones, np.broadcast_to(self.sync.copies(None), size))]
+                                 ones, np.broadcast_to(self.sync.copies(None), size),
+                                 np.full(rows, self.sync.tp_index(None)))]
             terms = self.sync.terms(joined)
             shift = None if self.sync.zero3 else self._open_shift(
                 open_levels, classes, terms, live, len(fixed) if live.any() else -1)
@@ -608,7 +653,7 @@ class Bound:
             options = []
             for level in open_levels:
                 for f in self.levels[level]:
-                    n = min([f.n_max, self.m] + [self.slots[k] // f.types.count(k)
+                    n = min([f.n_max, self.m] + [self.devices[k] // (f.types.count(k) * f.tp)
                                                  for k in set(f.types)])
                     if n >= 1 and np.isfinite(f.min_busy):
                         options.append((f, n))
@@ -692,7 +737,7 @@ class Bound:
         it pays beyond the classes' floors, and per family its optimizer floor (see
         `_open_shift`)."""
         dead = any(f.min_busy == INF for f, _ in fixed)
-        free = np.array([float(self.slots[k]) for k in self.kinds])
+        free = np.array([float(self.devices[k]) for k in self.kinds])
         for f, n in fixed:
             free -= n * self._counts(f)
         pipelines = sum(n for _, n in fixed)
@@ -846,16 +891,18 @@ def _first_enough(short: Callable[[np.ndarray], np.ndarray], start: np.ndarray,
     return np.where(np.isnan(answer), low, answer)
 
 
-def optimizer_bound(table: CostTable, params: float, space: Space, tp: int
+def optimizer_bound(table: CostTable, params: float, space: Space
                     ) -> Callable[[Family, int], float]:
     """The optimizer step n pipelines of family f pay at least: some stage holds 1/S of
-    the parameters, sharded by ZeRO over the n pipelines if ZeRO is allowed."""
+    the parameters, split over its tp ranks and sharded by ZeRO over the n pipelines if
+    ZeRO is allowed."""
     memo: dict[tuple, float] = {}
 
     def bound(f: Family, n: int) -> float:
-        key = (f.types[0], f.types[-1], len(f.types), n)  # a family is one or two blocks
+        # a family is one or two blocks
+        key = (f.types[0], f.types[-1], len(f.types), f.tp, n)
         if key not in memo:
-            shard = tp * len(f.types) * (n if max(space.zeros) >= 1 else 1)
+            shard = f.tp * len(f.types) * (n if max(space.zeros) >= 1 else 1)
             memo[key] = min(table.optimizer_time(k, params / shard) for k in set(f.types))
         return memo[key]
 

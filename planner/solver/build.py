@@ -31,7 +31,7 @@ from planner.types.training import Recompute
 
 
 def stage_plan(*, index: int, layers: Sequence[Layer], bounds: tuple[int, int],
-               chunks: tuple[tuple[int, int], ...] | None = None, node: str, slot: int,
+               chunks: tuple[tuple[int, int], ...] | None = None, node: str, first: int,
                device_type: str, tp: int, recompute: Recompute, zero: int, replicas: int,
                micro_batch: int, microbatches: int, stages: int, schedule: Schedule,
                interleave: int, training: TrainingSpec, cluster: ClusterSpec,
@@ -47,8 +47,7 @@ def stage_plan(*, index: int, layers: Sequence[Layer], bounds: tuple[int, int],
     return StagePlan(index=index, layers=bounds, chunks=chunks,
                      modules=tuple(m for layer in held for m in layer.modules),
                      device_type=device_type,
-                     devices=DeviceGroup(node=node, devices=tuple(range(slot * tp,
-                                                                        (slot + 1) * tp))),
+                     devices=DeviceGroup(node=node, devices=tuple(range(first, first + tp))),
                      tp=tp, recompute=recompute, zero=zero, memory=memory)
 
 
@@ -92,8 +91,8 @@ def from_evaluation(evaluation: Evaluation, *, model: ModelSpec, training: Train
         for pipe_slots, m in zip(slots, counts, strict=True):
             stages = tuple(
                 stage_plan(index=s, layers=layers, bounds=(held[s][0][0], held[s][-1][1]),
-                           chunks=held[s], node=pipe_slots[s].node, slot=pipe_slots[s].index,
-                           device_type=shape.types[s], tp=config.tp,
+                           chunks=held[s], node=pipe_slots[s].node, first=pipe_slots[s].first,
+                           device_type=shape.types[s], tp=shape.tp,
                            recompute=split.options[s].recompute, zero=split.options[s].zero,
                            replicas=shape.n, micro_batch=config.mb, microbatches=m,
                            stages=shape.stages, schedule=schedule, interleave=v,

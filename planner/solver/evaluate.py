@@ -49,12 +49,13 @@ from planner.types.training import Recompute
 
 @dataclass(frozen=True)
 class Config:
-    """What every class of a structure shares: tensor-parallel degree, micro-batch size
-    and model chunks per device (interleaved 1F1B if more than one; the search prices
-    it on the folded table, `interleave.fold`), or GPipe's schedule."""
+    """What every class of a structure shares: micro-batch size and model chunks per
+    device (interleaved 1F1B if more than one; the search prices it on the folded
+    table, `interleave.fold`), or GPipe's schedule; and the tensor-parallel degree of
+    every class, or None where each class has its own (`ClassShape.tp` either way)."""
 
-    tp: int
     mb: int
+    tp: int | None = None
     interleave: int = 1
     gpipe: bool = False
 
@@ -91,9 +92,9 @@ class Evaluation:
         return max(max(times) for times in self.pipeline_times) + self.sync + self.optimizer
 
 
-def placement_sharing(placement: Placement, tp: int) -> dict[str, int]:
+def placement_sharing(placement: Placement) -> dict[str, int]:
     """`send_sharing` of a whole structure: every boundary of every pipeline."""
-    return send_sharing((a.node, b.node, tp) for slots in placement for p in slots
+    return send_sharing((a.node, b.node, a.tp) for slots in placement for p in slots
                         for a, b in itertools.pairwise(p))
 
 
@@ -137,7 +138,7 @@ def class_result(table: CostTable, shape: ClassShape, config: Config, space: Spa
     key = ("class", shape, config, space, links, gathers, most)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
-            table, shape.types, tp=config.tp, mb=config.mb, n=shape.n, links=links,
+            table, shape.types, tp=shape.tp, mb=config.mb, n=shape.n, links=links,
             gathers=gathers, schedule=config.schedule, policies=space.policies,
             zeros=space.zeros, interleave=config.interleave, microbatches=most))
     return table.cache[key]
@@ -201,7 +202,7 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
     table = fold(table, config.interleave)
     groups = {} if groups is None else groups
     ties = _split_ties(table, placement, splits, groups)
-    whole, per_rank = _prefix(table, config.tp)
+    whole = _prefix(table, 1)[0]
 
     def all_reduce(nbytes: float, group: CommGroup) -> float:
         key = ("all-reduce", id(group), nbytes)  # (`groups` keeps the group alive)
@@ -225,6 +226,7 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
                 volume = params * table.grad_bytes / (shape.n if zero == 3 else 1)
                 tied += all_reduce(volume, holders)
             sync = max(sync, tied)
+            per_rank = _prefix(table, shape.tp)[1]
             local = float(per_rank[b] - per_rank[a]) / (shape.n if zero >= 1 else 1)
             opt = max(opt, table.optimizer_time(shape.types[s], local))
     return sync, opt
@@ -290,12 +292,12 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
           microbatches: int) -> Priced | None:
     """Price a structure with each class's smallest-bottleneck split, and bound it."""
     table = fold(table, config.interleave)
-    placement = place(table, shapes, config.tp)
+    placement = place(table, shapes)
     space = zero_space(space, shapes, config, microbatches)
     if placement is None or space is None:
         return None
     results = []
-    flows = placement_sharing(placement, config.tp)
+    flows = placement_sharing(placement)
     for shape, slots in zip(shapes, placement, strict=True):
         result = class_result(table, shape, config, space, slots, microbatches, flows)
         if result is None:
@@ -332,7 +334,7 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
                 sync = max(sync, table.collective(  # ZeRO-3 shards it (see the module)
                     Collective.ALL_REDUCE, params * table.grad_bytes / (
                         shape.n if zero3 else 1), CommGroup.of(holders)))
-            local = float(table.rank_params(config.tp)[end]) / (shape.n if sharded else 1)
+            local = float(table.rank_params(shape.tp)[end]) / (shape.n if sharded else 1)
             opt = max(opt, table.optimizer_time(shape.types[position], local))
     return sync + opt
 

@@ -1,7 +1,9 @@
 """Best-first branch and bound over plan structures.
 
-Search space, for every tensor-parallel degree, micro-batch size and chunk count
-(interleaved 1F1B, on the folded table: `interleave.py`) allowed:
+Search space, for every micro-batch size, chunk count (interleaved 1F1B, on the folded
+table: `interleave.py`) and tensor-parallel degree allowed, or with `tp_per_class` every
+class at any allowed degree of its own (a class's stages share one: the runtime pairs
+their ranks):
 
   * at most one *mixed* class: n pipelines whose stages are a block of type A
     followed by a block of type B (A before B chosen too), and
@@ -51,6 +53,7 @@ from planner.solver.bound import (
     Family,
     best_per_slot,
     cheapest_gather,
+    device_work,
     families,
     optimizer_bound,
     tight_result,
@@ -67,8 +70,9 @@ from planner.types import Schedule
 from planner.units import fmt_seconds
 
 SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
-                "type; one tp degree, micro-batch size and chunk count per plan, each allowed "
-                "one tried; 1F1B, GPipe over several stages in structures of one class, or "
+                "type; one tp degree (one per class with --tp-per-class), micro-batch size "
+                "and chunk count per plan, each allowed one tried; 1F1B, GPipe over several "
+                "stages in structures of one class, or "
                 "interleaved 1F1B over several stages with the same cuts in every round, "
                 "whole multiples of its stages in micro-batches and no ZeRO; exact layer "
                 "splits and recompute per stage, ZeRO per stage in structures of one class "
@@ -112,7 +116,7 @@ class _Node:
     config: Config = field(compare=False)
     base: float = field(compare=False)  # the bound before the fixed classes' sync floor
     level: int = field(compare=False)  # 0: mixed class, then one level per type
-    chosen: tuple[tuple[str, ...], ...] = field(compare=False)  # shapes' stage types
+    chosen: tuple[tuple[tuple[str, ...], int], ...] = field(compare=False)  # families' keys
     counts: tuple[int, ...] = field(compare=False)
     # the last family may still shrink by one pipeline (its siblings are made lazily)
     fewer: frozenset = field(compare=False, default=frozenset())
@@ -120,24 +124,29 @@ class _Node:
     counted: tuple = field(compare=False, default=())
 
 
+def degrees(table: CostTable, limits: Limits) -> list[int]:
+    """The tensor-parallel degrees a class may have."""
+    return [t for t in table.tps if (limits.tp is None or t == limits.tp)
+            and (limits.max_tp is None or t <= limits.max_tp)
+            and any(d % t == 0 for info in table.types for d in info.node_devices)]
+
+
 def configs(table: CostTable, batch: int, limits: Limits) -> list[Config]:
     out = []
-    tps = [t for t in table.tps if (limits.tp is None or t == limits.tp)
-           and (limits.max_tp is None or t <= limits.max_tp)
-           and any(d % t == 0 for info in table.types for d in info.node_devices)]
     mbs = [m for m in table.micro_batches if batch % m == 0
            and (limits.micro_batch is None or m == limits.micro_batch)
            and m <= max(limits.max_micro_batch, limits.micro_batch or 0)]
     wanted = limits.interleaves if limits.pp != 1 else (1,)  # (one stage: plain 1F1B)
     chunks = choices(table.num_layers, (limits.interleave,) if limits.interleave else wanted)
     schedule = limits.schedule
+    tps: list[int | None] = [None] if limits.tp_per_class else list(degrees(table, limits))
     for tp, mb, v in itertools.product(tps, mbs, chunks):
         if schedule is None or schedule is (Schedule.INTERLEAVED if v > 1
                                             else Schedule.ONE_F_ONE_B):
-            out.append(Config(tp=tp, mb=mb, interleave=v))
+            out.append(Config(mb=mb, tp=tp, interleave=v))
     if schedule in (None, Schedule.GPIPE) and limits.pp != 1 and (limits.interleave or 1) == 1:
-        out += [Config(tp=tp, mb=mb, gpipe=True) for tp, mb in itertools.product(tps, mbs)]
-    return out
+        out += [Config(mb=mb, tp=tp, gpipe=True) for tp, mb in itertools.product(tps, mbs)]
+    return out if degrees(table, limits) else []
 
 
 class _Search:
@@ -162,21 +171,24 @@ class _Search:
         self.given_up = float("inf")  # smallest bound pruned only because of `gap`
         params = float(table.params.sum())
         gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
+        devices = {t.name: sum(t.node_devices) for t in table.types}
         for config in configs(table, batch, limits):
             if single and config.interleave > 1:
                 continue  # interleaved pipelines run without ZeRO (`evaluate.zero_space`)
             if config.gpipe and not single:
                 continue  # GPipe runs structures of one class (`evaluate.zero_space`)
+            tps = degrees(table, limits) if config.tp is None else [config.tp]
             folded = self.view(config)
-            levels = families(folded, config, limits, space, batch // config.mb)
-            slots = {t.name: sum(d // config.tp for d in t.node_devices) for t in table.types}
-
-            costs = {t.name: folded.costs(t.name, config.tp, config.mb) for t in table.types}
-            work = {k: float(c.fwd.sum() + c.bwd.sum()) for k, c in costs.items()}
-            bound = Bound(levels, batch // config.mb, slots, work,
-                          optimizer_bound(folded, params, space, config.tp),
-                          SyncFloor(folded, config, space, sorted(slots), gathers), single)
-            self.state[config] = (levels, bound, {f.types: f for lv in levels for f in lv})
+            levels = families(folded, config, limits, space, batch // config.mb, tps)
+            least: dict[str, int] = {}
+            for f in (f for level in levels for f in level if f.min_busy < INF):
+                for kind in f.types:
+                    least[kind] = min(least.get(kind, f.tp), f.tp)
+            bound = Bound(levels, batch // config.mb, devices, device_work(folded, config, tps),
+                          optimizer_bound(folded, params, space),
+                          SyncFloor(folded, config, space, sorted(devices), gathers, tps, least),
+                          single)
+            self.state[config] = (levels, bound, {f.key: f for lv in levels for f in lv})
             root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
             root.bound, root.base = bound([], range(len(levels)))
             heapq.heappush(self.heap, root)
@@ -235,10 +247,10 @@ class _Search:
     def children(self, node: _Node) -> list[_Node]:
         levels, bound, _ = self.state[node.config]
         fixed = self.fixed(node)
-        used: dict[str, int] = {}
+        used: dict[str, int] = {}  # devices
         for f, n in fixed:
             for kind in f.types:
-                used[kind] = used.get(kind, 0) + n
+                used[kind] = used.get(kind, 0) + n * f.tp
         options: list[tuple[Family | None, int]] = [(None, 0)]
         for f in levels[node.level]:
             if f.min_busy == float("inf"):
@@ -246,7 +258,7 @@ class _Search:
             # at most as many pipelines as fit and as there are micro-batches left; the
             # child stands for 1..n of them (the smaller counts are its lazy siblings)
             n = min([f.n_max, bound.m - sum(node.counts)]
-                    + [(bound.slots[k] - used.get(k, 0)) // f.types.count(k)
+                    + [(bound.devices[k] - used.get(k, 0)) // (f.types.count(k) * f.tp)
                        for k in set(f.types)]
                     + ([most - sum(node.counts)] if (most := self.limits.most_pipelines)
                        is not None else []))
@@ -267,9 +279,9 @@ class _Search:
                                        (node.bound, node.base))
             for (f, n), b, base in zip(group, bounds, bases, strict=True):
                 out.append(_Node(float(b), next(self.counter), node.config, float(base),
-                                 level, node.chosen + ((f.types,) if f else ()),
+                                 level, node.chosen + ((f.key,) if f else ()),
                                  node.counts + ((n,) if f else ()),
-                                 frozenset([f.types]) if f else frozenset()))
+                                 frozenset([f.key]) if f else frozenset()))
         return out
 
     @staticmethod
@@ -308,31 +320,33 @@ class _Search:
         or nothing if none does. Cheap, and at scale far better than one type alone."""
         levels = self.state[config][0]
         microbatches = self.batch // config.mb
-        slots = self.state[config][1].slots
+        devices = self.state[config][1].devices
         chosen: list[ClassShape] = []
         best = float("inf")
         for level in levels:
             if not level or len(set(level[0].types)) > 1:
                 continue
             kind = level[0].types[0]
-            left = slots[kind] - sum(s.n * s.stages for s in chosen if s.types[0] == kind)
+            left = devices[kind] - sum(s.n * s.stages * s.tp for s in chosen
+                                       if s.types[0] == kind)
             pipes = min(microbatches, self.limits.most_pipelines or microbatches) - sum(
                 s.n for s in chosen)
             pick = None
             for f in level:
-                n = min(f.n_max, left // len(f.types), pipes)
+                n = min(f.n_max, left // f.devices, pipes)
                 if n < 1 or not self.limits.allows(f.types):
                     continue
-                shapes = tuple(sorted((*chosen, ClassShape(f.types, n)), key=_placement_order))
+                shape = ClassShape(f.types, n, f.tp)
+                shapes = tuple(sorted((*chosen, shape), key=_placement_order))
                 priced = price(self.view(config), config, self.pricing, shapes,
                                microbatches)
                 if priced is not None and priced.upper.step_time < best:
-                    best, pick = priced.upper.step_time, ClassShape(f.types, n)
+                    best, pick = priced.upper.step_time, shape
             if pick is not None:
                 chosen.append(pick)
         if chosen:
             node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
-                         tuple(s.types for s in chosen), tuple(s.n for s in chosen))
+                         tuple((s.types, s.tp) for s in chosen), tuple(s.n for s in chosen))
             _leaf(self.table, node, self.batch, self.limits, self.pricing, self.best,
                   self.top_k)
 
@@ -349,7 +363,7 @@ class _Search:
         gathers per micro-batch."""
         table, config = self.view(node.config), node.config
         shapes = _shapes(node)
-        placement = place(table, shapes, config.tp)
+        placement = place(table, shapes)
         if placement is None:
             return float("inf")
         holders = CommGroup.of([p[0].node for slots in placement for p in slots])
@@ -364,16 +378,16 @@ class _Search:
 
     def zero3(self, config: Config, family: Family) -> Family:
         """The (tightened) family with its first stage on ZeRO-3."""
-        key = ("zero3 family", family.types, family.n_max, config, self.space, self.batch)
+        key = ("zero3 family", family.key, family.n_max, config, self.space, self.batch)
         table = self.view(config)
         if key not in table.cache:
             result = tight_result(table, config, self.space, family, self.batch // config.mb)
             kind = family.types[0]
             forced = result and optimize(zero3_first(
-                table, result.costs, kind, tp=config.tp, mb=config.mb,
+                table, result.costs, kind, tp=family.tp, mb=config.mb,
                 gather=cheapest_gather(table, kind)))
             table.cache[key] = Family(
-                types=family.types, n_max=family.n_max, tight=True,
+                types=family.types, tp=family.tp, n_max=family.n_max, tight=True,
                 min_busy=forced.min_period if forced else INF,
                 total=forced.floor if forced else INF)
         return table.cache[key]
@@ -422,24 +436,26 @@ class _Search:
 
     def transfer(self) -> None:
         """The best structure so far, tried in every other configuration (the same
-        classes, their pipeline counts scaled to the tensor-parallel degree): a
-        structure that wins in one configuration often wins in a neighbouring one,
-        which dives, confined to the most promising configurations, may not visit."""
+        classes, their pipeline counts scaled to the configuration's tensor-parallel
+        degree if it fixes one): a structure that wins in one configuration often wins
+        in a neighbouring one, which dives, confined to the most promising
+        configurations, may not visit."""
         if not self.best or (self.single and len(self.best[0].shapes) > 1):
             return
         model = self.best[0]
         for config, (levels, bound, index) in self.state.items():
-            if config == model.config or not all(s.types in index for s in model.shapes):
+            keys = [(s.types, s.tp if config.tp is None else config.tp) for s in model.shapes]
+            if config == model.config or not all(k in index for k in keys):
                 continue
-            fixed = [(index[s.types], min(index[s.types].n_max,
-                                          max(1, s.n * model.config.tp // config.tp)))
-                     for s in model.shapes]
-            used = {k: sum(n * f.types.count(k) for f, n in fixed) for k in bound.slots}
+            fixed = [(index[k], min(index[k].n_max, max(1, s.n * s.tp // k[1])))
+                     for k, s in zip(keys, model.shapes, strict=True)]
+            used = {k: sum(n * f.types.count(k) * f.tp for f, n in fixed)
+                    for k in bound.devices}
             if sum(n for _, n in fixed) > bound.m or any(
-                    used[k] > bound.slots[k] for k in used):
+                    used[k] > bound.devices[k] for k in used):
                 continue
             node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
-                         tuple(f.types for f, _ in fixed), tuple(n for _, n in fixed))
+                         tuple(f.key for f, _ in fixed), tuple(n for _, n in fixed))
             self.settle(node)
             node.bound, node.base = bound(fixed, ())
             if self.promising(node.bound):
@@ -544,7 +560,7 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
     for config, shapes in seeds:
         if config in run.state:
             node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
-                         tuple(s.types for s in shapes), tuple(s.n for s in shapes))
+                         tuple((s.types, s.tp) for s in shapes), tuple(s.n for s in shapes))
             _leaf(table, node, batch, run.limits, run.pricing, run.best, run.top_k)
     for part, root in [(p, root) for p in runs for root in sorted(p.heap)[:dives]]:
         if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
@@ -581,7 +597,7 @@ def _placement_order(shape: ClassShape) -> tuple[bool, str]:
 
 def _shapes(node: _Node) -> tuple[ClassShape, ...]:
     """A leaf's classes in the order they are placed."""
-    return tuple(sorted((ClassShape(types=t, n=n) for t, n in zip(
+    return tuple(sorted((ClassShape(types=t, n=n, tp=tp) for (t, tp), n in zip(
         node.chosen, node.counts, strict=True)), key=_placement_order))
 
 
@@ -591,7 +607,7 @@ def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Spac
         return
     if limits.max_dp is not None and sum(node.counts) > limits.max_dp:
         return
-    if not all(limits.allows(types) for types in node.chosen):
+    if not all(limits.allows(types) for types, _ in node.chosen):
         return  # a seed the stage pins rule out
     shapes = _shapes(node)
     microbatches = batch // node.config.mb

@@ -2,13 +2,14 @@
 
 A structure is a set of pipeline classes. A class is `n` identical pipelines,
 each a sequence of stage device types in which stages of one type are
-consecutive (a "block"). Each stage runs on a slot: `tp` devices of one node.
+consecutive (a "block"), with one tensor-parallel degree `tp`. Each stage runs on
+a slot: `tp` consecutive devices of one node.
 
 Placement packs classes in order onto nodes taken in canonical order (by type,
-then node name), first fit: a block that fits in one node stays inside one node
-(its boundaries use the intra-node link), a longer block takes whole nodes.
-Placement is deterministic, so every plan's links and collectives follow from
-its structure alone.
+then node name), first fit: a block that fits in one node's free devices stays
+inside one node (its boundaries use the intra-node link), a longer block takes
+whole free nodes. Placement is deterministic, so every plan's links and
+collectives follow from its structure alone.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from planner.solver.table import CostTable
 class ClassShape:
     types: tuple[str, ...]  # device type of each stage
     n: int
+    tp: int = 1
 
     @property
     def stages(self) -> int:
@@ -41,29 +43,34 @@ class ClassShape:
 @dataclass(frozen=True)
 class Slot:
     node: str
-    index: int  # slot on the node: devices [index * tp, (index + 1) * tp)
+    first: int  # the slot's devices on the node: [first, first + tp)
+    tp: int = 1
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(range(self.first, self.first + self.tp))
 
 
 Placement = tuple[tuple[tuple[Slot, ...], ...], ...]  # class -> pipeline -> stage
 
 
-def _free_slots(table: CostTable, tp: int) -> dict[str, list[list]]:
-    """Per type: [node, next free slot, slots] for each node (slots are used front first)."""
-    return {t.name: [[node, 0, devices // tp]
+def _free_devices(table: CostTable) -> dict[str, list[list]]:
+    """Per type: [node, next free device, devices] for each node (used front first)."""
+    return {t.name: [[node, 0, devices]
                      for node, devices in zip(t.nodes, t.node_devices, strict=True)]
             for t in table.types}
 
 
-def place(table: CostTable, shapes: tuple[ClassShape, ...], tp: int) -> Placement | None:
+def place(table: CostTable, shapes: tuple[ClassShape, ...]) -> Placement | None:
     """Slots for every stage of every pipeline, or None if the structure does not fit."""
-    free = _free_slots(table, tp)
+    free = _free_devices(table)
     out = []
     for shape in shapes:
         pipelines = []
         for _ in range(shape.n):
             stages: list[Slot] = []
             for kind, count in shape.blocks():
-                taken = _take(free[kind], count)
+                taken = _take(free[kind], count, shape.tp)
                 if taken is None:
                     return None
                 stages.extend(taken)
@@ -72,20 +79,20 @@ def place(table: CostTable, shapes: tuple[ClassShape, ...], tp: int) -> Placemen
     return tuple(out)
 
 
-def _take(nodes: list[list], count: int) -> list[Slot] | None:
+def _take(nodes: list[list], count: int, tp: int) -> list[Slot] | None:
     for entry in nodes:  # first fit inside one node
         node, start, total = entry
-        if total - start >= count:
-            entry[1] = start + count
-            return [Slot(node, i) for i in range(start, start + count)]
-    whole = [entry for entry in nodes if entry[1] == 0 and entry[2] > 0]
-    if sum(entry[2] for entry in whole) < count:
+        if (total - start) // tp >= count:
+            entry[1] = start + count * tp
+            return [Slot(node, start + i * tp, tp) for i in range(count)]
+    whole = [entry for entry in nodes if entry[1] == 0 and entry[2] >= tp]
+    if sum(entry[2] // tp for entry in whole) < count:
         return None
     out: list[Slot] = []
     for entry in whole:  # a longer block takes whole nodes
         if len(out) >= count:
             break
-        out.extend(Slot(entry[0], i) for i in range(entry[2]))
+        out.extend(Slot(entry[0], i * tp, tp) for i in range(entry[2] // tp))
         entry[1] = entry[2]
     return out[:count]
 
@@ -108,9 +115,9 @@ def capacity(table: CostTable, tp: int, kind: str, count: int) -> int:
     """How many blocks of `count` stages of type `kind` fit on an empty cluster."""
     key = ("capacity", tp, kind, count)
     if key not in table.cache:
-        free = _free_slots(table, tp)[kind]
+        free = _free_devices(table)[kind]
         n = 0
-        while _take(free, count) is not None:
+        while _take(free, count, tp) is not None:
             n += 1
         table.cache[key] = n
     return table.cache[key]

@@ -38,9 +38,11 @@ class SyncFloor:
     """Per-class sync floors of (partial) structures of one configuration."""
 
     def __init__(self, table: CostTable, config: Config, space: Space,
-                 kinds: Sequence[str], gathers: dict[str, tuple[float, float]]) -> None:
+                 kinds: Sequence[str], gathers: dict[str, tuple[float, float]],
+                 tps: Sequence[int], least: dict[str, int]) -> None:
         """gathers: per type, a ZeRO-3 all-gather of 1 byte and of ZERO_GATHER_REF bytes
-        that no group of its replicas beats."""
+        that no group of its replicas beats; tps: the classes' tensor-parallel degrees;
+        least: per type, the smallest degree of a class using it (absent: none does)."""
         table = fold(table, config.interleave)
         self.kinds = list(kinds)
         self._infos = infos = [table.type(k) for k in self.kinds]
@@ -48,8 +50,12 @@ class SyncFloor:
         self.largest = float(table.params.max())
         self.grad_bytes = table.grad_bytes
         self.zero3 = 3 in space.zeros
-        self.per_node = np.array([max(1, *(d // config.tp for d in t.node_devices))
-                                  for t in infos], dtype=float)  # 0: no class uses the type
+        self.tps = sorted(tps)
+        self._per_node = {tp: np.array([max(1, *(d // tp for d in t.node_devices))
+                                        for t in infos], dtype=float) for tp in self.tps}
+        # stages of any class one node holds
+        self.most_per_node = np.array([self._per_node[least.get(k, self.tps[0])][i]
+                                       for i, k in enumerate(self.kinds)])
         self.nodes = np.array([len(t.nodes) for t in infos])
         self._copies: dict[tuple[str, ...], np.ndarray] = {}
         self._table, self._config, self._gathers = table, config, gathers
@@ -72,57 +78,71 @@ class SyncFloor:
                         alone, _floor(self._table, t.nodes, min(k, len(t.nodes)), u.nodes))
         return floor
 
+    def per_node(self, tp: int) -> np.ndarray:
+        """Per type, the most stages of tp devices one node holds (at least 1)."""
+        return self._per_node[tp]
+
+    def tp_index(self, tp: int | None) -> int:
+        """Where `period` keeps a tensor-parallel degree's periods (None: any degree's)."""
+        return len(self.tps) if tp is None else self.tps.index(tp)
+
     @functools.cached_property
     def period(self) -> np.ndarray:
-        """[t, s]: the period of a stage of type t holding P / s parameters on ZeRO-3."""
+        """[i, t, s]: the period of a stage of type t at the i-th tensor-parallel degree
+        holding P / s parameters on ZeRO-3 (i past the degrees: the least of them)."""
         table, config = self._table, self._config
         layers = table.num_layers
         held = np.concatenate([[0.0], np.cumsum(table.params)])
         need = np.maximum(self.params / np.arange(1, layers + 1), self.largest)
-        period = np.zeros((len(self.kinds), layers + 1))
-        for i, k in enumerate(self.kinds):
-            costs = table.costs(k, config.tp, config.mb)
-            work = np.concatenate([[0.0], np.cumsum(costs.fwd + costs.bwd)])
-            low, high = self._gathers[k]
-            gather = 3 * (low + (high - low) * need * table.weight_bytes / ZERO_GATHER_REF)
-            period[i, 1:] = gather + _least_work(held, work, need)
+        period = np.zeros((len(self.tps) + 1, len(self.kinds), layers + 1))
+        for j, tp in enumerate(self.tps):
+            for i, k in enumerate(self.kinds):
+                costs = table.costs(k, tp, config.mb)
+                work = np.concatenate([[0.0], np.cumsum(costs.fwd + costs.bwd)])
+                low, high = self._gathers[k]
+                gather = 3 * (low + (high - low) * need * table.weight_bytes / ZERO_GATHER_REF)
+                period[j, i, 1:] = gather + _least_work(held, work, need)
+        period[-1] = period[:-1].min(axis=0)
         return period
 
-    def copies(self, types: tuple[str, ...] | None) -> np.ndarray:
-        """Per type, the most pipelines of a class of these stage types (None: of any)
-        one node holds a stage of: a block that fits in a node stays in one, beside
-        others as long as they fit, and a longer one takes whole nodes
-        (`structure.place`)."""
+    def copies(self, types: tuple[str, ...] | None, tp: int | None = None) -> np.ndarray:
+        """Per type, the most pipelines of a class of these stage types and tensor-
+        parallel degree (None: of any) one node holds a stage of: a block that fits in
+        a node stays in one, beside others as long as they fit, and a longer one takes
+        whole nodes (`structure.place`)."""
         if types is None:
-            return self.per_node
-        if types not in self._copies:
+            return self.most_per_node
+        if (types, tp) not in self._copies:
+            per_node = self.per_node(tp)
             counts = np.array([types.count(k) for k in self.kinds], dtype=float)
-            self._copies[types] = np.where(
-                (counts > 0) & (counts <= self.per_node),
-                np.floor(self.per_node / np.maximum(counts, 1)), np.where(
-                    counts > 0, 1.0, self.per_node))
-        return self._copies[types]
+            self._copies[types, tp] = np.where(
+                (counts > 0) & (counts <= per_node),
+                np.floor(per_node / np.maximum(counts, 1)), np.where(
+                    counts > 0, 1.0, per_node))
+        return self._copies[types, tp]
 
     def terms(self, classes: Sequence[tuple[np.ndarray, ...]]
               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Per class (a mask of its types, its stages, its fewest and most pipelines and
-        `copies` per type, a row each): the sync it pays at least if its largest stage
-        is not on ZeRO-3, if it is (infinite where ZeRO-3 is not allowed), and the
-        period its pipelines then take at least."""
+        """Per class (a mask of its types, its stages, its fewest and most pipelines,
+        `copies` per type and `tp_index`, a row each): the sync it pays at least if its
+        largest stage is not on ZeRO-3, if it is (infinite where ZeRO-3 is not allowed),
+        and the period its pipelines then take at least."""
         out = []
-        for c, (mask, stages, fewest, most, copies) in enumerate(classes):
+        for c, (mask, stages, fewest, most, copies, degree) in enumerate(classes):
             volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
             partners = [m[0] for d, m in enumerate(classes) if d != c]
             spread = np.ceil(fewest[:, None] / copies).astype(int)
             joined = np.maximum(spread, np.ceil(
-                (fewest[:, None] + 1) / self.per_node[None, :]).astype(int))
+                (fewest[:, None] + 1) / self.most_per_node[None, :]).astype(int))
             full = self._least(mask, volume, partners, spread, joined=joined)
             if self.zero3:
                 spread = np.ceil(most[:, None] / copies).astype(int)
                 sharded = np.where(most > 1, self._least(
                     mask, volume / np.maximum(most, 1), partners, spread, alone=0.0), INF)
-                steps = np.clip(stages.astype(int), 1, self.period.shape[1] - 1)
-                period = np.where(mask, self.period[:, steps].T, INF).min(axis=1)
+                steps = np.clip(stages.astype(int), 1, self.period.shape[2] - 1)
+                per_type = self.period[degree.astype(int)[:, None],
+                                       np.arange(len(self.kinds))[None, :], steps[:, None]]
+                period = np.where(mask, per_type, INF).min(axis=1)
             else:
                 sharded, period = np.full(len(volume), INF), np.zeros(len(volume))
             out.append((full, sharded, period))

@@ -139,7 +139,7 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                 held = tuple(chunks[j * pp + s] for j in range(interleave))
                 alike[key] = stage_plan(
                     index=s, layers=layers, bounds=(held[0][0], held[-1][1]), chunks=held,
-                    node=node, slot=slot, device_type=kind, tp=tp, recompute=recompute,
+                    node=node, first=slot * tp, device_type=kind, tp=tp, recompute=recompute,
                     zero=0 if s in mixed else zero, replicas=dp, micro_batch=micro_batch,
                     microbatches=m,
                     stages=pp, schedule=schedule, interleave=interleave, training=training,
