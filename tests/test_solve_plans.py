@@ -364,8 +364,9 @@ def test_cli_solve_and_estimate(tmp_path):
                                 "-o", str(out)])
     assert again.exit_code == 1 and "already exists" in again.stderr
     data = json.loads(runner.invoke(app, ["solve", "gpt-tiny", "--cluster", CLUSTER,
-                                          "-B", "16", "--json"]).stdout)
+                                          "-B", "16", "--json", "--tp-per-class"]).stdout)
     assert data["kind"] == "plan" and data["solver"]["status"] in ("optimal", "feasible")
+    assert "one per class with --tp-per-class" in data["solver"]["search_space"]
     est = runner.invoke(app, ["estimate", "gpt-tiny", "--cluster", CLUSTER, "-B", "16",
                               "--tp", "2", "--pp", "2", "--json"])
     assert est.exit_code == 0, est.output
