@@ -1,7 +1,7 @@
 """Lower bounds for the search: the pipeline families of a configuration, bounded
 first from per-layer times alone and then (`tighten`) by their exact split on
 optimistic terms, and `Bound`, which bounds a partial structure whose open levels
-may still add pipelines of any family on the device slots left (with the sync its
+may still add pipelines of any family on the devices left (with the sync its
 fixed classes pay at least, from `sync_floor`)."""
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def tighten(table: CostTable, config: Config, space: Space, family: Family,
 
 def best_per_slot(level: list[Family], t: float) -> Family | None:
     """The family of a homogeneous level whose pipelines finish the most micro-batches
-    per device slot by time t (None for the mixed level or an empty one)."""
+    per device by time t (None for the mixed level or an empty one)."""
     if not level or len(set(level[0].types)) > 1 or not np.isfinite(t):
         return None
     return max(level, key=lambda f: (1 + (t - f.total) / f.min_busy) / f.devices
@@ -331,6 +331,10 @@ def best_per_slot(level: list[Family], t: float) -> Family | None:
 
 class Bound:
     """Lower bounds on the step time of (partial) structures of one config.
+
+    A "slot" below is one device: a family's pipeline takes `Family.devices` of them
+    (its stages times its tensor-parallel degree), so families of different degrees
+    compete for the same devices.
 
     A pipeline of family f finishes c_f(t) = 1 + floor((t - total_f) / min_busy_f)
     micro-batches by time t at most (none before total_f; without the floor, run

@@ -18,8 +18,8 @@ A node of the search tree fixes the mixed class (first level), then the homogene
 class of one type per level, fastest type first; a node's last class stands for
 1..n pipelines (fewer are its lazy siblings). Its bound (`bound.Bound`) is the time the
 global batch needs if the fixed classes ran at their lower bounds, in whole
-micro-batches, and the open levels' pipelines packed the device slots left at the
-best per-slot rates any of their families could reach (an LP dual: no assignment
+micro-batches, and the open levels' pipelines packed the devices left at the
+best per-device rates any of their families could reach (an LP dual: no assignment
 of slots does better), plus the gradient sync its fixed classes pay at least
 (`sync_floor`). Nodes are expanded in order of bound, so when the queue's
 best bound reaches the k-th best plan found, no unexplored structure can beat it:
@@ -132,6 +132,9 @@ def degrees(table: CostTable, limits: Limits) -> list[int]:
 
 
 def configs(table: CostTable, batch: int, limits: Limits) -> list[Config]:
+    allowed = degrees(table, limits)
+    if not allowed:
+        return []
     out = []
     mbs = [m for m in table.micro_batches if batch % m == 0
            and (limits.micro_batch is None or m == limits.micro_batch)
@@ -139,14 +142,14 @@ def configs(table: CostTable, batch: int, limits: Limits) -> list[Config]:
     wanted = limits.interleaves if limits.pp != 1 else (1,)  # (one stage: plain 1F1B)
     chunks = choices(table.num_layers, (limits.interleave,) if limits.interleave else wanted)
     schedule = limits.schedule
-    tps: list[int | None] = [None] if limits.tp_per_class else list(degrees(table, limits))
+    tps: list[int | None] = [None] if limits.tp_per_class else list(allowed)
     for tp, mb, v in itertools.product(tps, mbs, chunks):
         if schedule is None or schedule is (Schedule.INTERLEAVED if v > 1
                                             else Schedule.ONE_F_ONE_B):
             out.append(Config(mb=mb, tp=tp, interleave=v))
     if schedule in (None, Schedule.GPIPE) and limits.pp != 1 and (limits.interleave or 1) == 1:
         out += [Config(mb=mb, tp=tp, gpipe=True) for tp, mb in itertools.product(tps, mbs)]
-    return out if degrees(table, limits) else []
+    return out
 
 
 class _Search:
@@ -180,14 +183,10 @@ class _Search:
             tps = degrees(table, limits) if config.tp is None else [config.tp]
             folded = self.view(config)
             levels = families(folded, config, limits, space, batch // config.mb, tps)
-            least: dict[str, int] = {}
-            for f in (f for level in levels for f in level if f.min_busy < INF):
-                for kind in f.types:
-                    least[kind] = min(least.get(kind, f.tp), f.tp)
             bound = Bound(levels, batch // config.mb, devices, device_work(folded, config, tps),
                           optimizer_bound(folded, params, space),
-                          SyncFloor(folded, config, space, sorted(devices), gathers, tps, least),
-                          single)
+                          SyncFloor(folded, config, space, sorted(devices), gathers, tps,
+                                    _least_degrees(levels)), single)
             self.state[config] = (levels, bound, {f.key: f for lv in levels for f in lv})
             root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
             root.bound, root.base = bound([], range(len(levels)))
@@ -588,6 +587,15 @@ def _parts(space: Space, limits: Limits) -> list[bool]:
     gpipe = limits.schedule in (None, Schedule.GPIPE)
     return [single for single, wanted in ((False, 0 in space.zeros),
                                           (True, any(space.zeros) or gpipe)) if wanted]
+
+
+def _least_degrees(levels: list[list[Family]]) -> dict[str, int]:
+    """Per device type, the smallest tensor-parallel degree of a family that uses it."""
+    least: dict[str, int] = {}
+    for f in (f for level in levels for f in level if f.min_busy < INF):
+        for kind in f.types:
+            least[kind] = min(least.get(kind, f.tp), f.tp)
+    return least
 
 
 def _placement_order(shape: ClassShape) -> tuple[bool, str]:

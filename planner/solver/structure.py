@@ -46,10 +46,6 @@ class Slot:
     first: int  # the slot's devices on the node: [first, first + tp)
     tp: int = 1
 
-    @property
-    def devices(self) -> tuple[int, ...]:
-        return tuple(range(self.first, self.first + self.tp))
-
 
 Placement = tuple[tuple[tuple[Slot, ...], ...], ...]  # class -> pipeline -> stage
 
