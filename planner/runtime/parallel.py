@@ -346,21 +346,28 @@ class _Bucket:
     `gather`, the set mixes tensor-parallel degrees: each stage gathers its whole
     gradients (`tp_group`), its first rank sums them with the other stages' first ranks
     (`group`, None on the other ranks) and hands the sum back to its tp ranks (`source`
-    broadcasts it), which keep their shards."""
+    broadcasts it), which keep their shards. With `slices` > 1 the parameters are
+    replicated on the stage's tp ranks: each sums its `index`-th slice of them (`group`:
+    the stages' ranks of that index) and the tp group gathers the slices (`order`: the
+    tp group's rank of each index), so the stage moves them once, not once per rank."""
 
     params: list[nn.Parameter]
     group: dist.ProcessGroup | None
     gather: bool = False
     tp_group: dist.ProcessGroup | None = None
     source: int = 0
+    slices: int = 1
+    index: int = 0
+    order: tuple[int, ...] = ()
 
 
 class GradientSum:
     """Sums the gradients of unsharded parameters over the stages holding them, one
-    flat all-reduce per set of holders, sets in one global order (no deadlock). Where
-    the holders' tensor-parallel degrees differ, each stage's first rank all-reduces
-    its whole gradients, so every stage moves its parameters' gradients once, as
-    where they are equal (each tp rank its shard)."""
+    flat all-reduce per set of holders, sets in one global order (no deadlock). Each
+    stage moves its parameters' gradients once, as the planner prices it: where the
+    holders share a tensor-parallel degree each tp rank sums its shards and a slice of
+    the parameters the ranks hold whole; where the degrees differ, each stage's first
+    rank sums the whole gradients."""
 
     def __init__(self, root: nn.Module, topo: Topology, groups: Groups, rank: int,
                  skip: set[int]) -> None:
@@ -371,16 +378,23 @@ class GradientSum:
             keys = tuple(sorted(topo.holders[name]))
             if id(param) not in skip and param.requires_grad and len(keys) > 1:
                 held.setdefault(keys, []).append(param)
+        tp_group = groups.by_ranks[tuple(sorted(mine))]
         self.buckets: list[_Bucket] = []
         for keys, params in sorted(held.items()):
             found = topo.sum_groups(keys)
-            if len(found) > 1 or len({topo.stage(k).tp for k in keys}) == 1:
-                ranks = next(r for r in found if rank in r)
-                self.buckets.append(_Bucket(params, groups.by_ranks[ranks]))
-            else:
+            if len(found) == 1 and len({topo.stage(k).tp for k in keys}) > 1:
+                self.buckets.append(_Bucket(params, groups.by_ranks.get(found[0]),
+                                            gather=True, tp_group=tp_group, source=mine[0]))
+                continue
+            group = groups.by_ranks[next(r for r in found if rank in r)]
+            sharded = [p for p in params if len(mine) == 1 or _sharded(p)]
+            if sharded:
+                self.buckets.append(_Bucket(sharded, group))
+            if len(sharded) < len(params):
                 self.buckets.append(_Bucket(
-                    params, groups.by_ranks.get(found[0]), gather=True,
-                    tp_group=groups.by_ranks[tuple(sorted(mine))], source=mine[0]))
+                    [p for p in params if not _sharded(p)], group, tp_group=tp_group,
+                    slices=len(mine), index=me.tp_rank,
+                    order=tuple(sorted(mine).index(r) for r in mine)))
 
     def __call__(self) -> None:
         for bucket in self.buckets:
@@ -390,7 +404,9 @@ class GradientSum:
             grads = [_full(p.grad) if bucket.gather else _local(p.grad)
                      for p in bucket.params]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            if bucket.group is not None:
+            if bucket.slices > 1:
+                flat = _sum_in_slices(flat, bucket)
+            elif bucket.group is not None:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group)
             if bucket.gather and dist.get_world_size(bucket.tp_group) > 1:
                 dist.broadcast(flat, src=bucket.source, group=bucket.tp_group)
@@ -399,3 +415,22 @@ class GradientSum:
                 value = flat[offset:offset + g.numel()].view_as(g)
                 _local(p.grad).copy_(_shard(value, p.grad) if bucket.gather else value)
                 offset += g.numel()
+
+
+def _sharded(param: nn.Parameter) -> bool:
+    """Whether tensor parallelism shards the parameter (else each tp rank holds it whole)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)
+
+
+def _sum_in_slices(flat: torch.Tensor, bucket: _Bucket) -> torch.Tensor:
+    """The sum of a flat gradient every tp rank holds whole: each rank sums its slice
+    across the stages, then the tp group gathers the slices."""
+    size = -(-flat.numel() // bucket.slices)
+    padded = torch.nn.functional.pad(flat, (0, size * bucket.slices - flat.numel()))
+    part = padded.view(bucket.slices, size)[bucket.index].clone()
+    dist.all_reduce(part, op=dist.ReduceOp.SUM, group=bucket.group)
+    parts = [torch.empty_like(part) for _ in range(bucket.slices)]
+    dist.all_gather(parts, part, group=bucket.tp_group)
+    return torch.cat([parts[i] for i in bucket.order])[:flat.numel()]
