@@ -382,7 +382,7 @@ class GradientSum:
         self.buckets: list[_Bucket] = []
         for keys, params in sorted(held.items()):
             found = topo.sum_groups(keys)
-            if len(found) == 1 and len({topo.stage(k).tp for k in keys}) > 1:
+            if len({topo.stage(k).tp for k in keys}) > 1:  # (one group: the first ranks)
                 self.buckets.append(_Bucket(params, groups.by_ranks.get(found[0]),
                                             gather=True, tp_group=tp_group, source=mine[0]))
                 continue
