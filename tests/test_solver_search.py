@@ -334,6 +334,64 @@ def test_zero3_shards_are_still_synchronised_across_classes():
         Collective.ALL_REDUCE, shard, CommGroup.of(["t0-0", "t0-0", "t1-0", "t1-0"])))
 
 
+def test_sync_floor_prices_pipelines_on_one_node():
+    """Pipelines of one stage on one node all-reduce the whole model over its own link,
+    which the sync floor prices exactly (it counted nothing within a node); beside a
+    class on another node's type, the group crosses the network."""
+    import numpy as np
+
+    from planner.solver.bound import cheapest_gather
+    from planner.solver.evaluate import Config
+    from planner.solver.sync_floor import SyncFloor
+
+    table = random_table(3, layers=3, types=[("t0", [8]), ("t1", [8])])
+    kinds = ["t0", "t1"]
+    floor = SyncFloor(table, Config(1), Space(zeros=(0,)), kinds,
+                      {k: cheapest_gather(table, k) for k in kinds}, [1], {"t0": 1, "t1": 1})
+    volume = float(table.params.sum()) * table.grad_bytes
+
+    def one_stage_class(kind: str, n: int) -> tuple:
+        return (np.array([[k == kind for k in kinds]]), np.array([1.0]), np.array([float(n)]),
+                np.array([float(n)]), floor.copies((kind,), 1)[None], np.array([0]))
+
+    for n in (2, 5, 8):
+        paid = floor.terms([one_stage_class("t0", n)])[0][0][0]
+        assert paid > 0
+        assert paid == pytest.approx(table.collective(
+            Collective.ALL_REDUCE, volume, CommGroup.of(["t0-0"] * n)))
+    crossing = floor.terms([one_stage_class("t0", 2), one_stage_class("t1", 2)])[0][0][0]
+    assert 0 < crossing <= table.collective(
+        Collective.ALL_REDUCE, volume, CommGroup.of(["t0-0", "t0-0", "t1-0", "t1-0"]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pipelines_that_change_type_share_the_cards_there(seed):
+    """n pipelines whose stages change type there change nodes, all at once: here one
+    node per type carries every pipeline's sends. A class's bounds count that
+    (`bound.crowded`), rising with n, and no split of the class as placed beats them."""
+    from planner.solver.bound import crowded, families, tighten
+    from planner.solver.evaluate import Config
+    from planner.solver.structure import ClassShape
+
+    table = random_table(seed, layers=4, types=[("t0", [8]), ("t1", [8])], link_speed=0.1,
+                         memory=64 * GIB)
+    config, space, microbatches = Config(1), Space(zeros=(0,)), 8
+    family = next(f for f in families(table, config, Limits(max_stages=2), space,
+                                      microbatches, [1])[0] if f.types == ("t0", "t1"))
+    tighten(table, config, space, family, microbatches)
+    assert crowded(table, config, space, family, 1, microbatches) is family
+    previous = family
+    for n in (2, 4, 8):
+        bounded = crowded(table, config, space, family, n, microbatches)
+        assert bounded.total > previous.total  # (the fill pays each send both ways)
+        assert bounded.min_busy >= previous.min_busy
+        priced = price(table, config, space, (ClassShape(family.types, n),), microbatches)
+        placed = priced.results[0]  # the class as placed: its fastest split, its least fill
+        assert bounded.min_busy <= placed.first.bottleneck * (1 + 1e-9)
+        assert bounded.total <= placed.floor * (1 + 1e-9)
+        previous = bounded
+
+
 def _level_key(types: tuple[str, ...]) -> str | None:
     """Which level of the search decides a class: its type, or None for mixed ones."""
     return types[0] if len(set(types)) == 1 else None
@@ -432,7 +490,7 @@ def test_a_bound_for_up_to_n_pipelines_is_below_each_counts_bound(seed):
             up_to_n = bound._core(fixed[:-1], [(f, n)], opened, True, 0.0, shift)
             for count in range(1, n + 1):
                 exact = bound._core(fixed[:-1], [(f, count)], opened, False, 0.0, shift)
-                assert up_to_n[0] <= exact[0] * (1 + 2e-4)  # (each within 0.01%)
+                assert up_to_n[0] <= exact[0] * (1 + 2e-3)  # (each within 0.1%)
         if not run.is_leaf(node):
             stack.extend(run.children(node))
 

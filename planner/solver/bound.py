@@ -259,12 +259,14 @@ def _best_link(table: CostTable, a: str, b: str, across: bool = False) -> LinkSp
     return table.cache[key]
 
 
-def _boundary_links(table: CostTable, types: tuple[str, ...], tp: int) -> list[LinkSpec]:
+def _boundary_links(table: CostTable, types: tuple[str, ...], tp: int, crowd: int = 1
+                    ) -> list[LinkSpec]:
     """The fastest link each stage boundary of a family could have. A boundary whose
     stages `place` puts on different nodes (`structure.node_labels`) crosses them, so
     its tp ranks' copies share the busier card with the pipeline's other sends through
-    it (`comm.send_sharing`; other pipelines' sends only add to them); the other
-    boundaries take the fastest link of their types."""
+    it (`comm.send_sharing`; other pipelines' sends only add to them), and where the
+    types change with at least `crowd` sends (see `crowded`); the other boundaries
+    take the fastest link of their types."""
     labels = node_labels(table, types, tp)
     flows = send_sharing((x, y, tp) for x, y in itertools.pairwise(labels))
     out = []
@@ -273,7 +275,7 @@ def _boundary_links(table: CostTable, types: tuple[str, ...], tp: int) -> list[L
             out.append(_best_link(table, a, b))
             continue
         link = _best_link(table, a, b, across=True)
-        ways = shared_by(flows, labels[s], labels[s + 1])
+        ways = max(shared_by(flows, labels[s], labels[s + 1]), crowd if a != b else 1)
         out.append(dataclasses.replace(link, bandwidth=link.bandwidth / ways))
     return out
 
@@ -289,19 +291,19 @@ def cheapest_gather(table: CostTable, kind: str) -> tuple[float, float]:
 
 
 def tight_result(table: CostTable, config: Config, space: Space, family: Family,
-                 microbatches: int) -> ClassResult | None:
+                 microbatches: int, crowd: int = 1) -> ClassResult | None:
     """The family's exact split on optimistic terms, which no placement and no smaller
     count of its pipelines beats: ZeRO sharded over n_max pipelines (the most memory
     relief, and GPipe's fewest micro-batches held), the fastest links any placement
-    could give (`_boundary_links`), and the cheapest ZeRO-3 gathers any group could
-    have (cached)."""
+    could give (`_boundary_links`; `crowd`: see `crowded`), and the cheapest ZeRO-3
+    gathers any group could have (cached)."""
     table = fold(table, config.interleave)
     held = -(-microbatches // family.n_max) if config.gpipe else None
-    key = ("tight", family.key, family.n_max, config, space, held)
+    key = ("tight", family.key, family.n_max, config, space, held, crowd)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
             table, family.types, tp=family.tp, mb=config.mb, n=family.n_max,
-            links=_boundary_links(table, family.types, family.tp),
+            links=_boundary_links(table, family.types, family.tp, crowd),
             gathers=[cheapest_gather(table, kind) for kind in family.types],
             schedule=config.schedule, policies=space.policies, zeros=space.zeros,
             interleave=config.interleave, microbatches=held))
@@ -318,6 +320,30 @@ def tighten(table: CostTable, config: Config, space: Space, family: Family,
     else:
         family.min_busy = max(family.min_busy, result.min_period)
         family.total = max(family.total, result.floor)
+
+
+def crowded(table: CostTable, config: Config, space: Space, family: Family, n: int,
+            microbatches: int) -> Family:
+    """The family's bounds for a class of n of its pipelines. Where its stages change
+    type they change nodes, and the n pipelines' sends there, each by its tp ranks,
+    meet on the nodes of either type: some card carries at least n tp / (the rarer
+    type's nodes) of them (`comm.send_sharing`), and the class's slowest pipeline pays
+    that (`evaluate.class_links`). The family itself where that is no more than one
+    pipeline's own sends (cached)."""
+    table = fold(table, config.interleave)
+    a, b = family.types[0], family.types[-1]
+    nodes = min(len(table.type(a).nodes), len(table.type(b).nodes))
+    crowd = -(-n * family.tp // nodes)
+    if a == b or crowd <= family.tp:
+        return family
+    key = ("crowded", family.key, family.n_max, crowd, config, space, microbatches)
+    if key not in table.cache:
+        result = tight_result(table, config, space, family, microbatches, crowd)
+        table.cache[key] = Family(
+            types=family.types, tp=family.tp, n_max=family.n_max, tight=True,
+            min_busy=max(family.min_busy, result.min_period) if result else INF,
+            total=max(family.total, result.floor) if result else INF)
+    return table.cache[key]
 
 
 def best_per_slot(level: list[Family], t: float) -> Family | None:
@@ -476,8 +502,7 @@ class Bound:
         fluid = (done * inv_fluid).max(axis=1)[:, None] / self.work[None, :]
         covered = y.dot(counts.T)
         live = done > 0
-        with np.errstate(divide="ignore", invalid="ignore"):
-            scale = np.where(live, done / covered, 0.0).max(axis=1)
+        scale = np.where(live, done / covered, 0.0).max(axis=1)
         valid = ~(live & (covered <= 0)).any(axis=1)
         # or y left as it is: the one mixed class holds at most n_max pipelines, each
         # finishing what its slots are worth at y plus what it exceeds that by
@@ -530,33 +555,38 @@ class Bound:
                     families, homes, strict=True)]))
         return self._families[key]
 
-    def _open_done(self, t: np.ndarray, open_levels: Sequence[int], whole: bool,
-                   later: np.ndarray | float, free: np.ndarray, per_slot: bool = False
-                   ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Per open homogeneous level (a column; a row per t): the most micro-batches
-        it can finish by t on `free` slots per type (a row each), and (if `per_slot`)
-        the most per slot of its type. A level adds one class, so at most the best of its families'
-        pipelines that fit, an open family starting `later` [row, family, rung]: a
-        rung stands for its counts above the rung below, all paying at least the
-        sync of the smallest (more nodes never sync faster), so none finishes more
-        than the rung's most at that sync; per slot, the first rung's pace."""
+    def _open_done(self, open_levels: Sequence[int], later: np.ndarray | float,
+                   free: np.ndarray, per_slot: bool = False
+                   ) -> Callable[[np.ndarray, bool], tuple[np.ndarray, np.ndarray | None]]:
+        """The function of (t, whole) that gives, per open homogeneous level (a column;
+        a row per t), the most micro-batches it can finish by t on `free` slots per type
+        (a row each), and (if `per_slot`) the most per slot of its type. A level adds
+        one class, so at most the best of its families' pipelines that fit, an open
+        family starting `later` [row, family, rung]: a rung stands for its counts above
+        the rung below, all paying at least the sync of the smallest (more nodes never
+        sync faster), so none finishes more than the rung's most at that sync; per
+        slot, the first rung's pace."""
         _, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
         _, _, _, homes, n_max, caps, lows, _, size, _ = self._open_families(open_levels)
         if not len(size):
-            return np.zeros((len(t), 0)), np.zeros((len(t), 0)) if per_slot else None
+            empty = np.zeros((len(free), 0))
+            return lambda t, whole: (empty, empty if per_slot else None)
         n = np.minimum(n_max[None, :], np.floor(
             np.maximum(free[:, homes], 0.0) / size[None, :] + 1e-9))
         if np.ndim(later) < 3:  # no sync beyond the fixed classes': the most pipelines
-            ends = _done(t[:, None], total + later, inv_busy, whole)
-            per, first = n * ends, ends
+            pipes, begins, pace = n[:, :, None], (total + later)[..., None], inv_busy[:, None]
         else:
-            ends = _done(t[:, None, None], total[None, :, None] + later,
-                         inv_busy[None, :, None], whole)
-            per = np.where(n[:, :, None] > lows[None], np.minimum(n[:, :, None], caps[None])
-                           * ends, 0.0).max(axis=2)
-            first = ends[:, :, 0]
-        return (np.maximum.reduceat(per, starts, axis=1),
-                np.maximum.reduceat(first * inv_size, starts, axis=1) if per_slot else None)
+            pipes = np.where(n[:, :, None] > lows[None], np.minimum(n[:, :, None], caps[None]),
+                             0.0)
+            begins, pace = total[None, :, None] + later, inv_busy[None, :, None]
+
+        def done_by(t: np.ndarray, whole: bool) -> tuple[np.ndarray, np.ndarray | None]:
+            ends = _done(t[:, None, None], begins, pace, whole)
+            return (np.maximum.reduceat((pipes * ends).max(axis=2), starts, axis=1),
+                    np.maximum.reduceat(ends[:, :, 0] * inv_size, starts, axis=1)
+                    if per_slot else None)
+
+        return done_by
 
     def _open_shift(self, open_levels: Sequence[int], classes: list, terms: list,
                     live: np.ndarray, candidate: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -574,12 +604,16 @@ class Bound:
                 for c, (p, _, _) in enumerate(terms)]
         # the floors depend on the classes' types alone, which few rows tell apart
         together = np.concatenate([c[0] for c in classes], axis=1)
-        kinds, rows = np.unique(together, axis=0, return_inverse=True)
+        firsts: dict[bytes, int] = {}  # each distinct row's first index, in order
+        seen = [firsts.setdefault(row.tobytes(), i) for i, row in enumerate(together)]
+        kinds = together[list(firsts.values())]
+        rows = np.searchsorted(list(firsts.values()), seen)
         key = (tuple(open_levels), kinds.tobytes(), kinds.shape)
         if key not in self._owns:
             joined = np.maximum(spread, np.ceil((lows + 2) / per_node[:, None]))
             self._owns[key] = self.sync.open_floors(
-                masks, stages, np.split(kinds, len(classes), axis=1), spread, joined)
+                masks, stages, np.split(kinds, len(classes), axis=1), spread, joined,
+                lows + 1)
         own = self._owns[key][rows.reshape(-1)]
         return np.maximum(0.0, own - np.max(paid, axis=0)[:, None, None]), optimizer
 
@@ -602,6 +636,13 @@ class Bound:
         class pays its sync floor, or its largest stage is on ZeRO-3 and the bound
         with its period raised pays the sharded floor (`sync_floor`); the bound is
         the largest over the classes of the smaller of the two."""
+        # families that cannot run have infinite times, and no micro-batches: (t - inf) * 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self._many(fixed, candidates, open_levels, fewer, at_least)
+
+    def _many(self, fixed: Sequence[tuple[Family, int]],
+              candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
+              fewer: bool, at_least: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
         rows = len(candidates)
         if self.single and open_levels:  # then nothing is fixed and no candidate live
             full, base = self._best_alone(open_levels)
@@ -618,7 +659,8 @@ class Bound:
         if live.any():
             classes.append((np.array([self._mask(f) for f, _ in candidates]),
                             np.array([float(len(f.types)) if f else 1.0 for f, _ in candidates]),
-                            np.array([1.0 if fewer else float(n) for _, n in candidates]),
+                            np.array([(1.0 if fewer else float(n)) if f else 0.0
+                                      for f, n in candidates]),
                             np.array([float(max(n, 1)) for _, n in candidates]),
                             np.array([self.sync.copies(f.types, f.tp) if f else
                                       self.sync.copies(None) for f, _ in candidates]),
@@ -772,14 +814,16 @@ class Bound:
         pipes, periods, fills = lines
         live, inv_busy = pipes > 0, 1 / periods
 
+        open_done = self._open_done(open_levels, later, free, fewer) if (
+            open_levels and not mixed) else None
+
         def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
             """Micro-batches finished: by the fixed classes and the candidates at t_fixed
             (whole ones or run fluidly), by the open levels at t_open."""
             ones = np.where(live, _done(t_fixed, fills, inv_busy, whole), 0.0)
             value = (pipes * ones).sum(axis=0)
-            if open_levels and not mixed:
-                levels, per_slot = self._open_done(t_open, open_levels, whole, later, free,
-                                                   fewer)
+            if open_done is not None:
+                levels, per_slot = open_done(t_open, whole)
                 if not fewer:
                     return value + levels.sum(axis=1)
                 # the levels of the types the last class uses, per slot at either end
@@ -799,19 +843,18 @@ class Bound:
                 best = np.minimum(best, more if valid is None else np.where(valid, more, INF))
             return best
 
-        with np.errstate(divide="ignore", invalid="ignore"):
-            if not open_levels:  # every pipeline is busy from `start` on: a line in t
-                rate = np.where(live, pipes / periods, 0.0).sum(axis=0)
-                offset = np.where(live, pipes * (1 - fills / periods), 0.0).sum(axis=0)
-                times = np.where(rate > 0, np.maximum(start, (self.m - offset) / rate), INF)
-            else:
-                if not fixed:
-                    first = min(float(self._level(level)[-1].min()) for level in open_levels)
-                    start = np.where(n_c > 0, start, first)
-                times = _first_enough(lambda t: self.m - done(t, t, False),
-                                      np.where(np.isfinite(start), start, INF),
-                                      at_least - optimizer)
-            times = self._whole(times, lines, done)
+        if not open_levels:  # every pipeline is busy from `start` on: a line in t
+            rate = np.where(live, pipes / periods, 0.0).sum(axis=0)
+            offset = np.where(live, pipes * (1 - fills / periods), 0.0).sum(axis=0)
+            times = np.where(rate > 0, np.maximum(start, (self.m - offset) / rate), INF)
+        else:
+            if not fixed:
+                first = min(float(self._level(level)[-1].min()) for level in open_levels)
+                start = np.where(n_c > 0, start, first)
+            times = _first_enough(lambda t: self.m - done(t, t, False),
+                                  np.where(np.isfinite(start), start, INF),
+                                  at_least - optimizer)
+        times = self._whole(times, lines, done)
         return np.where(dead, INF, np.maximum(at_least, times + optimizer))
 
     def _whole(self, times: np.ndarray, lines: tuple[np.ndarray, ...], done: Callable
@@ -849,18 +892,18 @@ def _done(t: np.ndarray, total: np.ndarray, inv_busy: np.ndarray, whole: bool
           ) -> np.ndarray:
     """Micro-batches a pipeline whose first takes `total` and every next one at least
     1 / inv_busy can have finished by time t (whole ones if `whole`, else run fluidly)."""
-    with np.errstate(invalid="ignore", divide="ignore"):  # (t - inf) * 0: cannot run
-        done = 1 + (t - total) * inv_busy
-        return np.where(t >= total, np.floor(done + 1e-9) if whole else done, 0.0)
+    done = 1 + (t - total) * inv_busy  # (t - inf) * 0 where it cannot run: nan, dropped
+    return np.where(t >= total, np.floor(done + 1e-9) if whole else done, 0.0)
 
 
 def _first_enough(short: Callable[[np.ndarray], np.ndarray], start: np.ndarray,
                   guess: np.ndarray) -> np.ndarray:
     """Per element, a t at which `short` (non-increasing in t) is still positive,
-    within 0.01% of where it reaches 0, or the larger of start and guess if it is no
+    within 0.1% of where it reaches 0, or the larger of start and guess if it is no
     longer positive there (the caller knows a bound of guess already): the bracket
     [that, beyond] shrinks by regula falsi (Illinois). Infinite where it never
-    reaches 0 or start is infinite."""
+    reaches 0 or start is infinite. (Called with numpy's divide and invalid
+    warnings off, as in `Bound.many`.)"""
     low = np.where(np.isfinite(start), np.maximum(start, guess), start)
     short_low = short(np.where(np.isfinite(low), low, 0.0))
     answer = np.where(~np.isfinite(low) | (short_low <= 0), low, np.nan)
@@ -877,13 +920,12 @@ def _first_enough(short: Callable[[np.ndarray], np.ndarray], start: np.ndarray,
         short_high = np.where(grow, short(high), short_high)
     side = np.zeros(len(low))
     while True:
-        active = np.isnan(answer) & (high - low > 1e-4 * high)
+        active = np.isnan(answer) & (high - low > 1e-3 * high)
         if not active.any():
             break
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t = high - short_high * (high - low) / (short_high - short_low)
-        t = np.clip(np.nan_to_num(t, nan=0.0), low + 0.01 * (high - low),
-                    high - 0.01 * (high - low))
+        t = high - short_high * (high - low) / (short_high - short_low)
+        width = 0.01 * (high - low)  # (nan, where nothing is active: low)
+        t = np.minimum(np.maximum(np.where(np.isnan(t), low, t), low + width), high - width)
         value = short(np.where(active, t, low))
         up = active & (value > 0)
         down = active & (value <= 0)

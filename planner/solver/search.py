@@ -53,6 +53,7 @@ from planner.solver.bound import (
     Family,
     best_per_slot,
     cheapest_gather,
+    crowded,
     device_work,
     families,
     optimizer_bound,
@@ -213,8 +214,16 @@ class _Search:
         return False
 
     def fixed(self, node: _Node) -> list[tuple[Family, int]]:
-        index = self.state[node.config][2]
-        return [(index[t], n) for t, n in zip(node.chosen, node.counts, strict=True)]
+        """The node's classes, each family bounded for its count (`bound.crowded`; a
+        last class that stands for 1..n pipelines, for one)."""
+        index, last = self.state[node.config][2], len(node.chosen) - 1
+        return [(self.crowded(node.config, index[t], 1 if c == last and self.shrinks(node)
+                              else n), n)
+                for c, (t, n) in enumerate(zip(node.chosen, node.counts, strict=True))]
+
+    def crowded(self, config: Config, family: Family, n: int) -> Family:
+        return crowded(self.view(config), config, self.space, family, n,
+                       self.batch // config.mb)
 
     def settle(self, node: _Node) -> bool:
         """Price exactly the node's families and, on each open homogeneous level, the
@@ -300,10 +309,10 @@ class _Search:
         levels, bound, _ = self.state[node.config]
         counted = node.counted
         if not counted:
-            fixed = self.fixed(node)
-            family, n = fixed[-1]
+            family, n = self.state[node.config][2][node.chosen[-1]], node.counts[-1]
             counted = tuple(zip(*bound.many(
-                fixed[:-1], [(family, k) for k in range(1, n + 1)],
+                self.fixed(node)[:-1],
+                [(self.crowded(node.config, family, k), k) for k in range(1, n + 1)],
                 range(node.level, len(levels)), False, (node.bound, node.base)), strict=True))
         exact = dataclasses.replace(node, bound=float(counted[-1][0]),
                                     base=float(counted[-1][1]), fewer=frozenset(), counted=())

@@ -9,7 +9,11 @@ A collective costs at least what it costs among a subset of its members (a ring
 over fewer ranks and links no slower), and one rank per node costs what the
 nodes' links allow: so where all nodes of a type are linked alike, the step pays
 at least the all-reduce of x's gradients over k of them (plus one node of d's
-type); elsewhere, over the cheapest pair of different nodes.
+type); elsewhere, over the cheapest pair of different nodes. Where k is 1 the
+group may sit on one node: then it pays at least the all-reduce over that node's
+own link among its ranks (a stage of every pipeline: at least the classes'
+fewest pipelines, and no more than the node's devices), or, spanning more nodes,
+that over two of them.
 
 Unless that stage is on ZeRO-3: then only each device's 1/n_c shard is all-reduced
 across classes, and nothing within c, but every micro-batch the stage computes its
@@ -57,6 +61,8 @@ class SyncFloor:
         self.most_per_node = np.array([self._per_node[least.get(k, self.tps[0])][i]
                                        for i, k in enumerate(self.kinds)])
         self.nodes = np.array([len(t.nodes) for t in infos])
+        self.node_slots = np.array([max(t.node_devices) for t in infos])
+        self._diagonal = np.eye(len(infos), dtype=bool)[None]
         self._copies: dict[tuple[str, ...], np.ndarray] = {}
         self._table, self._config, self._gathers = table, config, gathers
 
@@ -77,6 +83,43 @@ class SyncFloor:
                     floor[:, i, k, j] = alone if i == j else np.maximum(
                         alone, _floor(self._table, t.nodes, min(k, len(t.nodes)), u.nodes))
         return floor
+
+    @functools.cached_property
+    def one_node(self) -> np.ndarray:
+        """[:, t, r]: intercept and slope of the all-reduce among r ranks on one node of
+        type t (the fastest of its nodes' links; r up to the most devices a node of any
+        type has, fewer than 2: nothing)."""
+        key = ("one node floor", tuple(self.kinds))
+        if key not in self._table.cache:
+            widest = int(self.node_slots.max())
+            out = np.zeros((2, len(self._infos), widest + 1))
+            for i, t in enumerate(self._infos):
+                nodes = list({self._table.link(n, n): n for n in t.nodes}.values())
+                for r in range(2, widest + 1):
+                    out[:, i, r] = _affine(self._table, [[n] * r for n in nodes])
+            self._table.cache[key] = out
+        return self._table.cache[key]
+
+    @functools.cached_property
+    def two_nodes(self) -> np.ndarray:
+        """[:, t, u]: intercept and slope of an all-reduce among a node of type t and one
+        of type u (u = t: two of t's, infinite where it has one)."""
+        size = len(self.kinds)
+        out = self.floor[:, :, 1, :size].copy()
+        for i in range(size):
+            out[:, i, i] = self.floor[:, i, 2, size] if self.nodes[i] > 1 else (INF, 0.0)
+        return out
+
+    def _within(self, volume: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """[row, t]: the all-reduce of `volume` bytes among `ranks` (a row each) that
+        holds a node of type t costs at least: on that node alone, among at most as
+        many ranks as it has devices, or across it and one more node."""
+        t = np.arange(len(self.kinds))[None, :]
+        r = np.minimum(ranks[:, None], self.node_slots[None, :]).astype(int)
+        one = self.one_node[0][t, r] + self.one_node[1][t, r] * volume[:, None]
+        two = (self.two_nodes[0][None] + self.two_nodes[1][None] * volume[:, None, None]
+               ).min(axis=2)
+        return np.minimum(one, two)
 
     def per_node(self, tp: int) -> np.ndarray:
         """Per type, the most stages of tp devices one node holds (at least 1)."""
@@ -128,17 +171,19 @@ class SyncFloor:
         largest stage is not on ZeRO-3, if it is (infinite where ZeRO-3 is not allowed),
         and the period its pipelines then take at least."""
         out = []
+        ranks = np.sum([c[2] for c in classes], axis=0)  # one per pipeline of every class
         for c, (mask, stages, fewest, most, copies, degree) in enumerate(classes):
             volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
             partners = [m[0] for d, m in enumerate(classes) if d != c]
             spread = np.ceil(fewest[:, None] / copies).astype(int)
             joined = np.maximum(spread, np.ceil(
                 (fewest[:, None] + 1) / self.most_per_node[None, :]).astype(int))
-            full = self._least(mask, volume, partners, spread, joined=joined)
+            full = self._least(mask, volume, partners, spread, ranks, joined=joined)
             if self.zero3:
                 spread = np.ceil(most[:, None] / copies).astype(int)
                 sharded = np.where(most > 1, self._least(
-                    mask, volume / np.maximum(most, 1), partners, spread, alone=0.0), INF)
+                    mask, volume / np.maximum(most, 1), partners, spread, ranks, alone=0.0),
+                    INF)
                 steps = np.clip(stages.astype(int), 1, self.period.shape[2] - 1)
                 per_type = self.period[degree.astype(int)[:, None],
                                        np.arange(len(self.kinds))[None, :], steps[:, None]]
@@ -149,29 +194,31 @@ class SyncFloor:
         return out
 
     def open_floors(self, masks: np.ndarray, stages: np.ndarray, partners: list[np.ndarray],
-                    spread: np.ndarray, joined: np.ndarray) -> np.ndarray:
+                    spread: np.ndarray, joined: np.ndarray, fewest: np.ndarray) -> np.ndarray:
         """[row, f, r]: the sync a class of family f (its types `masks[f]`, `stages[f]`
         stages) pays at least beside the partner classes (a mask row each, as in
-        `terms`), were it added with its stage copies on `spread[f, r]` nodes of its
-        type at least (`joined[f, r]` with a partner's stage): its largest stage
-        all-reduced with a stage of each partner."""
+        `terms`), were it added with at least `fewest[f, r]` pipelines, its stage copies
+        on `spread[f, r]` nodes of its type at least (`joined[f, r]` with a partner's
+        stage): its largest stage all-reduced with a stage of each partner."""
         rows = partners[0].shape[0] if partners else 1
         count, rungs = spread.shape
         entries = rows * count * rungs
         volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
         size = len(self.kinds)
+        present = np.sum([p.any(axis=1) for p in partners], axis=0) if partners else 0
         return self._least(
             np.tile(np.repeat(masks, rungs, axis=0), (rows, 1)),
             np.tile(np.repeat(volume, rungs), rows),
             [np.repeat(p, count * rungs, axis=0) for p in partners],
             np.broadcast_to(np.tile(spread.reshape(-1), rows)[:, None], (entries, size)
                             ).astype(int),
+            np.tile(fewest.reshape(-1), rows) + np.repeat(present, count * rungs),
             joined=np.broadcast_to(np.tile(joined.reshape(-1), rows)[:, None],
                                    (entries, size)).astype(int)
             ).reshape(rows, count, rungs)
 
     def _least(self, mask: np.ndarray, volume: np.ndarray, partners: list[np.ndarray],
-               spread: np.ndarray, alone: float | None = None,
+               spread: np.ndarray, ranks: np.ndarray, alone: float | None = None,
                joined: np.ndarray | None = None) -> np.ndarray:
         """The smallest, over the stage's type t, of the largest all-reduce floor its
         group must hold: k of t's nodes (`spread`), with one of some type of every
@@ -182,12 +229,16 @@ class SyncFloor:
         k = np.minimum(spread, self.nodes[None, :])
         t = np.arange(size)[None, :]
         price = self.floor[0][t, k, :] + self.floor[1][t, k, :] * volume[:, None, None]
-        value = price[:, :, size] if alone is None else np.full((rows, size), alone)
-        cross = price[:, :, :size]
-        if joined is not None:
-            more = np.minimum(joined, self.nodes[None, :])
-            same = self.floor[0][t, more, size] + self.floor[1][t, more, size] * volume[:, None]
-            cross = np.where(np.eye(size, dtype=bool)[None], same[:, :, None], cross)
+        within = self._within(volume, ranks)
+
+        def nodes_of_t(count: np.ndarray) -> np.ndarray:
+            """Among `count` nodes of type t (one: `_within`)."""
+            value = self.floor[0][t, count, size] + self.floor[1][t, count, size] * volume[:, None]
+            return np.where(count == 1, within, value)
+
+        value = nodes_of_t(k) if alone is None else np.full((rows, size), alone)
+        same = nodes_of_t(k if joined is None else np.minimum(joined, self.nodes[None, :]))
+        cross = np.where(self._diagonal, same[:, :, None], price[:, :, :size])
         for partner in partners:
             present = partner.any(axis=1)[:, None]
             held = np.where(partner[:, None, :], cross, INF).min(axis=2)
