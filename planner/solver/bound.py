@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +48,12 @@ class Family:
     min_busy: float  # no split has a bottleneck below this
     total: float  # no split has a total below this
     tight: bool = False
+    # (period, fill) pairs, periods rising: every split's period and fill are at least
+    # one pair's (`floors`); none: (min_busy, total)
+    lines: tuple[tuple[float, float], ...] = ()
+
+    def floors(self) -> tuple[tuple[float, float], ...]:
+        return self.lines or ((self.min_busy, self.total),)
 
     @property
     def key(self) -> tuple[tuple[str, ...], int]:
@@ -320,6 +326,44 @@ def tighten(table: CostTable, config: Config, space: Space, family: Family,
     else:
         family.min_busy = max(family.min_busy, result.min_period)
         family.total = max(family.total, result.floor)
+        family.lines = floors(result, family.min_busy, family.total)
+
+
+_SAMPLES, _RISE = 3, 0.08  # where `floors` samples G: 8% apart above its first step
+
+
+def floors(result: ClassResult, least_period: float, least_fill: float
+           ) -> tuple[tuple[float, float], ...]:
+    """Pairs (period, fill), periods rising and fills falling, such that every split of
+    the class has a period and a fill at least one pair's. G(M), the least sum of w_s
+    of the splits whose largest h_s is at most M, is sampled at M_i = M_0 (1 + 4%)^i:
+    a split whose largest h_s lies in (M_i-1, M_i] has a period above M_i-1 (a period
+    is at least the largest h_s) and a sum at least G(M_i); one at M_0 sums G(M_0),
+    one above the last sample G(inf). Each period is at least `least_period`, each
+    fill at least `least_fill` and the sum plus interleaving's (1 - 1/v) periods. A
+    fixed class of few micro-batches runs on its fill, which its fastest split pays
+    most of: the bound then sees it."""
+    costs, v = result.costs, result.costs.interleave
+    marks = [result.smallest_max * (1 + _RISE) ** i for i in range(_SAMPLES + 1)]
+    pairs = [(result.smallest_max, result.first.weights),
+             *((low, costs.cost(high)) for low, high in itertools.pairwise(marks)),
+             (marks[-1], result.least_weights)]
+    return _staircase(
+        (period, max(least_fill, weights + (1 - 1 / v) * period))
+        for period, weights in ((max(low, least_period), weights) for low, weights in pairs))
+
+
+def _staircase(pairs: Iterable[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """(period, fill) pairs in order of period, less those another pair is below
+    everywhere (a period no shorter and a fill no shorter)."""
+    out: list[tuple[float, float]] = []
+    for period, fill in pairs:
+        if out and fill >= out[-1][1]:
+            continue
+        if out and period <= out[-1][0]:
+            out.pop()  # the same period, a shorter fill
+        out.append((period, fill))
+    return tuple(out)
 
 
 def crowded(table: CostTable, config: Config, space: Space, family: Family, n: int,
@@ -339,10 +383,12 @@ def crowded(table: CostTable, config: Config, space: Space, family: Family, n: i
     key = ("crowded", family.key, family.n_max, crowd, config, space, microbatches)
     if key not in table.cache:
         result = tight_result(table, config, space, family, microbatches, crowd)
+        least = (INF, INF) if result is None else (max(family.min_busy, result.min_period),
+                                                   max(family.total, result.floor))
         table.cache[key] = Family(
             types=family.types, tp=family.tp, n_max=family.n_max, tight=True,
-            min_busy=max(family.min_busy, result.min_period) if result else INF,
-            total=max(family.total, result.floor) if result else INF)
+            min_busy=least[0], total=least[1],
+            lines=floors(result, *least) if result else ())
     return table.cache[key]
 
 
@@ -759,7 +805,8 @@ class Bound:
         them) at least `period` per micro-batch, on the given rows."""
         def slower(f: Family, p: float) -> Family:
             return dataclasses.replace(f, min_busy=max(f.min_busy, p),
-                                       total=max(f.total, p))
+                                       total=max(f.total, p), lines=_staircase(
+                                           (max(a, p), max(b, p)) for a, b in f.lines))
 
         if c < len(fixed):
             f, n = fixed[c]
@@ -808,9 +855,16 @@ class Bound:
             candidate."""
             return np.array([np.full(rows, float(x)) for x in values] + [last])
 
-        lines = (stacked([n for _, n in fixed], n_c),
-                 stacked([f.min_busy for f, _ in fixed], busy),
-                 stacked([f.total for f, _ in fixed], total))
+        # each class's `floors` that can matter: no t below `after` is asked (the
+        # search below starts at `at_least`); [class, row, pair], the last repeated
+        after = at_least - float(optimizer.max(initial=0.0))
+        pairs = [_after(f.floors(), after) for f, _ in fixed] + [
+            _after(f.floors(), after) if f else ((INF, -INF),) for f, _ in candidates]
+        width = max(map(len, pairs))
+        grid = np.array([list(p) + [p[-1]] * (width - len(p)) for p in pairs])
+        grid = np.concatenate([np.broadcast_to(grid[:len(fixed), None], (
+            len(fixed), rows, width, 2)), grid[None, len(fixed):]]) if fixed else grid[None]
+        lines = (stacked([n for _, n in fixed], n_c), grid[..., 0], grid[..., 1])
         pipes, periods, fills = lines
         live, inv_busy = pipes > 0, 1 / periods
 
@@ -820,7 +874,8 @@ class Bound:
         def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
             """Micro-batches finished: by the fixed classes and the candidates at t_fixed
             (whole ones or run fluidly), by the open levels at t_open."""
-            ones = np.where(live, _done(t_fixed, fills, inv_busy, whole), 0.0)
+            ones = np.where(live, _done(t_fixed[:, None], fills, inv_busy, whole).max(axis=2),
+                            0.0)
             value = (pipes * ones).sum(axis=0)
             if open_done is not None:
                 levels, per_slot = open_done(t_open, whole)
@@ -844,9 +899,15 @@ class Bound:
             return best
 
         if not open_levels:  # every pipeline is busy from `start` on: a line in t
-            rate = np.where(live, pipes / periods, 0.0).sum(axis=0)
-            offset = np.where(live, pipes * (1 - fills / periods), 0.0).sum(axis=0)
+            # (on the pairs' least period and fill; then on all pairs from there)
+            least, fluid = periods[..., 0], fills[..., -1]
+            rate = np.where(live, pipes / least, 0.0).sum(axis=0)
+            offset = np.where(live, pipes * (1 - fluid / least), 0.0).sum(axis=0)
             times = np.where(rate > 0, np.maximum(start, (self.m - offset) / rate), INF)
+            if width > 1:  # (nan: a class that cannot run, a dead row)
+                times = _first_enough(lambda t: self.m - done(t, t, False),
+                                      np.where(np.isnan(times), INF, times),
+                                      at_least - optimizer)
         else:
             if not fixed:
                 first = min(float(self._level(level)[-1].min()) for level in open_levels)
@@ -854,7 +915,7 @@ class Bound:
             times = _first_enough(lambda t: self.m - done(t, t, False),
                                   np.where(np.isfinite(start), start, INF),
                                   at_least - optimizer)
-        times = self._whole(times, lines, done)
+        times = self._whole(np.maximum(times, after), lines, done)
         return np.where(dead, INF, np.maximum(at_least, times + optimizer))
 
     def _whole(self, times: np.ndarray, lines: tuple[np.ndarray, ...], done: Callable
@@ -862,14 +923,15 @@ class Bound:
         """From `times` (where the micro-batches, run fluidly, are done) on to the next
         time a fixed pipeline completes one while the whole micro-batches those finish,
         plus what the open levels can add before that time, still fall short."""
-        pipes, busy, total = lines
-        usable = (pipes > 0) & np.isfinite(busy)
+        pipes, busy, total = lines  # ([class, row], then [class, row, pair])
+        usable = (pipes > 0)[..., None] & np.isfinite(busy)
         for _ in range(int(self.m) + 1):
-            k = np.floor((times - total) / busy + 1e-9)
+            now = times[:, None]
+            k = np.floor((now - total) / busy + 1e-9)
             step = total + (k + 1) * busy
             # far out (huge batches) rounding can put the next completion at `times`
-            step = np.where(step > times, step, step + busy)
-            after = np.where(usable, np.where(times >= total, step, total), INF).min(axis=0)
+            step = np.where(step > now, step, step + busy)
+            after = np.where(usable, np.where(now >= total, step, total), INF).min(axis=(0, 2))
             behind = np.isfinite(times) & np.isfinite(after) & (
                 done(times, np.where(np.isfinite(after), after, times), True)
                 < self.m * (1 - 1e-9))  # (per-slot values are fractions: sums round)
@@ -886,6 +948,16 @@ class Bound:
         last = [fixed[-1]] if fixed else [(None, 0)]
         full, base = self.many(fixed[:-1], last, open_levels, fewer, at_least)
         return float(full[0]), float(base[0])
+
+
+def _after(pairs: tuple[tuple[float, float], ...], t: float
+           ) -> tuple[tuple[float, float], ...]:
+    """Of a class's (period, fill) pairs, the first and those whose line (micro-batches
+    finished by a time) lies above the first's somewhere after t: the first's has the
+    shortest period, so past their crossing it finishes more."""
+    (least, fill), *rest = pairs
+    return (pairs[0], *((p, f) for p, f in rest
+                        if (f / p - fill / least) / (1 / p - 1 / least) > t))
 
 
 def _done(t: np.ndarray, total: np.ndarray, inv_busy: np.ndarray, whole: bool
