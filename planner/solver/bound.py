@@ -329,14 +329,14 @@ def tighten(table: CostTable, config: Config, space: Space, family: Family,
         family.lines = floors(result, family.min_busy, family.total)
 
 
-_SAMPLES, _RISE = 3, 0.08  # where `floors` samples G: 8% apart above its first step
+_SAMPLES, _RISE = 3, 0.08  # where `floors` samples G: r = 8% apart above its first step
 
 
 def floors(result: ClassResult, least_period: float, least_fill: float
            ) -> tuple[tuple[float, float], ...]:
     """Pairs (period, fill), periods rising and fills falling, such that every split of
     the class has a period and a fill at least one pair's. G(M), the least sum of w_s
-    of the splits whose largest h_s is at most M, is sampled at M_i = M_0 (1 + 4%)^i:
+    of the splits whose largest h_s is at most M, is sampled at M_i = M_0 (1 + r)^i:
     a split whose largest h_s lies in (M_i-1, M_i] has a period above M_i-1 (a period
     is at least the largest h_s) and a sum at least G(M_i); one at M_0 sums G(M_0),
     one above the last sample G(inf). Each period is at least `least_period`, each
@@ -410,7 +410,8 @@ class Bound:
 
     A pipeline of family f finishes c_f(t) = 1 + floor((t - total_f) / min_busy_f)
     micro-batches by time t at most (none before total_f; without the floor, run
-    fluidly, to find where to start). Fixed classes finish n_f c_f(t). Pipelines of
+    fluidly, to find where to start). Fixed classes finish n_f c_f(t), c_f the largest
+    such count over the (period, fill) pairs of `Family.floors`. Pipelines of
     the open levels, on the device slots the fixed classes left (free_k of type k),
     finish at most free . y(t) for any per-slot values y >= 0 that cover every open
     family (sum_k count_fk y_k >= c_f(t): LP duality for the fractional packing of
