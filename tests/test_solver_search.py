@@ -395,11 +395,11 @@ def test_pipelines_that_change_type_share_the_cards_there(seed):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_every_split_runs_on_or_above_a_floor_pair(seed):
-    """`bound.floors`: every split of a class has a period and a fill at least one
+    """`bound.floor_pairs`: every split of a class has a period and a fill at least one
     pair's, checked on each step of its staircase (the splits that make its time exact
     for every micro-batch count), also with the class slowed to a longer period as
     the ZeRO-3 bound slows it; the pairs' periods rise and their fills fall."""
-    from planner.solver.bound import _staircase, families, floors, tight_result
+    from planner.solver.bound import _staircase, families, floor_pairs, tight_result
     from planner.solver.evaluate import Config
     from planner.solver.interleave import fold
     from planner.solver.partition import Staircase
@@ -416,7 +416,7 @@ def test_every_split_runs_on_or_above_a_floor_pair(seed):
         result = tight_result(table, config, space, family, 8)
         if result is None:
             continue
-        pairs = floors(result, result.min_period, result.floor)
+        pairs = floor_pairs(result, result.min_period, result.floor)
         assert all(a[0] < b[0] and a[1] > b[1] for a, b in itertools.pairwise(pairs))
         steps = Staircase(result)
         while steps.extend():

@@ -49,10 +49,13 @@ class Family:
     total: float  # no split has a total below this
     tight: bool = False
     # (period, fill) pairs, periods rising: every split's period and fill are at least
-    # one pair's (`floors`); none: (min_busy, total)
+    # one pair's (`floor_pairs`, of `result` when first asked for); none: (min_busy, total)
     lines: tuple[tuple[float, float], ...] = ()
+    result: ClassResult | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def floors(self) -> tuple[tuple[float, float], ...]:
+        if not self.lines and self.result is not None:  # (most families never need them)
+            self.lines = floor_pairs(self.result, self.min_busy, self.total)
         return self.lines or ((self.min_busy, self.total),)
 
     @property
@@ -326,14 +329,14 @@ def tighten(table: CostTable, config: Config, space: Space, family: Family,
     else:
         family.min_busy = max(family.min_busy, result.min_period)
         family.total = max(family.total, result.floor)
-        family.lines = floors(result, family.min_busy, family.total)
+        family.result = result
 
 
-_SAMPLES, _RISE = 3, 0.08  # where `floors` samples G: r = 8% apart above its first step
+_SAMPLES, _RISE = 3, 0.08  # where `floor_pairs` samples G: r = 8% apart above its first step
 
 
-def floors(result: ClassResult, least_period: float, least_fill: float
-           ) -> tuple[tuple[float, float], ...]:
+def floor_pairs(result: ClassResult, least_period: float, least_fill: float
+                ) -> tuple[tuple[float, float], ...]:
     """Pairs (period, fill), periods rising and fills falling, such that every split of
     the class has a period and a fill at least one pair's. G(M), the least sum of w_s
     of the splits whose largest h_s is at most M, is sampled at M_i = M_0 (1 + r)^i:
@@ -388,7 +391,7 @@ def crowded(table: CostTable, config: Config, space: Space, family: Family, n: i
         table.cache[key] = Family(
             types=family.types, tp=family.tp, n_max=family.n_max, tight=True,
             min_busy=least[0], total=least[1],
-            lines=floors(result, *least) if result else ())
+            result=result)
     return table.cache[key]
 
 
@@ -806,8 +809,8 @@ class Bound:
         them) at least `period` per micro-batch, on the given rows."""
         def slower(f: Family, p: float) -> Family:
             return dataclasses.replace(f, min_busy=max(f.min_busy, p),
-                                       total=max(f.total, p), lines=_staircase(
-                                           (max(a, p), max(b, p)) for a, b in f.lines))
+                                       total=max(f.total, p), result=None, lines=_staircase(
+                                           (max(a, p), max(b, p)) for a, b in f.floors()))
 
         if c < len(fixed):
             f, n = fixed[c]
