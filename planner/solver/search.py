@@ -216,10 +216,10 @@ class _Search:
     def fixed(self, node: _Node) -> list[tuple[Family, int]]:
         """The node's classes, each family bounded for its count (`bound.crowded`; a
         last class that stands for 1..n pipelines, for one)."""
-        index, last = self.state[node.config][2], len(node.chosen) - 1
-        return [(self.crowded(node.config, index[t], 1 if c == last and self.shrinks(node)
-                              else n), n)
-                for c, (t, n) in enumerate(zip(node.chosen, node.counts, strict=True))]
+        index = self.state[node.config][2]
+        counts = [*node.counts[:-1], 1] if self.shrinks(node) else node.counts
+        return [(self.crowded(node.config, index[t], k), n)
+                for t, n, k in zip(node.chosen, node.counts, counts, strict=True)]
 
     def crowded(self, config: Config, family: Family, n: int) -> Family:
         return crowded(self.view(config), config, self.space, family, n,
