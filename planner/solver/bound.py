@@ -429,7 +429,9 @@ class Bound:
     what its best family's whole pipelines that fit do (`_open_done`). The bound is
     the smallest t at which fixed and open pipelines can have finished the global
     number of micro-batches (found fluidly, then walked on to the next time a fixed
-    pipeline completes one while even the open levels' count by then falls short),
+    pipeline completes one while even the open levels' count by then falls short,
+    then on within that interval, where the fixed count stays put, to where the open
+    levels' count makes up the rest: `_catch_up`),
     plus the optimizer step of the fixed classes (some stage holds 1/S of the
     parameters) and, per fixed class, its sync floor (`many`).
 
@@ -875,12 +877,20 @@ class Bound:
         open_done = self._open_done(open_levels, later, free, fewer) if (
             open_levels and not mixed) else None
 
-        def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
+        def done(t_fixed: np.ndarray, t_open: np.ndarray | None, whole: bool
+                 ) -> np.ndarray | Callable[[np.ndarray], np.ndarray]:
             """Micro-batches finished: by the fixed classes and the candidates at t_fixed
-            (whole ones or run fluidly), by the open levels at t_open."""
+            (whole ones or run fluidly), by the open levels at t_open (None: the
+            function of t_open, the fixed classes counted once)."""
             ones = np.where(live, _done(t_fixed[:, None], fills, inv_busy, whole).max(axis=2),
                             0.0)
             value = (pipes * ones).sum(axis=0)
+            if t_open is None:
+                return lambda t: with_open(ones, value, t, whole)
+            return with_open(ones, value, t_open, whole)
+
+        def with_open(ones: np.ndarray, value: np.ndarray, t_open: np.ndarray, whole: bool
+                      ) -> np.ndarray:
             if open_done is not None:
                 levels, per_slot = open_done(t_open, whole)
                 if not fewer:
@@ -892,7 +902,7 @@ class Bound:
                 linear = np.where(touched, slots, 0.0).sum(axis=1)
                 return (value + np.where(touched, 0.0, levels).sum(axis=1) + linear
                         + np.maximum(0.0, (n_c - 1) * (freed - ones[-1])))
-            best = value if not open_levels else np.full(len(t_fixed), INF)
+            best = value if not open_levels else np.full(len(t_open), INF)
             for y, valid, beyond in self._slot_values(t_open, open_levels, whole
                                                       ) if open_levels else ():
                 more = value + (free * y).sum(axis=1) + beyond
@@ -919,16 +929,19 @@ class Bound:
             times = _first_enough(lambda t: self.m - done(t, t, False),
                                   np.where(np.isfinite(start), start, INF),
                                   at_least - optimizer)
-        times = self._whole(np.maximum(times, after), lines, done)
+        times = self._whole(np.maximum(times, after), lines, done, bool(open_levels))
         return np.where(dead, INF, np.maximum(at_least, times + optimizer))
 
-    def _whole(self, times: np.ndarray, lines: tuple[np.ndarray, ...], done: Callable
-               ) -> np.ndarray:
+    def _whole(self, times: np.ndarray, lines: tuple[np.ndarray, ...], done: Callable,
+               opened: bool) -> np.ndarray:
         """From `times` (where the micro-batches, run fluidly, are done) on to the next
         time a fixed pipeline completes one while the whole micro-batches those finish,
-        plus what the open levels can add before that time, still fall short."""
+        plus what the open levels can add before that time, still fall short; then, if
+        the levels are `opened`, on within that last interval to where they make up the
+        rest (`_catch_up`)."""
         pipes, busy, total = lines  # ([class, row], then [class, row, pair])
         usable = (pipes > 0)[..., None] & np.isfinite(busy)
+        goal = self.m * (1 - 1e-9)  # (per-slot values are fractions: sums round)
         for _ in range(int(self.m) + 1):
             now = times[:, None]
             k = np.floor((now - total) / busy + 1e-9)
@@ -936,13 +949,16 @@ class Bound:
             # far out (huge batches) rounding can put the next completion at `times`
             step = np.where(step > now, step, step + busy)
             after = np.where(usable, np.where(now >= total, step, total), INF).min(axis=(0, 2))
-            behind = np.isfinite(times) & np.isfinite(after) & (
-                done(times, np.where(np.isfinite(after), after, times), True)
-                < self.m * (1 - 1e-9))  # (per-slot values are fractions: sums round)
+            ahead = np.isfinite(times) & np.isfinite(after)
+            reached = done(times, np.where(ahead, after, times), True)
+            behind = ahead & (reached < goal)
             if not behind.any():
                 break
             times = np.where(behind, after, times)
-        return times
+        if not opened:
+            return times
+        return _catch_up(times, np.where(ahead, after, times), goal - reached,
+                         lambda: done(times, None, True), goal)
 
     def __call__(self, fixed: Sequence[tuple[Family, int]], open_levels: Sequence[int],
                  fewer: bool = False, at_least: tuple[float, float] = (0.0, 0.0)
@@ -952,6 +968,37 @@ class Bound:
         last = [fixed[-1]] if fixed else [(None, 0)]
         full, base = self.many(fixed[:-1], last, open_levels, fewer, at_least)
         return float(full[0]), float(base[0])
+
+
+def _catch_up(times: np.ndarray, after: np.ndarray, short_after: np.ndarray,
+              opened: Callable[[], Callable[[np.ndarray], np.ndarray]], goal: float
+              ) -> np.ndarray:
+    """Between `times` and the next fixed completion `after`, where `goal` - done is
+    `short_after` (at most 0), the fixed classes finish nothing more, so the step ends
+    no sooner than the open levels make up the rest: `times` moves up to a t they still
+    fall short at, within 0.1% of where they no longer do. opened(): micro-batches
+    done by t, the fixed ones' counted at `times` (it rises in t, in steps: secant
+    steps, and a halving after each that does not halve the bracket)."""
+    low, high = times, after
+    if not (high - low > 2e-3 * high).any():  # (no room for more than the search's gap)
+        return times
+    done = opened()
+    short_low = goal - done(low)
+    short_high = np.minimum(short_after, 0.0)
+    active = (high > low) & (short_low > 0)
+    halve = np.zeros(len(low), dtype=bool)
+    while (active := active & (high - low > 1e-3 * high)).any():
+        width = high - low
+        secant = high - short_high * width / (short_high - short_low)
+        t = np.where(halve, low + width / 2, np.clip(
+            np.where(np.isfinite(secant), secant, low), low + 0.01 * width,
+            high - 0.01 * width))
+        value = goal - done(np.where(active, t, low))
+        up, down = active & (value > 0), active & (value <= 0)
+        low, short_low = np.where(up, t, low), np.where(up, value, short_low)
+        high, short_high = np.where(down, t, high), np.where(down, value, short_high)
+        halve = high - low > width / 2
+    return np.where(short_low > 0, low, times)
 
 
 def _after(pairs: tuple[tuple[float, float], ...], t: float
