@@ -174,9 +174,9 @@ def test_estimate_shards_zero_only_where_the_runtime_does(setup):
 
 def test_interleaved_stages_sync_and_update_only_the_layers_they_hold(setup):
     """An interleaved stage's span covers other stages' chunks: its gradient all-reduce
-    and optimizer step cover its own chunks, among the stages that hold them; the head's
-    weights tied to the embedding (on the other stage) are all-reduced on their own,
-    among every stage."""
+    and optimizer step cover its own chunks (the optimizer also the head's copy of the
+    embedding), among the stages that hold them; the head's weights tied to the
+    embedding (on the other stage) are all-reduced on their own, among every stage."""
     graph, cluster, training, _ = setup
     costs = AnalyticalCostModel(cluster)
     plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
@@ -194,9 +194,45 @@ def test_interleaved_stages_sync_and_update_only_the_layers_they_hold(setup):
             Collective.ALL_REDUCE, (params - (tied if s.holds(0) else 0)) * grad,
             CommGroup.of(peers)) + costs.collective_time(Collective.ALL_REDUCE,
                                                          tied * grad, everyone))
-        opt = max(opt, costs.optimizer_time(params, cluster.node(s.devices.node).device,
-                                            training))
+        copy = tied if s.holds(len(graph.layers) - 1) and not s.holds(0) else 0
+        opt = max(opt, costs.optimizer_time(params + copy,
+                                            cluster.node(s.devices.node).device, training))
     assert sync_and_optimizer(plan, graph.layers, costs) == pytest.approx((sync, opt))
+
+
+def test_the_optimizer_updates_a_stages_copy_of_a_tied_weight():
+    """The head's stage holds a copy of the token embedding it is tied to, and the
+    runtime's optimizer updates it there too: its step is priced on the copy as well,
+    alike by the simulator's replay (`predict`) and the search (`evaluate`)."""
+    graph = trace_model(model_spec("gpt2-small", {"layers": 2}), seq_len=128, dtype="fp16")
+    (owner, tied), = graph.layers[-1].tied
+    assert owner == 0 and tied > 0
+    cluster = load_cluster("1x1xA100-40G,1x1xV100-16G@100Gbps")
+    training = TrainingSpec(global_batch=8, seq_len=128, dtype="fp16")
+    costs = AnalyticalCostModel(cluster)
+    plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                        training=training, costs=costs, tp=1, pp=2, dp=1, micro_batch=1)
+    first, second = plan.pipelines[0].stages
+    split = [dataclasses.replace(first, layers=(0, 1), chunks=((0, 1),)),
+             dataclasses.replace(second, layers=(1, 4), chunks=((1, 4),))]
+    plan = dataclasses.replace(plan, pipelines=(dataclasses.replace(
+        plan.pipelines[0], stages=tuple(split)),))
+
+    def update(stage, params):
+        return costs.optimizer_time(params, cluster.node(stage.devices.node).device, training)
+
+    own = sum(graph.layers[i].params for i in (1, 2, 3))
+    assert sync_and_optimizer(plan, graph.layers, costs)[1] == pytest.approx(
+        max(update(split[0], graph.layers[0].params), update(split[1], own + tied)))
+    assert update(split[1], own + tied) > update(split[0], graph.layers[0].params)
+
+    solved = solve(graph, cluster, training, SolveOptions(
+        gap=0.0, limits=Limits(pp=2, dp=1, last_stage="V100-16G"), with_baselines=False))[0]
+    head = solved.pipelines[0].stages[-1]
+    assert head.holds(3) and not head.holds(0)
+    assert solved.prediction.optimizer == pytest.approx(
+        sync_and_optimizer(solved, graph.layers, costs)[1], rel=1e-9)
+    assert solved.prediction.optimizer >= update(head, tied) * (1 - 1e-9)
 
 
 def test_a_weight_three_stages_share_is_all_reduced_once():

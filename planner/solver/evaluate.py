@@ -15,7 +15,8 @@ structures of one class (`zero_space`: as the runtime, which shards only layers
 no other replica set holds), ZeRO-3 only where its pipelines run as many
 micro-batches; ZeRO-3 stages reduce-scatter per micro-batch. Tied weights split
 across stages, and all of them under ZeRO-3, stay whole in memory (`CostTable.zero_kept`).
-The optimizer step updates each device's share of its stage's parameters.
+The optimizer step updates each device's share of its stage's parameters, copies of
+tied weights included (whole where ZeRO keeps them whole).
 """
 
 from __future__ import annotations
@@ -184,13 +185,11 @@ def _split_ties(table: CostTable, placement: Placement, splits: Sequence[Split],
     return out
 
 
-def _prefix(table: CostTable, tp: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prefix sums of the parameters per layer and of one tp rank's (cached)."""
-    key = ("parameter prefixes", tp)
-    if key not in table.cache:
-        table.cache[key] = (np.concatenate([[0.0], np.cumsum(table.params)]),
-                            np.concatenate([[0.0], np.cumsum(table.rank_params(tp))]))
-    return table.cache[key]
+def _prefix(table: CostTable) -> np.ndarray:
+    """Prefix sums of the parameters per layer (cached)."""
+    if "parameter prefix" not in table.cache:
+        table.cache["parameter prefix"] = np.concatenate([[0.0], np.cumsum(table.params)])
+    return table.cache["parameter prefix"]
 
 
 def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassShape],
@@ -202,7 +201,7 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
     table = fold(table, config.interleave)
     groups = {} if groups is None else groups
     ties = _split_ties(table, placement, splits, groups)
-    whole = _prefix(table, 1)[0]
+    whole = _prefix(table)
 
     def all_reduce(nbytes: float, group: CommGroup) -> float:
         key = ("all-reduce", id(group), nbytes)  # (`groups` keeps the group alive)
@@ -226,8 +225,11 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
                 volume = params * table.grad_bytes / (shape.n if zero == 3 else 1)
                 tied += all_reduce(volume, holders)
             sync = max(sync, tied)
-            per_rank = _prefix(table, shape.tp)[1]
-            local = float(per_rank[b] - per_rank[a]) / (shape.n if zero >= 1 else 1)
+            # the optimizer updates the stage's copies of tied weights too, whole where
+            # ZeRO keeps them so (`CostTable.zero_kept`)
+            kept = float(table.zero_kept(zero)[a, b])
+            local = (float(table.range_params(shape.tp)[a, b]) - kept) / (
+                shape.n if zero >= 1 else 1) + kept
             opt = max(opt, table.optimizer_time(shape.types[s], local))
     return sync, opt
 

@@ -25,6 +25,7 @@ from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
 from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
 from planner.types import CostBreakdown, Layer, NodeSpec, Plan, StagePlan
+from planner.types.model import params_per_rank, zero_kept
 
 if TYPE_CHECKING:
     from planner.simulate import Simulation
@@ -177,8 +178,13 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
                 tied += synced[stage.layers[0], volume]
             sync = max(sync, tied)
             device = costs.cluster.node(stage.devices.node).device
-            local = sum(layers[i].params / layers[i].tp_share(stage.tp) for i in stage.held())
-            opt = max(opt, costs.optimizer_time(local / shard, device, plan.training))
+            # the optimizer updates the stage's copies of tied weights too, whole where
+            # ZeRO keeps them so
+            held = stage.held()
+            kept = zero_kept(layers, set(held), stage.zero)
+            local = params_per_rank([layers[i] for i in held], stage.tp)
+            opt = max(opt, costs.optimizer_time((local - kept) / shard + kept, device,
+                                                plan.training))
     return sync, opt
 
 
