@@ -235,6 +235,41 @@ def test_the_optimizer_updates_a_stages_copy_of_a_tied_weight():
     assert solved.prediction.optimizer >= update(head, tied) * (1 - 1e-9)
 
 
+def test_zero3_gathers_leave_out_the_tied_weights_it_keeps_whole():
+    """ZeRO-3 keeps a tied weight whole (the runtime leaves it out of FSDP), so a stage
+    that owns one gathers only the rest of its weights each forward (and twice for the
+    backward): alike in the replay and in the search's cost table."""
+    from planner.solver.bound import cheapest_gather
+    from planner.solver.partition import ZERO_GATHER_REF, _gathers
+    from planner.solver.table import build_table
+
+    graph = trace_model(model_spec("gpt2-small", {"layers": 2}), seq_len=128, dtype="fp16")
+    (_, tied), = graph.layers[-1].tied
+    cluster = load_cluster("1x4xA100-40G")
+    training = TrainingSpec(global_batch=8, seq_len=128, dtype="fp16")
+    costs = AnalyticalCostModel(cluster)
+
+    def stage(zero):
+        plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                            training=training, costs=costs, tp=1, pp=1, dp=4, micro_batch=1,
+                            zero=zero)
+        return plan, stage_timings(plan, graph.layers, costs)[0][0]
+
+    (plan, sharded), (_, whole) = stage(3), stage(0)
+    group = CommGroup.of([p.stages[0].devices.node for p in plan.pipelines])
+    ends = [costs.collective_time(Collective.ALL_GATHER, size, group)
+            for size in (1.0, ZERO_GATHER_REF)]
+    gathered = (graph.params - tied) * 2  # fp16 bytes
+    gather = ends[0] + (ends[1] - ends[0]) * gathered / ZERO_GATHER_REF
+    assert sharded.fwd - whole.fwd == pytest.approx(gather)
+    assert sharded.bwd - whole.bwd == pytest.approx(2 * gather)
+
+    table = build_table(graph.layers, cluster, training, costs, tps=(1,), micro_batches=(1,))
+    low, high = cheapest_gather(table, cluster.nodes[0].device.name)
+    assert _gathers(table, (low, high))[0, len(graph.layers)] == pytest.approx(
+        low + (high - low) * gathered / ZERO_GATHER_REF)
+
+
 def test_a_weight_three_stages_share_is_all_reduced_once():
     """T5 ties its token table to the decoder's embedding and to the head: split over
     three stages, the table's gradient is one all-reduce among all of them, and the

@@ -480,11 +480,16 @@ def _activation_ranges(table: CostTable, tp: int, mb: int) -> tuple:
 
 def _gathers(table: CostTable, gather: tuple[float, float]) -> np.ndarray:
     """Seconds of one ZeRO-3 all-gather of the weights of every layer range [a, b)
-    (cached): each of the tp ranks gathers its shard, together the whole stage."""
+    (cached): each of the tp ranks gathers its shard, together the whole stage, but
+    for the tied weights it owns, which ZeRO-3 keeps whole (`CostTable.zero_kept`)."""
     key = ("gathers", gather)
     if key not in table.cache:
         params = np.concatenate([[0.0], np.cumsum(table.params)])
-        weight_bytes = (params[None, :] - params[:, None]) * table.weight_bytes
+        sharded = params[None, :] - params[:, None]
+        a, b = np.ogrid[:len(params), :len(params)]
+        for owner, weights in {(owner, weights) for _, owner, weights in table.tied}:
+            sharded = sharded - weights * ((a <= owner) & (owner < b))
+        weight_bytes = np.maximum(sharded, 0.0) * table.weight_bytes
         table.cache[key] = (gather[0] + (gather[1] - gather[0]) * weight_bytes
                             / ZERO_GATHER_REF) * (weight_bytes > 0)
     return table.cache[key]

@@ -115,9 +115,14 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
 
 def _gather(plan: Plan, layers: Sequence[Layer], stage: StagePlan, groups: _Groups,
             costs: CostModel) -> float:
-    """Seconds of one ZeRO-3 all-gather of a stage's weights among its replicas."""
+    """Seconds of one ZeRO-3 all-gather of a stage's weights among its replicas (but
+    the tied weights it owns: ZeRO-3 keeps them whole)."""
     group = CommGroup.of(groups.of(stage))
-    weight = sum(layers[i].params for i in stage.held()) * plan_weight_bytes(plan)
+    held = stage.held()
+    owned = {(owner, params) for layer in layers for owner, params in layer.tied
+             if stage.holds(owner)}
+    weight = (sum(layers[i].params for i in held) - sum(p for _, p in owned)
+              ) * plan_weight_bytes(plan)
     g0 = costs.collective_time(Collective.ALL_GATHER, 1.0, group)
     g1 = costs.collective_time(Collective.ALL_GATHER, ZERO_GATHER_REF, group)
     return (g0 + (g1 - g0) * weight / ZERO_GATHER_REF) if weight else 0.0

@@ -137,13 +137,17 @@ class SyncFloor:
         layers = table.num_layers
         held = np.concatenate([[0.0], np.cumsum(table.params)])
         need = np.maximum(self.params / np.arange(1, layers + 1), self.largest)
+        # less the tied weights it may own, which ZeRO-3 keeps whole: not gathered
+        tied = sum(p for _, p in {(owner, p) for _, owner, p in table.tied})
+        gathered = np.maximum(need - tied, 0.0)
         period = np.zeros((len(self.tps) + 1, len(self.kinds), layers + 1))
         for j, tp in enumerate(self.tps):
             for i, k in enumerate(self.kinds):
                 costs = table.costs(k, tp, config.mb)
                 work = np.concatenate([[0.0], np.cumsum(costs.fwd + costs.bwd)])
                 low, high = self._gathers[k]
-                gather = 3 * (low + (high - low) * need * table.weight_bytes / ZERO_GATHER_REF)
+                gather = 3 * (low + (high - low) * gathered * table.weight_bytes
+                              / ZERO_GATHER_REF)
                 period[j, i, 1:] = gather + _least_work(held, work, need)
         period[-1] = period[:-1].min(axis=0)
         return period
