@@ -462,6 +462,8 @@ class _Search:
             if sum(n for _, n in fixed) > bound.m or any(
                     used[k] > bound.devices[k] for k in used):
                 continue
+            if not self.promising(bound(fixed, ())[0]):  # (on the families as they are)
+                continue
             node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
                          tuple(f.key for f, _ in fixed), tuple(n for _, n in fixed))
             self.settle(node)
