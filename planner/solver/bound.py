@@ -877,17 +877,23 @@ class Bound:
         open_done = self._open_done(open_levels, later, free, fewer) if (
             open_levels and not mixed) else None
 
-        def done(t_fixed: np.ndarray, t_open: np.ndarray | None, whole: bool
-                 ) -> np.ndarray | Callable[[np.ndarray], np.ndarray]:
+        def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
             """Micro-batches finished: by the fixed classes and the candidates at t_fixed
-            (whole ones or run fluidly), by the open levels at t_open (None: the
-            function of t_open, the fixed classes counted once)."""
+            (whole ones or run fluidly), by the open levels at t_open."""
+            return with_open(*fixed_done(t_fixed, whole), t_open, whole)
+
+        def fixed_done(t_fixed: np.ndarray, whole: bool) -> tuple[np.ndarray, np.ndarray]:
+            """Per class and row, and per row in all, what the fixed classes and the
+            candidates finish by t_fixed."""
             ones = np.where(live, _done(t_fixed[:, None], fills, inv_busy, whole).max(axis=2),
                             0.0)
-            value = (pipes * ones).sum(axis=0)
-            if t_open is None:
-                return lambda t: with_open(ones, value, t, whole)
-            return with_open(ones, value, t_open, whole)
+            return ones, (pipes * ones).sum(axis=0)
+
+        def open_from(t_fixed: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+            """`done(t_fixed, t, True)` as a function of t, the fixed classes counted
+            once."""
+            counted = fixed_done(t_fixed, True)
+            return lambda t: with_open(*counted, t, True)
 
         def with_open(ones: np.ndarray, value: np.ndarray, t_open: np.ndarray, whole: bool
                       ) -> np.ndarray:
@@ -929,16 +935,18 @@ class Bound:
             times = _first_enough(lambda t: self.m - done(t, t, False),
                                   np.where(np.isfinite(start), start, INF),
                                   at_least - optimizer)
-        times = self._whole(np.maximum(times, after), lines, done, bool(open_levels))
+        times = self._whole(np.maximum(times, after), lines, done,
+                            open_from if open_levels else None)
         return np.where(dead, INF, np.maximum(at_least, times + optimizer))
 
     def _whole(self, times: np.ndarray, lines: tuple[np.ndarray, ...], done: Callable,
-               opened: bool) -> np.ndarray:
+               open_from: Callable | None) -> np.ndarray:
         """From `times` (where the micro-batches, run fluidly, are done) on to the next
         time a fixed pipeline completes one while the whole micro-batches those finish,
         plus what the open levels can add before that time, still fall short; then, if
-        the levels are `opened`, on within that last interval to where they make up the
-        rest (`_catch_up`)."""
+        levels are open (`open_from(t_fixed)`: done by t with the fixed classes' count
+        at t_fixed), on within that last interval to where they make up the rest
+        (`_catch_up`)."""
         pipes, busy, total = lines  # ([class, row], then [class, row, pair])
         usable = (pipes > 0)[..., None] & np.isfinite(busy)
         goal = self.m * (1 - 1e-9)  # (per-slot values are fractions: sums round)
@@ -955,10 +963,10 @@ class Bound:
             if not behind.any():
                 break
             times = np.where(behind, after, times)
-        if not opened:
+        if open_from is None:
             return times
         return _catch_up(times, np.where(ahead, after, times), goal - reached,
-                         lambda: done(times, None, True), goal)
+                         functools.partial(open_from, times), goal)
 
     def __call__(self, fixed: Sequence[tuple[Family, int]], open_levels: Sequence[int],
                  fewer: bool = False, at_least: tuple[float, float] = (0.0, 0.0)

@@ -487,7 +487,7 @@ def _gathers(table: CostTable, gather: tuple[float, float]) -> np.ndarray:
         params = np.concatenate([[0.0], np.cumsum(table.params)])
         sharded = params[None, :] - params[:, None]
         a, b = np.ogrid[:len(params), :len(params)]
-        for owner, weights in {(owner, weights) for _, owner, weights in table.tied}:
+        for owner, weights in table.tied_weights:
             sharded = sharded - weights * ((a <= owner) & (owner < b))
         weight_bytes = np.maximum(sharded, 0.0) * table.weight_bytes
         table.cache[key] = (gather[0] + (gather[1] - gather[0]) * weight_bytes

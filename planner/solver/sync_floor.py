@@ -138,8 +138,7 @@ class SyncFloor:
         held = np.concatenate([[0.0], np.cumsum(table.params)])
         need = np.maximum(self.params / np.arange(1, layers + 1), self.largest)
         # less the tied weights it may own, which ZeRO-3 keeps whole: not gathered
-        tied = sum(p for _, p in {(owner, p) for _, owner, p in table.tied})
-        gathered = np.maximum(need - tied, 0.0)
+        gathered = np.maximum(need - sum(p for _, p in table.tied_weights), 0.0)
         period = np.zeros((len(self.tps) + 1, len(self.kinds), layers + 1))
         for j, tp in enumerate(self.tps):
             for i, k in enumerate(self.kinds):

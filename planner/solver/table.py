@@ -92,6 +92,11 @@ class CostTable:
                 (self.params - self.unsharded) / tp + self.unsharded)
         return self.cache[key]
 
+    @property
+    def tied_weights(self) -> set[tuple[int, float]]:
+        """Each tied weight once: (owner layer, parameters)."""
+        return {(owner, params) for _, owner, params in self.tied}
+
     def range_params(self, tp: int) -> np.ndarray:
         """[a, b) matrix of the parameters one rank of a tp-wide stage holding layers
         [a, b) keeps: its own plus copies of tied weights owned outside the range
