@@ -569,6 +569,28 @@ def test_a_bound_for_up_to_n_pipelines_is_below_each_counts_bound(seed):
             stack.extend(run.children(node))
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_the_one_class_root_bound_is_the_least_over_every_class(seed):
+    """The one-class part's root bound skips the classes whose cheap floor is past the
+    best bound found: it is still the least bound (and base) over all of them."""
+    from planner.solver.bound import INF
+    from planner.solver.search import _Search
+
+    table, batch, limits = random_instance(random.Random(seed))
+    run = _Search(table, batch, limits, Space(), 1, 0.0, True, [], itertools.count())
+    for levels, bound, _ in run.state.values():
+        opened = range(len(levels))
+        options = []
+        for f in (f for level in levels for f in level if f.min_busy < INF):
+            n = min([f.n_max, bound.m] + [bound.devices[k] // (f.types.count(k) * f.tp)
+                                          for k in set(f.types)])
+            if n >= 1:
+                options.append((f, n))
+        full, base = bound.many([], options, (), True) if options else ([INF], [INF])
+        assert bound._best_alone(opened) == (min(full), min(base))
+
+
 def _check_subtree_bounds(table, batch, limits, single, values, rng):
     from planner.solver.search import _Search
 

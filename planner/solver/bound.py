@@ -464,6 +464,7 @@ class Bound:
         self.m, self.levels, self.devices = microbatches, levels, devices
         self.optimizer, self.single = optimizer, single
         self.kinds = sorted(devices)
+        self._kind_names = tuple(self.kinds)
         assert sync.kinds == self.kinds
         self.sync = sync
         self.work = np.array([work[k] for k in self.kinds])
@@ -471,7 +472,6 @@ class Bound:
         self._n_maxes: dict[int, np.ndarray] = {}
         self._bounds: dict[int, tuple] = {}
         self._masks: dict[tuple[str, ...], np.ndarray] = {}
-        self._device_counts: dict[tuple[str, ...], np.ndarray] = {}
         self._joiners: dict[tuple[int, ...], tuple[float, np.ndarray] | None] = {}
         self._open: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
         self._alone: dict[tuple[int, ...], tuple[float, float]] = {}
@@ -517,12 +517,8 @@ class Bound:
         self._open.clear()  # (the joiners and classes alone stay valid, if looser)
 
     def _counts(self, f: Family | None) -> np.ndarray:
-        """Devices of each type one of the family's pipelines takes (cached)."""
-        key = f.key if f else ((), 1)
-        if key not in self._device_counts:
-            self._device_counts[key] = np.array([key[0].count(k) * key[1] for k in self.kinds],
-                                               dtype=float)
-        return self._device_counts[key]
+        """Devices of each type one of the family's pipelines takes."""
+        return _devices_per_pipeline(self._kind_names, *(f.key if f else ((), 1)))
 
     def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool
                      ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | float]]:
@@ -745,18 +741,35 @@ class Bound:
 
     def _best_alone(self, open_levels: Sequence[int]) -> tuple[float, float]:
         """With one class to a structure: the smallest bound and base of any class the
-        open levels may add (as many of its pipelines as fit: alone, fewer are slower)."""
+        open levels may add (as many of its pipelines as fit: alone, fewer are slower).
+        The classes are bounded in order of a cheap floor, n pipelines finishing the
+        micro-batches at their least period after their least fill (`_core` is no
+        lower), until that floor reaches the smallest bound found: the rest cannot
+        be smaller, in bound or base (a base is at most its bound)."""
         key = tuple(open_levels)
         if key not in self._alone:
-            options = []
+            options, floors = [], []
+            devices = np.array([float(self.devices[k]) for k in self.kinds])
             for level in open_levels:
-                for f in self.levels[level]:
-                    n = min([f.n_max, self.m] + [self.devices[k] // (f.types.count(k) * f.tp)
-                                                 for k in set(f.types)])
-                    if n >= 1 and np.isfinite(f.min_busy):
-                        options.append((f, n))
-            full, base = self.many([], options, (), True) if options else ([INF], [INF])
-            self._alone[key] = (float(np.min(full)), float(np.min(base)))
+                if not self.levels[level]:
+                    continue
+                counts, *_, inv_busy, total = self._level(level)
+                fit = np.where(counts > 0, np.floor(devices / np.where(counts > 0, counts, 1.0)),
+                               INF).min(axis=1)
+                n = np.minimum(np.minimum(self._n_max(level), self.m), fit)
+                floor = total + (self.m / np.maximum(n, 1.0) - 1) / np.where(
+                    inv_busy > 0, inv_busy, 1.0)
+                for i in np.flatnonzero((n >= 1) & (inv_busy > 0)):
+                    options.append((self.levels[level][i], int(n[i])))
+                    floors.append(floor[i])
+            order = np.argsort(floors, kind="stable")
+            full, base, done, size = INF, INF, 0, 64
+            while done < len(order) and floors[order[done]] < full:
+                chunk = [options[i] for i in order[done:done + size] if floors[i] < full]
+                bounds, bases = self.many([], chunk, (), True)
+                full, base = min(full, float(np.min(bounds))), min(base, float(np.min(bases)))
+                done, size = done + size, 4 * size
+            self._alone[key] = (full, base)
         return self._alone[key]
 
     def _joiner(self, open_levels: Sequence[int]) -> tuple[float, np.ndarray] | None:
@@ -976,6 +989,14 @@ class Bound:
         last = [fixed[-1]] if fixed else [(None, 0)]
         full, base = self.many(fixed[:-1], last, open_levels, fewer, at_least)
         return float(full[0]), float(base[0])
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _devices_per_pipeline(kinds: tuple[str, ...], types: tuple[str, ...], tp: int
+                          ) -> np.ndarray:
+    """Devices of each of `kinds` a pipeline of these stage types takes (cached across
+    configurations and searches: the same families recur; read only)."""
+    return np.array([types.count(k) * tp for k in kinds], dtype=float)
 
 
 def _catch_up(times: np.ndarray, after: np.ndarray, short_after: np.ndarray,
