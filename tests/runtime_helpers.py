@@ -54,14 +54,17 @@ def tiny_plan(cluster: str, *, tp: int = 1, pp: int = 1, dp: int = 1, micro_batc
     return plan
 
 
-def solver_plan(cluster: str, *, batch: int = 8, **limits: Any) -> Plan:
-    """The solver's plan for gpt-tiny (fp32, sequence 32) under these limits."""
+def solver_plan(cluster: str, *, batch: int = 8, zeros: Sequence[int] = (0, 1, 2, 3),
+                **limits: Any) -> Plan:
+    """The solver's plan for gpt-tiny (fp32, sequence 32) under these limits and ZeRO
+    stages."""
     from cost_models.cluster import load_cluster
-    from planner.solver import Limits, SolveOptions, solve
+    from planner.solver import Limits, SolveOptions, Space, solve
     from planner.types import TrainingSpec
 
     training = TrainingSpec(global_batch=batch, seq_len=SEQ, dtype="fp32")
-    options = SolveOptions(limits=Limits(**limits), with_baselines=False)
+    options = SolveOptions(limits=Limits(**limits), space=Space(zeros=tuple(zeros)),
+                           with_baselines=False)
     return solve(_traced(), load_cluster(cluster), training, options)[0]
 
 

@@ -134,6 +134,17 @@ def test_an_interleaved_solver_plan_with_uneven_chunks(tmp_path):
     _check_against_reference(plan, _run(tmp_path, plan))
 
 
+def test_an_interleaved_solver_plan_on_zero3(tmp_path):
+    """Each chunk of an interleaved stage is its own FSDP unit: it gathers its weights
+    around its forward and backward and reduce-scatters its gradients."""
+    plan = solver_plan("1x4xcpu", batch=8, interleave=2, pp=2, dp=2, micro_batch=1,
+                       zeros=(3,))
+    assert {p.schedule for p in plan.pipelines} == {Schedule.INTERLEAVED}
+    assert {s.zero for p in plan.pipelines for s in p.stages} == {3}
+    summary = _check_against_reference(plan, _run(tmp_path, plan))
+    assert not any("ZeRO-3 ran as ZeRO-2" in note for note in summary["notes"])
+
+
 def test_pipelines_of_different_tensor_parallel_degrees(tmp_path):
     """Pipeline 0 runs the whole model on two tensor-parallel ranks, pipeline 1 on two
     stages of one device each: the blocks' gradients are summed between a sharded and an

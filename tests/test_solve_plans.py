@@ -498,8 +498,6 @@ def test_stage_pins_place_the_first_and_last_stages(tmp_path):
      "cannot cut the model's 6 layers into 4 equal rounds"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--interleave", "2", "--pp", "1"],
      "contradicts --pp 1"),
-    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--interleave", "2", "--zero", "3"],
-     "runs without ZeRO"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--max-interleave", "0"],
      "--max-interleave must be at least 1"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--schedule", "gpipe", "--pp", "1"],

@@ -102,9 +102,10 @@ def test_classes_of_different_degrees_beat_one_degree():
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_search_equals_brute_force_interleaved(seed):
-    """Two chunks per device only: every round cut alike, ZeRO-free, pipelines of
-    several stages running whole multiples of their stages (random instances rarely
-    pick it when plain 1F1B may compete)."""
+    """Two chunks per device only: every round cut alike, ZeRO in structures of one
+    class (each chunk gathering its own weights on ZeRO-3), pipelines of several
+    stages running whole multiples of their stages (random instances rarely pick it
+    when plain 1F1B may compete)."""
     table, batch, limits = random_instance(random.Random(seed))
     if table.num_layers % 2:
         table = random_table(seed, layers=table.num_layers + 1,

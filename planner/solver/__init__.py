@@ -62,7 +62,7 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         if value is not None and value < 1:
             raise PlannerError("bad-option", f"{flag} must be at least 1 (got {value}).")
     _check_schedule(limits)
-    _check_interleave(limits, options.space, len(model.layers))
+    _check_interleave(limits, len(model.layers))
     # --max-stages bounds a free --pp; only one the user changed contradicts a fixed one
     if (limits.pp is not None and limits.max_stages < limits.pp
             and limits.max_stages != Limits().max_stages):
@@ -140,16 +140,11 @@ def _check_schedule(limits: Limits) -> None:
                            "contradicts --pp 1.", ["drop one of them"])
 
 
-def _check_interleave(limits: Limits, space: Space, layers: int) -> None:
-    """A fixed chunk count must cut the layers into equal rounds, over several stages,
-    without ZeRO."""
+def _check_interleave(limits: Limits, layers: int) -> None:
+    """A fixed chunk count must cut the layers into equal rounds, over several stages."""
     v = limits.interleave
     if v is None or v == 1:
         return
-    if 0 not in space.zeros:
-        raise PlannerError("bad-option", f"--interleave {v} runs without ZeRO (each chunk "
-                           "would gather and reduce-scatter on its own), which contradicts "
-                           f"--zero {max(space.zeros)}.", ["drop one of them"])
     if limits.pp == 1:
         raise PlannerError("bad-option", f"--interleave {v} needs pipelines of several "
                            "stages, which contradicts --pp 1.", ["drop one of them"])

@@ -272,18 +272,16 @@ def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config,
                microbatches: int) -> Space | None:
     """The choices a structure's classes have: ZeRO shards a stage only among replicas
     holding layers no other stage holds (the runtime keeps the rest out of FSDP), and
-    with two classes every layer has two holders, so they run without ZeRO; so do
-    interleaved pipelines, in this search (each chunk gathers and reduce-scatters on
-    its own, which the stage's ZeRO-3 price does not model, and ZeRO-free they are
-    searched in the part whose bounds are tight, `search._parts`). ZeRO-3 gathers the
-    weights around every forward, a collective all replicas must join as often, so it
-    needs the class's pipelines to run the same number of micro-batches (the runtime
-    runs it as ZeRO-2 otherwise). GPipe runs structures of one class only (its
+    with two classes every layer has two holders, so they run without ZeRO (with one,
+    an interleaved stage shards each of its chunks). ZeRO-3 gathers the weights around
+    every forward, a collective all replicas must join as often, so it needs the
+    class's pipelines to run the same number of micro-batches (the runtime runs it as
+    ZeRO-2 otherwise). GPipe runs structures of one class only (its
     pipelines hold all their micro-batches, a count known before the shares only there).
     None if nothing is left of what the user allowed."""
     if config.gpipe and len(shapes) > 1:
         return None
-    if len(shapes) > 1 or config.interleave > 1:
+    if len(shapes) > 1:
         space = dataclasses.replace(space, zeros=tuple(z for z in space.zeros if z == 0))
     elif 3 in space.zeros and microbatches % shapes[0].n:
         space = dataclasses.replace(space, zeros=tuple(z for z in space.zeros if z != 3))

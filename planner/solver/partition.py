@@ -130,13 +130,20 @@ class ClassCosts:
                 if key not in self._hw:
                     send = self.send[t][None, :]
                     hop = 2 * send if self.gpipe else send
-                    if v > 1:  # (interleaved structures run ZeRO-free: no gathers)
-                        fwd = self.parts[t]["fwd"]
-                        hop = self.busy[t] - (fwd[None, :] - fwd[:, None]) + v * send
+                    if v > 1:  # the backward: busy less the forward (and its gather)
+                        hop = self.busy[t] - self.forward(t) + v * send
                     self._hw[key] = (np.maximum(self.busy[t], hop),
                                      self.busy[t] / v + ways * send)
                 self._stage_hw.append(self._hw[key])
         return self._stage_hw[s]
+
+    def forward(self, s: int) -> np.ndarray:
+        """Per layer range [a, b) of stage s, the forward seconds of its option: on
+        ZeRO-3, with the gather before it (`split_at`)."""
+        zero3 = [i for i, o in enumerate(self.options) if o.zero == 3]
+        fwd = self.parts[s]["fwd"]
+        return (fwd[None, :] - fwd[:, None]
+                + np.where(np.isin(self.option[s], zero3), self.parts[s]["gather"], 0.0))
 
     def solve(self, bound: float) -> tuple[float, list[np.ndarray]]:
         """G(bound) and the argmin tables to rebuild the split."""
@@ -203,12 +210,9 @@ class ClassCosts:
         whichever is longer) and beta (the backward or the send); infinite where
         nothing fits. ZeRO-3 gathers once for the forward and twice more for the
         backward, which also holds recompute."""
-        zero3 = [i for i, o in enumerate(self.options) if o.zero == 3]
         phi, beta = [], []
         for s in range(self.stages):
-            busy, p, send = self.busy[s], self.parts[s], self.send[s][None, :]
-            fwd = (p["fwd"][None, :] - p["fwd"][:, None]
-                   + np.where(np.isin(self.option[s], zero3), p["gather"], 0.0))
+            busy, send, fwd = self.busy[s], self.send[s][None, :], self.forward(s)
             phi.append(np.where(np.isfinite(busy), np.maximum(fwd, send), INF))
             beta.append(np.maximum(busy - fwd, send))
         return phi, beta
@@ -481,7 +485,8 @@ def _activation_ranges(table: CostTable, tp: int, mb: int) -> tuple:
 def _gathers(table: CostTable, gather: tuple[float, float]) -> np.ndarray:
     """Seconds of one ZeRO-3 all-gather of the weights of every layer range [a, b)
     (cached): each of the tp ranks gathers its shard, together the whole stage, but
-    for the tied weights it owns, which ZeRO-3 keeps whole (`CostTable.zero_kept`)."""
+    for the tied weights it owns, which ZeRO-3 keeps whole (`CostTable.zero_kept`).
+    With v chunks per device (a folded table) each chunk gathers its own: v latencies."""
     key = ("gathers", gather)
     if key not in table.cache:
         params = np.concatenate([[0.0], np.cumsum(table.params)])
@@ -490,8 +495,8 @@ def _gathers(table: CostTable, gather: tuple[float, float]) -> np.ndarray:
         for owner, weights in table.tied_weights:
             sharded = sharded - weights * ((a <= owner) & (owner < b))
         weight_bytes = np.maximum(sharded, 0.0) * table.weight_bytes
-        table.cache[key] = (gather[0] + (gather[1] - gather[0]) * weight_bytes
-                            / ZERO_GATHER_REF) * (weight_bytes > 0)
+        table.cache[key] = (table.interleave * gather[0] + (gather[1] - gather[0])
+                            * weight_bytes / ZERO_GATHER_REF) * (weight_bytes > 0)
     return table.cache[key]
 
 
@@ -499,13 +504,19 @@ def zero3_first(table: CostTable, costs: ClassCosts, kind: str, *, tp: int, mb: 
                 gather: tuple[float, float]) -> ClassCosts:
     """The class's costs if its first stage (of type `kind`) must use ZeRO-3: no faster
     than before, nor than its layers plus three gathers per micro-batch. For bounds
-    only (the first stage's option indices are the unrestricted ones)."""
+    only: the first stage's option is a ZeRO-3 one everywhere (its recompute policy
+    may not be the one the busy time holds), so that the backward an interleaved
+    stage's period takes (`ClassCosts.h_w`) leaves out the forward's gather."""
     key = ("zero3 first", id(costs.busy[0]), kind, tp, mb, gather)
     if key not in table.cache:  # kept, as h_w caches by the array's id
         base = _prefixes(table, kind, tp, mb)[3]
+        zero3 = [i for i, o in enumerate(costs.options) if o.zero == 3]
         table.cache[key] = (costs.busy[0], np.maximum(
-            costs.busy[0], base + 3 * _gathers(table, gather)))
-    return dataclasses.replace(costs, busy=[table.cache[key][1], *costs.busy[1:]])
+            costs.busy[0], base + 3 * _gathers(table, gather)),
+            np.full_like(costs.option[0], zero3[0]) if zero3 else costs.option[0])
+    _, busy, option = table.cache[key]
+    return dataclasses.replace(costs, busy=[busy, *costs.busy[1:]],
+                               option=[option, *costs.option[1:]])
 
 
 def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: float,

@@ -116,7 +116,8 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
 def _gather(plan: Plan, layers: Sequence[Layer], stage: StagePlan, groups: _Groups,
             costs: CostModel) -> float:
     """Seconds of one ZeRO-3 all-gather of a stage's weights among its replicas (but
-    the tied weights it owns: ZeRO-3 keeps them whole)."""
+    the tied weights it owns: ZeRO-3 keeps them whole); interleaved, each chunk
+    gathers its own: a latency per chunk (as `partition._gathers`)."""
     group = CommGroup.of(groups.of(stage))
     held = stage.held()
     owned = {(owner, params) for layer in layers for owner, params in layer.tied
@@ -125,7 +126,7 @@ def _gather(plan: Plan, layers: Sequence[Layer], stage: StagePlan, groups: _Grou
               ) * plan_weight_bytes(plan)
     g0 = costs.collective_time(Collective.ALL_GATHER, 1.0, group)
     g1 = costs.collective_time(Collective.ALL_GATHER, ZERO_GATHER_REF, group)
-    return (g0 + (g1 - g0) * weight / ZERO_GATHER_REF) if weight else 0.0
+    return (len(stage.chunks) * g0 + (g1 - g0) * weight / ZERO_GATHER_REF) if weight else 0.0
 
 
 def _compute(chunk_layers: Sequence[Layer], node: NodeSpec, stage: StagePlan, mb: int,

@@ -30,10 +30,10 @@ the search early and reports the queue's best bound.
 
 The space is searched in two parts, each a tree of its own whose nodes share one
 queue (`_parts`): structures of several classes run without ZeRO (the runtime
-shards only layers one replica set holds), and so do interleaved ones, so one part
-bounds every structure as if ZeRO-free, which makes its families deeper and its
-bounds far tighter where the states are large; the other holds the structures of
-one class of 1F1B pipelines, with ZeRO allowed, and its nodes that fix a class are
+shards only layers one replica set holds), so one part bounds every structure as if
+ZeRO-free, which makes its families deeper and its bounds far tighter where the
+states are large; the other holds the structures of one class (1F1B, GPipe or
+interleaved pipelines), with ZeRO allowed, and its nodes that fix a class are
 leaves.
 """
 
@@ -74,8 +74,8 @@ SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class
                 "type; one tp degree (one per class with --tp-per-class), micro-batch size "
                 "and chunk count per plan, each allowed one tried; 1F1B, GPipe over several "
                 "stages in structures of one class, or "
-                "interleaved 1F1B over several stages with the same cuts in every round, "
-                "whole multiples of its stages in micro-batches and no ZeRO; exact layer "
+                "interleaved 1F1B over several stages with the same cuts in every round and "
+                "whole multiples of its stages in micro-batches; exact layer "
                 "splits and recompute per stage, ZeRO per stage in structures of one class "
                 "(ZeRO-3 where its pipelines run equal micro-batch counts); optimal "
                 "micro-batch shares")
@@ -177,8 +177,6 @@ class _Search:
         gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
         devices = {t.name: sum(t.node_devices) for t in table.types}
         for config in configs(table, batch, limits):
-            if single and config.interleave > 1:
-                continue  # interleaved pipelines run without ZeRO (`evaluate.zero_space`)
             if config.gpipe and not single:
                 continue  # GPipe runs structures of one class (`evaluate.zero_space`)
             tps = degrees(table, limits) if config.tp is None else [config.tp]
@@ -592,9 +590,8 @@ def _parts(space: Space, limits: Limits) -> list[bool]:
     """The search space in two parts with bounds of their own (True: the part of
     structures of one class). Structures of several classes run without ZeRO
     (`evaluate.zero_space`), so their part, which also holds the structures of one
-    class that run without it and every interleaved one, is bounded without ZeRO; the
-    structures of one class of 1F1B or GPipe pipelines are searched on their own with
-    every ZeRO stage allowed (GPipe's only there)."""
+    class that run without it, is bounded without ZeRO; the structures of one class
+    are searched on their own with every ZeRO stage allowed (GPipe's only there)."""
     gpipe = limits.schedule in (None, Schedule.GPIPE)
     return [single for single, wanted in ((False, 0 in space.zeros),
                                           (True, any(space.zeros) or gpipe)) if wanted]
