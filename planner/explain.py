@@ -314,11 +314,14 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
             link = inter.slowest(intra) if inter else intra
             m = max(p.num_microbatches for p in plan.pipelines)
             nbytes = params / s.tp * weight
+            chunks = [sum(layers[i].params for i in range(a, b)) / s.tp * weight
+                      for a, b in s.chunks]  # (interleaved, each chunk gathers its own)
             rows.append(TrafficRow(
                 kind="zero-3 gather", where=f"{layer_text}, {n} shards", link=link.name
                 if link else "-", bandwidth=link.bandwidth if link else 0.0,
                 bytes_per_step=3 * m * nbytes * (n - 1) / n,
-                seconds=3 * m * costs.collective_time(Collective.ALL_GATHER, nbytes, group)))
+                seconds=3 * m * sum(costs.collective_time(Collective.ALL_GATHER, c, group)
+                                    for c in chunks)))
     return rows
 
 

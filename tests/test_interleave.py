@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from cost_models.cluster import load_cluster
 from cost_models.comm import Collective, CommGroup
 from cost_models.model import AnalyticalCostModel
+from planner.explain import traffic
 from planner.models import model_spec
 from planner.runtime.layout import rank_layout
 from planner.solver import Limits, SolveOptions, Space, solve
@@ -120,6 +121,10 @@ def test_interleaved_zero3_gathers_each_chunk_on_its_own():
     ungathered = stage_timings(_zero(plan, 2), graph.layers, costs)[0][1]
     assert gathered.fwd - ungathered.fwd == pytest.approx(
         2 * g0 + (g1 - g0) * weight / ZERO_GATHER_REF, rel=1e-9)
+    # `planner explain`'s traffic table too: two gathers per forward, not one
+    m = plan.pipelines[0].num_microbatches
+    row = [r for r in traffic(plan, graph.layers, costs) if r.kind == "zero-3 gather"][1]
+    assert row.seconds > 3 * m * costs.collective_time(Collective.ALL_GATHER, weight, group)
 
 
 def _zero(plan, zero):
