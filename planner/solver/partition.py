@@ -137,13 +137,17 @@ class ClassCosts:
                 self._stage_hw.append(self._hw[key])
         return self._stage_hw[s]
 
+    @property
+    def zero3_options(self) -> list[int]:
+        """The indices of `options` on ZeRO-3."""
+        return [i for i, o in enumerate(self.options) if o.zero == 3]
+
     def forward(self, s: int) -> np.ndarray:
         """Per layer range [a, b) of stage s, the forward seconds of its option: on
         ZeRO-3, with the gather before it (`split_at`)."""
-        zero3 = [i for i, o in enumerate(self.options) if o.zero == 3]
         fwd = self.parts[s]["fwd"]
-        return (fwd[None, :] - fwd[:, None]
-                + np.where(np.isin(self.option[s], zero3), self.parts[s]["gather"], 0.0))
+        return (fwd[None, :] - fwd[:, None] + np.where(
+            np.isin(self.option[s], self.zero3_options), self.parts[s]["gather"], 0.0))
 
     def solve(self, bound: float) -> tuple[float, list[np.ndarray]]:
         """G(bound) and the argmin tables to rebuild the split."""
@@ -510,7 +514,7 @@ def zero3_first(table: CostTable, costs: ClassCosts, kind: str, *, tp: int, mb: 
     key = ("zero3 first", id(costs.busy[0]), kind, tp, mb, gather)
     if key not in table.cache:  # kept, as h_w caches by the array's id
         base = _prefixes(table, kind, tp, mb)[3]
-        zero3 = [i for i, o in enumerate(costs.options) if o.zero == 3]
+        zero3 = costs.zero3_options
         table.cache[key] = (costs.busy[0], np.maximum(
             costs.busy[0], base + 3 * _gathers(table, gather)),
             np.full_like(costs.option[0], zero3[0]) if zero3 else costs.option[0])
