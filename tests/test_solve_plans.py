@@ -478,6 +478,8 @@ def test_stage_pins_place_the_first_and_last_stages(tmp_path):
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--micro-batch", "0"],
      "--micro-batch must be at least 1"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "3"], "use one of --tp 1, 2, 4"),
+    (["estimate", "gpt-tiny", "--cluster", "1x6xA100-40G", "--tp", "4", "--pp", "1"],
+     "use one of --tp 1, 2"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--dp", "9"],
      "--dp 9 pipelines need 9 devices, but the usable nodes"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--pp", "3", "--max-stages", "2"],

@@ -79,11 +79,12 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
     biggest = max(n.devices for n in cluster.nodes)
     fitting = [t for t in (1, 2, 4, 8, 16) if t <= biggest]
     if not any(n.devices % tp == 0 for n in cluster.nodes):
+        dividing = [t for t in fitting if any(n.devices % t == 0 for n in cluster.nodes)]
         raise PlannerError(
             "bad-option", f"--tp {tp} does not fit any node of cluster {cluster.name}: its "
             f"nodes have {sorted({n.devices for n in cluster.nodes})} devices, and tensor "
-            "parallelism stays inside a node.",
-            [f"use --tp {max(fitting)} or less"])
+            "parallelism stays inside a node and splits it evenly.",
+            [f"use one of --tp {', '.join(map(str, dividing))}"])
     check_tp_divides(layers, tp, fitting)
     if pp > len(layers):
         raise PlannerError("bad-option", f"--pp {pp} is more stages than the model has layers "
