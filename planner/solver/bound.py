@@ -166,56 +166,87 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         return (types, n_max) if limits.allows(types) else None
 
     def homogeneous(kind: str) -> list[Family]:
+        key = ("homogeneous shapes", tp, kind, lengths(), limits.first_stage,
+               limits.last_stage, space.zeros)
+        if key not in table.cache:  # (the same at every micro-batch size)
+            table.cache[key] = [(s, found) for s in lengths()
+                                if s <= slots[kind] and (found := fits([(kind, s)]))]
         out = []
-        for s in lengths():
-            if s <= slots[kind] and (found := fits([(kind, s)])):
-                total = work[kind] + float(recompute(
-                    kind, held[-1] * state_bytes(found[1]), kept_acts[-1], np.array(s),
-                    np.array(in_flight(s - 1, s, runs(found[1]), config.schedule,
-                                       config.interleave))))
-                period = max(total / s, largest_layer[kind, kind])
-                out.append(Family(types=found[0], tp=tp, n_max=found[1], min_busy=period,
-                                  total=fill(total, period)))
+        for s, found in table.cache[key]:
+            total = work[kind] + float(recompute(
+                kind, held[-1] * state_bytes(found[1]), kept_acts[-1], np.array(s),
+                np.array(in_flight(s - 1, s, runs(found[1]), config.schedule,
+                                   config.interleave))))
+            period = max(total / s, largest_layer[kind, kind])
+            out.append(Family(types=found[0], tp=tp, n_max=found[1], min_busy=period,
+                              total=fill(total, period)))
         return out
+
+    def shapes(a: str, b: str) -> tuple:
+        """The families of a block of type a then one of type b that fit, with their
+        block lengths (ca, cb), the bytes of states their first j layers need, and
+        which split points j leave every stage a layer and each block room for its
+        states: the same at every micro-batch size (cached in the table)."""
+        key = ("mixed shapes", tp, a, b, lengths(), limits.first_stage, limits.last_stage,
+               space.zeros)
+        if key not in table.cache:
+            kept = [(found, ca, total - ca) for total in lengths()
+                    for ca in range(1, min(total, slots[a] + 1))
+                    if 1 <= total - ca <= slots[b]
+                    and (found := fits([(a, ca), (b, total - ca)]))]
+            ca = np.array([float(ca) for _, ca, _ in kept])[:, None]
+            cb = np.array([float(cb) for _, _, cb in kept])[:, None]
+            need = held[None, :] * np.array([state_bytes(found[1])
+                                             for found, _, _ in kept])[:, None]
+            j = np.arange(table.num_layers + 1)[None, :]
+            ok = ((j >= ca) & (j <= table.num_layers - cb) & (need <= ca * rooms[a])
+                  & (need[:, -1:] - need <= cb * rooms[b]))
+            table.cache[key] = kept, ca, cb, need, ok
+        return table.cache[key]
+
+    def flights(a: str, b: str, kept: list, ca: np.ndarray, cb: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Micro-batches the first stage of each family's blocks holds at least (cached
+        where they do not depend on the micro-batch count: all but GPipe)."""
+        counts = tuple(runs(found[1]) for found, _, _ in kept)
+        key = ("mixed flights", tp, a, b, lengths(), limits.first_stage, limits.last_stage,
+               space.zeros, config.schedule, config.interleave, counts)
+        if key not in table.cache:
+            ends = (ca + cb)[:, 0].astype(int).tolist()
+
+            def held_by(starts: list[int]) -> np.ndarray:
+                return np.array([float(in_flight(s, e, m, config.schedule, config.interleave))
+                                 for s, e, m in zip(starts, ends, counts, strict=True)])[:, None]
+
+            table.cache[key] = (held_by([int(c) - 1 for c in ca[:, 0]]),
+                                held_by([e - 1 for e in ends]))
+        return table.cache[key]
 
     def mixed(a: str, b: str) -> list[Family]:
         """All families of a block of type a then one of type b at once: a row per
         family, a column per split point j."""
-        kept = [(found, ca, total - ca) for total in lengths()
-                for ca in range(1, min(total, slots[a] + 1)) if 1 <= total - ca <= slots[b]
-                and (found := fits([(a, ca), (b, total - ca)]))]
-        if not kept:
+        kept, ca, cb, need, ok = shapes(a, b)
+        live = np.flatnonzero(ok.any(axis=1))
+        if not len(live):
             return []
-        ca = np.array([float(ca) for _, ca, _ in kept])[:, None]
-        cb = np.array([float(cb) for _, _, cb in kept])[:, None]
-        need = held[None, :] * np.array([state_bytes(found[1]) for found, _, _ in kept])[:, None]
-        j = np.arange(table.num_layers + 1)[None, :]
-        ok = ((j >= ca) & (j <= table.num_layers - cb) & (need <= ca * rooms[a])
-              & (need[:, -1:] - need <= cb * rooms[b]))
-        counts = [runs(found[1]) for found, _, _ in kept]
-        first = np.array([float(in_flight(int(c) - 1, int(c + d), m, config.schedule,
-                                          config.interleave))
-                          for c, d, m in zip(ca[:, 0], cb[:, 0], counts, strict=True)])[:, None]
-        last = np.array([float(in_flight(int(c + d) - 1, int(c + d), m, config.schedule,
-                                         config.interleave))
-                         for c, d, m in zip(ca[:, 0], cb[:, 0], counts, strict=True)])[:, None]
+        first, last = flights(a, b, kept, ca, cb)
+        ca, cb, need, ok, first, last = (x[live] for x in (ca, cb, need, ok, first, last))
         head = prefix[a][None, :] + recompute(a, need, kept_acts[None, :], ca, first)
         tail = (work[b] - prefix[b])[None, :] + recompute(
             b, need[:, -1:] - need, kept_acts[-1] - kept_acts[None, :], cb, last)
         total = np.where(ok, head + tail, INF).min(axis=1)
-        busiest = np.where(ok, np.maximum(head / ca, tail / cb), INF).min(axis=1)
-        return [Family(types=found[0], tp=tp, n_max=found[1],
-                       total=fill(float(t), max(float(m), largest_layer[a, b])),
-                       min_busy=max(float(m), largest_layer[a, b]))
-                for (found, _, _), t, m, live in zip(kept, total, busiest, ok.any(axis=1),
-                                                     strict=True) if live]
+        period = np.maximum(np.where(ok, np.maximum(head / ca, tail / cb), INF).min(axis=1),
+                            largest_layer[a, b])
+        return [Family(types=kept[i][0][0], tp=tp, n_max=kept[i][0][1], total=t, min_busy=m)
+                for i, t, m in zip(live.tolist(), fill(total, period).tolist(),
+                                   period.tolist(), strict=True)]
 
-    def fill(busy: float, period: float) -> float:
+    def fill(busy: float | np.ndarray, period: float | np.ndarray) -> float | np.ndarray:
         """The least fill of a pipeline whose stages are busy this long in all and whose
         period is at least `period`: the busy time, or interleaved (`timing.py`) its
         1/v plus (1 - 1/v) periods."""
         v = config.interleave
-        return busy / v + (1 - 1 / v) * period
+        return busy if v == 1 else busy / v + (1 - 1 / v) * period
 
     def lengths() -> range:
         return stage_counts(limits, config, longest)

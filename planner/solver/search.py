@@ -601,7 +601,7 @@ def _least_degrees(levels: list[list[Family]]) -> dict[str, int]:
     """Per device type, the smallest tensor-parallel degree of a family that uses it."""
     least: dict[str, int] = {}
     for f in (f for level in levels for f in level if f.min_busy < INF):
-        for kind in f.types:
+        for kind in (f.types[0], f.types[-1]):  # (a family has one or two blocks)
             least[kind] = min(least.get(kind, f.tp), f.tp)
     return least
 
