@@ -165,9 +165,13 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         types = tuple(k for k, c in blocks for _ in range(c))
         return (types, n_max) if limits.allows(types) else None
 
+    def cached(*what: object) -> tuple:
+        """A table cache key of what the patterns that fit depend on besides `what`:
+        not the micro-batch size."""
+        return (*what, tp, lengths(), limits.first_stage, limits.last_stage, space.zeros)
+
     def homogeneous(kind: str) -> list[Family]:
-        key = ("homogeneous shapes", tp, kind, lengths(), limits.first_stage,
-               limits.last_stage, space.zeros)
+        key = cached("homogeneous shapes", kind)
         if key not in table.cache:  # (the same at every micro-batch size)
             table.cache[key] = [(s, found) for s in lengths()
                                 if s <= slots[kind] and (found := fits([(kind, s)]))]
@@ -187,8 +191,7 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         block lengths (ca, cb), the bytes of states their first j layers need, and
         which split points j leave every stage a layer and each block room for its
         states: the same at every micro-batch size (cached in the table)."""
-        key = ("mixed shapes", tp, a, b, lengths(), limits.first_stage, limits.last_stage,
-               space.zeros)
+        key = cached("mixed shapes", a, b)
         if key not in table.cache:
             kept = [(found, ca, total - ca) for total in lengths()
                     for ca in range(1, min(total, slots[a] + 1))
@@ -209,8 +212,7 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         """Micro-batches the first stage of each family's blocks holds at least (cached
         where they do not depend on the micro-batch count: all but GPipe)."""
         counts = tuple(runs(found[1]) for found, _, _ in kept)
-        key = ("mixed flights", tp, a, b, lengths(), limits.first_stage, limits.last_stage,
-               space.zeros, config.schedule, config.interleave, counts)
+        key = cached("mixed flights", a, b, config.schedule, config.interleave, counts)
         if key not in table.cache:
             ends = (ca + cb)[:, 0].astype(int).tolist()
 
