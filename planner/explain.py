@@ -361,6 +361,29 @@ def why_slower(best: CostBreakdown, other: CostBreakdown) -> str:
     return text
 
 
+def _shared_card(plan: Plan) -> tuple[str, int] | None:
+    """The node that takes part in the most gradient all-reduces across nodes (the
+    all-reduce of each stage's gradients among every stage holding its first layer;
+    ZeRO-3 stages only where other classes hold it too), and how many, if several."""
+    stages = [s for p in plan.pipelines for s in p.stages]
+    groups = set()
+    for s in stages:
+        holders = frozenset(x.devices.node for x in stages if x.holds(s.layers[0]))
+        replicas = [x for x in stages
+                    if (x.layers, x.device_type, x.tp) == (s.layers, s.device_type, s.tp)]
+        synced = s.zero < 3 or len(replicas) < sum(x.holds(s.layers[0]) for x in stages)
+        if synced and len(holders) > 1:
+            groups.add((s.layers[0], holders))
+    counts: dict[str, int] = {}
+    for _, holders in groups:
+        for name in holders:
+            counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        return None
+    name = max(sorted(counts), key=counts.__getitem__)
+    return (name, counts[name]) if counts[name] > 1 else None
+
+
 def _memory_without(plan: Plan, pipe_index: int, stage: StagePlan, layers: Sequence[Layer],
                     costs: CostModel, **change: object) -> float:
     pipe = plan.pipelines[pipe_index]
@@ -485,6 +508,14 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
         reasons.append(Reason("communication", (
             f"{TERM_WORDS[worst_comm].capitalize()} takes {comm[worst_comm]:.0%} of the step: "
             f"{link_hint} would help (try a what-if on the link bandwidth).")))
+    card = _shared_card(plan)
+    if card is not None and shares["dp_comm"] > 0:
+        name, count = card
+        reasons.append(Reason("communication", (
+            f"Node {name} takes part in {count} gradient all-reduces across nodes, which run "
+            f"at the same time; the prediction prices each as if it had the node's network "
+            f"card to itself (docs/clusters.md), so the gradient sync "
+            f"({fmt_seconds(pred.dp_comm)}) may take up to {count}x as long.")))
     if shares["bubble"] >= 0.1:
         reasons.append(Reason("bubble", (
             f"Pipeline fill and drain cost {shares['bubble']:.0%} of the step: pipeline "

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from cost_models.cluster import load_cluster
 from cost_models.model import AnalyticalCostModel
 from planner.errors import PlannerError
 from planner.explain import analysis_dict, analyze, check_layers, retrace, why_slower
@@ -27,8 +28,8 @@ from planner.session import Session
 from planner.solver.timing import StageTiming
 from planner.solver.uniform import uniform_plan
 from planner.timeline import Run, lay_out, text_rows, to_svg
-from planner.trace import trace_loaded
-from planner.types import Schedule
+from planner.trace import trace_loaded, trace_model
+from planner.types import Schedule, TrainingSpec
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = DATA / "golden"
@@ -227,3 +228,23 @@ def test_rich_gantt_and_compare_golden():
              read_plan(DATA / "plans" / "tp2-slow-net.json")]
     console.print(compare_table(compare(plans), ["base", "tp2-slow-net"], title="compare"))
     golden("gantt_and_compare.txt", console.export_text())
+
+
+def test_explain_warns_when_gradient_all_reduces_share_a_network_card():
+    """Pipelines laid out one per node put each stage's replicas on both nodes: the two
+    stages' gradient all-reduces cross the same cards at once, which the prediction
+    prices as if each had a card to itself; explain says so. On one node nothing
+    crosses a card, and it says nothing."""
+    graph = trace_model(model_spec("gpt2-small", {"layers": 2}), seq_len=128, dtype="fp16")
+    training = TrainingSpec(global_batch=8, seq_len=128, dtype="fp16")
+
+    def reasons(cluster_text: str) -> list[str]:
+        cluster = load_cluster(cluster_text)
+        costs = AnalyticalCostModel(cluster)
+        plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                            training=training, costs=costs, tp=1, pp=2, dp=2, micro_batch=1)
+        return [r.text for r in analyze(plan, graph.layers, costs).explanation.reasons]
+
+    shared = [t for t in reasons("2x2xA100-40G@1Gbps") if "network card" in t]
+    assert len(shared) == 1 and "2 gradient all-reduces across nodes" in shared[0]
+    assert not [t for t in reasons("1x4xA100-40G") if "network card" in t]
