@@ -366,14 +366,16 @@ def _shared_card(plan: Plan) -> tuple[str, int] | None:
     all-reduce of each stage's gradients among every stage holding its first layer;
     ZeRO-3 stages only where other classes hold it too), and how many, if several."""
     stages = [s for p in plan.pipelines for s in p.stages]
-    groups = set()
+    holding: dict[int, list[str]] = {}  # per first layer, the nodes of its holders
+    replicas: dict[tuple, int] = {}
     for s in stages:
-        holders = frozenset(x.devices.node for x in stages if x.holds(s.layers[0]))
-        replicas = [x for x in stages
-                    if (x.layers, x.device_type, x.tp) == (s.layers, s.device_type, s.tp)]
-        synced = s.zero < 3 or len(replicas) < sum(x.holds(s.layers[0]) for x in stages)
-        if synced and len(holders) > 1:
-            groups.add((s.layers[0], holders))
+        if s.layers[0] not in holding:
+            holding[s.layers[0]] = [x.devices.node for x in stages if x.holds(s.layers[0])]
+        key = (s.layers, s.device_type, s.tp)
+        replicas[key] = replicas.get(key, 0) + 1
+    groups = {(s.layers[0], frozenset(holding[s.layers[0]])) for s in stages
+              if (s.zero < 3 or replicas[s.layers, s.device_type, s.tp]
+                  < len(holding[s.layers[0]])) and len(set(holding[s.layers[0]])) > 1}
     counts: dict[str, int] = {}
     for _, holders in groups:
         for name in holders:
