@@ -20,7 +20,7 @@ from cost_models.comm import Collective, CommGroup, group_links
 from cost_models.model import AnalyticalCostModel, CostModel
 from planner.dtypes import dtype_bytes
 from planner.errors import PlannerError
-from planner.solver.predict import pipeline_times, stage_timings
+from planner.solver.predict import Holders, pipeline_times, stage_timings
 from planner.solver.timing import in_flight
 from planner.timeline import Timeline, build_timeline, ranges, timeline_dict
 from planner.types import CostBreakdown, Layer, ModelGraph, Plan, Recompute, StagePlan
@@ -365,19 +365,13 @@ def _shared_card(plan: Plan) -> tuple[str, int] | None:
     """The node that takes part in the most gradient all-reduces across nodes (the
     all-reduce of each stage's gradients among every stage holding its first layer;
     ZeRO-3 stages only where other classes hold it too), and how many, if several."""
-    stages = [s for p in plan.pipelines for s in p.stages]
-    holding: dict[int, list[str]] = {}  # per first layer, the nodes of its holders
-    replicas: dict[tuple, int] = {}
-    for s in stages:
-        if s.layers[0] not in holding:
-            holding[s.layers[0]] = [x.devices.node for x in stages if x.holds(s.layers[0])]
-        key = (s.layers, s.device_type, s.tp)
-        replicas[key] = replicas.get(key, 0) + 1
-    groups = {(s.layers[0], frozenset(holding[s.layers[0]])) for s in stages
-              if (s.zero < 3 or replicas[s.layers, s.device_type, s.tp]
-                  < len(holding[s.layers[0]])) and len(set(holding[s.layers[0]])) > 1}
+    held = Holders(plan)  # (`predict.sync_and_optimizer`'s groups)
+    groups = {(s.layers[0], frozenset(held.holders(s.layers[0]))) for s in held.stages
+              if s.zero < 3 or len(held.holders(s.layers[0])) > len(held.of(s))}
     counts: dict[str, int] = {}
     for _, holders in groups:
+        if len(holders) < 2:
+            continue
         for name in holders:
             counts[name] = counts.get(name, 0) + 1
     if not counts:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from planner.simulate import Simulation
 
 
-class _Groups:
+class Holders:
     """Who holds what: a stage's replicas (its ZeRO group) and a layer's holders."""
 
     def __init__(self, plan: Plan) -> None:
@@ -54,7 +54,7 @@ class _Groups:
         return self._holders[layer]
 
 
-def _split_ties(layers: Sequence[Layer], groups: _Groups
+def _split_ties(layers: Sequence[Layer], groups: Holders
                 ) -> list[tuple[int, tuple[int, ...], int, list[str]]]:
     """(owner, readers, parameters, holders) of each tied weight some stage holds part
     of (the owner or a reader without the rest): its gradient is summed over every stage
@@ -77,7 +77,7 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
                   ) -> list[list[StageTiming]]:
     """Seconds per micro-batch of every stage of every pipeline."""
     cluster, dtype = costs.cluster, plan.training.dtype
-    groups = _Groups(plan)
+    groups = Holders(plan)
     out = []
     compute: dict[tuple, tuple[float, float, float, float]] = {}  # stages repeat across replicas
     gathers: dict[tuple, float] = {}  # one ZeRO-3 group's gather
@@ -113,7 +113,7 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
     return out
 
 
-def _gather(plan: Plan, layers: Sequence[Layer], stage: StagePlan, groups: _Groups,
+def _gather(plan: Plan, layers: Sequence[Layer], stage: StagePlan, groups: Holders,
             costs: CostModel) -> float:
     """Seconds of one ZeRO-3 all-gather of a stage's weights among its replicas (but
     the tied weights it owns: ZeRO-3 keeps them whole); interleaved, each chunk
@@ -155,7 +155,7 @@ def plan_weight_bytes(plan: Plan) -> float:
 def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
                        ) -> tuple[float, float]:
     grad = plan.training.optimizer.grad_bytes or plan_weight_bytes(plan)
-    groups = _Groups(plan)
+    groups = Holders(plan)
     ties = [(owner, readers, weights, costs.collective_time(
                 Collective.ALL_REDUCE, weights * grad, CommGroup.of(holders)))
             for owner, readers, weights, holders in _split_ties(layers, groups)]
