@@ -393,6 +393,67 @@ def test_pipelines_that_change_type_share_the_cards_there(seed):
         previous = bounded
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10**9))
+def test_least_largest_parts_are_those_of_every_cut(seed):
+    """`bound._least_largest_parts`: for every part count and layer boundary, the least
+    largest busy time over every cut of the layers before it, and after it, into that
+    many parts (a hair lower against rounding)."""
+    from planner.solver.bound import _least_largest_parts
+
+    rng = random.Random(seed)
+    layers = rng.randint(1, 7)
+    table = random_table(seed, layers=layers, types=[("t0", [2])])
+    costs = table.costs("t0", 1, 1)
+    busy = costs.fwd + costs.bwd
+    heads, tails = _least_largest_parts(table, "t0", 1, 1, layers)
+
+    def least(lo, hi, parts):
+        cuts = itertools.combinations(range(lo + 1, hi), parts - 1)
+        return min((max(busy[a:b].sum() for a, b in itertools.pairwise((lo, *c, hi)))
+                    for c in cuts), default=float("inf")) if hi > lo else float("inf")
+
+    for parts in range(1, layers + 1):
+        for j in range(layers + 1):
+            for got, want in ((heads[parts - 1, j], least(0, j, parts)),
+                              (tails[parts - 1, j], least(j, layers, parts))):
+                assert got == want == float("inf") or got == pytest.approx(want, rel=1e-8)
+                assert got <= want
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_every_split_is_within_its_familys_first_bounds(seed):
+    """A family's bounds from per-layer times alone (before `tighten`) hold for every
+    split of its pipelines on the terms `tighten` prices them (no placement does
+    better): no split has a shorter bottleneck or a smaller fill, homogeneous or mixed,
+    interleaved or not, with memory tight enough to need recompute."""
+    from planner.solver.bound import families, tight_result
+    from planner.solver.evaluate import Config
+    from planner.solver.interleave import fold
+
+    rng = random.Random(seed)
+    layers = rng.choice([4, 6, 8])
+    table = random_table(seed, layers=layers,
+                         types=[("t0", [rng.randint(1, 4)]), ("t1", [rng.randint(1, 4)])],
+                         link_speed=rng.choice([0.1, 1.0]), memory=rng.choice([2, 8]) * GIB)
+    config = Config(1, interleave=rng.choice([1, 2]))
+    space = Space(zeros=(0,))
+    view = fold(table, config.interleave)
+    options = [f for level in families(view, config, Limits(max_stages=4), space, 8, [1])
+               for f in level if f.min_busy < float("inf")]
+    for family in rng.sample(options, min(6, len(options))):
+        result = tight_result(table, config, space, family, 8)
+        if result is None:
+            continue
+        costs, stages = result.costs, len(family.types)
+        splits = [s for cuts in itertools.combinations(range(1, view.num_layers), stages - 1)
+                  if (s := costs.split_at((0, *cuts, view.num_layers))) is not None]
+        assert splits
+        assert min(s.bottleneck for s in splits) >= family.min_busy * (1 - 1e-9)
+        assert min(s.total for s in splits) >= family.total * (1 - 1e-9)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_every_split_runs_on_or_above_a_floor_pair(seed):

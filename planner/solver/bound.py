@@ -105,7 +105,10 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     prefix_a(j) + suffix_b(j) and its bottleneck at least the smallest
     max(prefix_a(j) / c_a, suffix_b(j) / c_b) over the j that leave every stage a
     layer and each block room for its layers' parameter states (ZeRO-sharded over
-    the most pipelines), and at least the largest layer's time on its faster type
+    the most pipelines), each block's mean raised to the least largest stage any cut
+    of its layers into its stages has (`_least_largest_parts`: whole layers make a
+    block of 7 stages holding 24 like ones as slow as 4 of them, not 24 / 7), and at
+    least the largest layer's time on its faster type
     (with v chunks per device, of the folded table; the total bounds the fill, 1/v
     of the busy time plus (1 - 1/v) bottlenecks).
     (Layer times are not proportional across types, so the plain fluid bound
@@ -123,6 +126,7 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     longest = min(limits.max_stages, table.num_layers)
     largest_layer = {(a, b): float(np.minimum(busy[a], busy[b]).max())
                      for a in busy for b in busy}
+    parts = {k: _least_largest_parts(table, k, tp, config.mb, longest) for k in busy}
 
     held = np.concatenate([[0.0], np.cumsum(table.rank_params(tp))])
     rooms = {t.name: t.memory - t.reserve for t in table.types}
@@ -181,7 +185,7 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
                 kind, held[-1] * state_bytes(found[1]), kept_acts[-1], np.array(s),
                 np.array(in_flight(s - 1, s, runs(found[1]), config.schedule,
                                    config.interleave))))
-            period = max(total / s, largest_layer[kind, kind])
+            period = max(total / s, largest_layer[kind, kind], parts[kind][0][s - 1, -1])
             out.append(Family(types=found[0], tp=tp, n_max=found[1], min_busy=period,
                               total=fill(total, period)))
         return out
@@ -237,7 +241,10 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         tail = (work[b] - prefix[b])[None, :] + recompute(
             b, need[:, -1:] - need, kept_acts[-1] - kept_acts[None, :], cb, last)
         total = np.where(ok, head + tail, INF).min(axis=1)
-        period = np.maximum(np.where(ok, np.maximum(head / ca, tail / cb), INF).min(axis=1),
+        # a block's largest stage: at least its mean and its layers' least largest part
+        head_max = np.maximum(head / ca, parts[a][0][ca[:, 0].astype(int) - 1])
+        tail_max = np.maximum(tail / cb, parts[b][1][cb[:, 0].astype(int) - 1])
+        period = np.maximum(np.where(ok, np.maximum(head_max, tail_max), INF).min(axis=1),
                             largest_layer[a, b])
         return [Family(types=kept[i][0][0], tp=tp, n_max=kept[i][0][1], total=t, min_busy=m)
                 for i, t, m in zip(live.tolist(), fill(total, period).tolist(),
@@ -266,6 +273,29 @@ def stage_counts(limits: Limits, config: Config, longest: int) -> range:
     least = 2 if config.interleave > 1 or config.gpipe else 1
     return range(max(limits.pp, least), limits.pp + 1) if limits.pp else range(
         least, longest + 1)
+
+
+def _least_largest_parts(table: CostTable, kind: str, tp: int, mb: int, most: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """Per c = 1..most (a row each, c - 1) and layer boundary j (a column): the least
+    largest busy time of a part over the cuts of layers [0, j) into c parts, and of
+    layers [j, L) (infinite where there are fewer layers than parts): no stage of a
+    block of c stages holding those layers is busy for less (a min-max program over
+    the layers' forward and backward times, without sends, recompute and memory);
+    slightly lowered against rounding (cached)."""
+    key = ("least largest parts", kind, tp, mb, most)
+    if key not in table.cache:
+        costs = table.costs(kind, tp, mb)
+        cum = np.concatenate([[0.0], np.cumsum(costs.fwd + costs.bwd)])
+        size = len(cum)
+        ranges = np.where(np.triu(np.ones((size, size), dtype=bool), 1),
+                          cum[None, :] - cum[:, None], INF)
+        heads, tails = [ranges[0]], [ranges[:, -1]]
+        for _ in range(most - 1):
+            heads.append(np.maximum(heads[-1][:, None], ranges).min(axis=0))
+            tails.append(np.maximum(ranges, tails[-1][None, :]).min(axis=1))
+        table.cache[key] = (np.array(heads) * (1 - 1e-9), np.array(tails) * (1 - 1e-9))
+    return table.cache[key]
 
 
 def _recompute_per_byte(table: CostTable, kind: str, tp: int, config: Config, space: Space
