@@ -62,6 +62,33 @@ def test_solver_report_and_baselines(setup):
             assert b.prediction.step_time >= plan.prediction.step_time * (1 - 1e-9)
 
 
+def test_uniform_baseline_is_the_best_recipe_it_describes(setup):
+    """The uniform baseline's description is a recipe `planner estimate` reproduces
+    (memory savers included), and no recipe of even layers and shares it searches,
+    micro-batch 8 included, is faster."""
+    import itertools
+    import re
+
+    graph, cluster, training, plan = setup
+    uniform = next(b for b in plan.baselines if b.name == "uniform")
+    found = re.search(r"tp (\d+), pp (\d+), dp (\d+), micro-batch (\d+)"
+                      r"(?:, recompute (\w+))?(?:, ZeRO (\d))?\)", uniform.description)
+    tp, pp, dp, mb = (int(x) for x in found.groups()[:4])
+    again = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                         training=training, costs=AnalyticalCostModel(cluster), tp=tp, pp=pp,
+                         dp=dp, micro_batch=mb, recompute=Recompute(found[5] or "none"),
+                         zero=int(found[6] or 0))
+    assert again.prediction.step_time == pytest.approx(uniform.prediction.step_time, rel=1e-9)
+    for tp, pp, mb in itertools.product((1, 2, 4), (1, 2, 4), (1, 2, 4, 8)):
+        try:
+            other = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                                 training=training, costs=AnalyticalCostModel(cluster),
+                                 tp=tp, pp=pp, micro_batch=mb)
+        except PlannerError:
+            continue
+        assert other.prediction.step_time >= uniform.prediction.step_time * (1 - 1e-9)
+
+
 def test_fastest_type_baseline_says_when_the_time_limit_stopped_it(setup):
     from planner.solver.baselines import baselines
 

@@ -76,7 +76,7 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
         (lambda r, z, tp=tp, pp=pp, mb=mb: uniform_pipelines(
             **common, tp=tp, pp=pp, micro_batch=mb, recompute=r, zero=z, must_fit=True))
         for tp, pp, mb in itertools.product(_powers(biggest), _powers(min(len(layers), 64)),
-                                            micro[:3])], whole)
+                                            micro)], whole)
     out.append(_baseline("uniform", "best Megatron-style TP x PP x DP recipe: even layers, "
                          "even shares, devices in file order", uniform,
                          "no uniform recipe fits in memory"))
@@ -98,5 +98,16 @@ def _baseline(name: str, description: str, plan: Plan | None, reason: str) -> Ba
         return Baseline(name=name, description=description, prediction=None, reason=reason)
     shape = plan.pipelines[0]
     detail = (f" (tp {shape.stages[0].tp}, pp {len(shape.stages)}, dp {len(plan.pipelines)}, "
-              f"micro-batch {shape.micro_batch})")
+              f"micro-batch {shape.micro_batch}{_savers(plan)})")
     return Baseline(name=name, description=description + detail, prediction=plan.prediction)
+
+
+def _savers(plan: Plan) -> str:
+    """The recompute policy and ZeRO stage where every stage has the same (a recipe's
+    memory savers, which `planner estimate` needs to reproduce it), else nothing."""
+    kinds = {(stage.recompute, stage.zero) for p in plan.pipelines for stage in p.stages}
+    if len(kinds) != 1:
+        return ""
+    recompute, zero = kinds.pop()
+    return "".join([f", recompute {recompute.value}" if recompute is not Recompute.NONE
+                    else "", f", ZeRO {zero}" if zero else ""])
