@@ -2,11 +2,13 @@
 
 Errors: a `PlannerError` becomes a short red message on stderr and exit code 1;
 an unexpected exception exits with 3 and a one-line note. `--debug` shows the
-traceback instead. Usage errors (typer/click) exit with 2.
+traceback instead. Usage errors (typer/click) exit with 2. Output into a closed pipe
+(`planner ... | head -1`) ends quietly with 141, as cat and git do.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Annotated, Any
@@ -20,6 +22,19 @@ from planner import __version__
 from planner.errors import PlannerError
 
 err_console = Console(stderr=True, soft_wrap=True)
+# 128 + SIGPIPE: how cat and git end when the reader of their output is gone (git exits
+# with 141 itself on EPIPE), so a `set -o pipefail` script sees cut-off output as it would
+# theirs; and it is neither bad input (1) nor a bug (3).
+PIPE_CLOSED = 141
+
+
+def _on_broken_pipe(console: Console) -> None:
+    """rich ends the program with exit code 1 itself when its output is closed: hand the
+    error to `_Group.invoke` instead, which ends every closed pipe the same way."""
+    raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
+Console.on_broken_pipe = _on_broken_pipe  # type: ignore[method-assign]
 
 
 class _Group(TyperGroup):
@@ -30,6 +45,8 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
+        except BrokenPipeError:  # the reader of our output went away: nothing to say
+            raise typer.Exit(PIPE_CLOSED) from None
         except Exception as exc:
             if _usage_error(exc) or ctx.params.get("debug"):
                 raise  # typer prints usage errors itself (exit code 2)
@@ -110,12 +127,15 @@ def main() -> None:
     after a big trace (millions of small objects) and does no useful work here."""
     try:
         app()
-        code: object = 0
+        code = 0
     except SystemExit as exc:
-        code = exc.code
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:  # the reader went away before the last buffered output
+            code = code or PIPE_CLOSED
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -49,3 +49,22 @@ class Branchy(nn.Module):
 
 def branchy():
     return Branchy(), lambda batch, seq_len, device: (torch.zeros(batch, 8, device=device),)
+
+
+class SeqMLP(TinyMLP):
+    """Inputs from `example_batch`, which needs a sequence length."""
+
+    def example_batch(self, batch: int, seq_len: int, device):
+        x = torch.zeros(batch, seq_len, 32, device=device)
+        return (x,), x
+
+
+def needs_seq_len():
+    return SeqMLP()
+
+
+def inputs_raise():
+    def inputs(batch, seq_len, device):
+        raise KeyError("no data here")
+
+    return TinyMLP(), inputs

@@ -1,8 +1,12 @@
-"""`planner models` and `planner trace` through typer's CliRunner, bad input included."""
+"""`planner models` and `planner trace` through typer's CliRunner, bad input included;
+how `planner` ends on errors."""
 
 import json
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import networkx as nx
 import pytest
@@ -78,6 +82,8 @@ def test_user_factory(tmp_path):
     result = run("trace", "tests.factories:mlp", "--set", "depth=5", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["blocks"] == 5
+    result = run("trace", "tests.factories:needs_seq_len", "--seq-len", "8", "--json")
+    assert result.exit_code == 0, result.output
 
 
 @pytest.mark.parametrize("suffix", [".json", ".graphml", ".dot"])
@@ -129,6 +135,10 @@ def test_graph_file_is_not_overwritten(tmp_path):
     (["tests.factories:not_a_module"], "returned dict, not a torch.nn.Module"),
     (["tests.factories:module_only"], "no example inputs"),
     (["tests.factories:branchy"], "Could not trace model"),
+    (["tests.factories:needs_seq_len"], "has no default sequence length, and its example_batch("
+     "batch=1, seq_len=None, device='meta') raised TypeError"),
+    (["tests.factories:inputs_raise", "-s", "8"], "its inputs(batch=1, seq_len=8, "
+     "device='meta') raised KeyError: 'no data here'"),
     (["gpt2-small", "--set", "oops"], "must look like KEY=VALUE"),
 ])
 def test_bad_input_is_one_clear_message(args, needle, tmp_path, monkeypatch):
@@ -141,9 +151,30 @@ def test_bad_input_is_one_clear_message(args, needle, tmp_path, monkeypatch):
 def test_untraceable_model_names_the_module():
     result = run("trace", "tests.factories:branchy")
     assert "in module" in result.stderr and "gate" not in result.stdout
+    assert "def forward" not in result.output  # torch.export's partial graph: --debug only
+    debug = run("--debug", "trace", "tests.factories:branchy")
+    assert "def forward" in "".join(debug.exception.__cause__.__notes__)
 
 
 def test_debug_shows_the_traceback():
     result = run("--debug", "trace", "nosuch-model")
     assert result.exit_code != 0
     assert result.exception is not None
+
+
+@pytest.mark.parametrize("args, unbuffered", [
+    (["devices", "--sources"], "1"),  # rich's console writes
+    (["devices", "--json"], "1"),  # a plain write inside the command
+    (["devices", "a100", "--json"], ""),  # buffered until main's last flush
+])
+def test_output_into_a_closed_pipe_ends_quietly(args, unbuffered):
+    """`planner ... | head -1`: the reader left early, which is neither a bug (exit 3) nor
+    bad input (exit 1). (devices: a quick command that does not import torch.)"""
+    read, write = os.pipe()
+    os.close(read)
+    done = subprocess.run([sys.executable, "-m", "cli.main", *args], stdout=write,
+                          stderr=subprocess.PIPE, text=True, check=False,
+                          cwd=Path(__file__).parents[1],
+                          env={**os.environ, "PYTHONUNBUFFERED": unbuffered})
+    os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")

@@ -67,6 +67,9 @@ def test_overrides_change_the_shape():
     ({"layers": True}, "layers takes an integer"),  # YAML reads --set layers=yes as True
     ({"kv_heads": "x"}, "kv_heads takes an integer, not 'x'"),  # an optional count
     ({"capacity_factor": "big"}, "capacity_factor takes a number"),
+    ({"capacity_factor": -1}, "capacity_factor must be a positive, finite number (got -1"),
+    ({"capacity_factor": 0}, "capacity_factor must be a positive, finite number (got 0"),
+    ({"capacity_factor": float("nan")}, "capacity_factor must be a positive, finite number"),
 ])
 def test_nonsense_shapes_are_named(overrides, needle):
     with pytest.raises(PlannerError) as err:

@@ -81,6 +81,9 @@ class TransformerConfig:
         if self.experts < 0 or (self.experts and not 0 < self.top_k <= self.experts):
             problems.append(f"top_k ({self.top_k}) must be between 1 and experts "
                             f"({self.experts})")
+        if not 0 < self.capacity_factor < math.inf:  # NaN too
+            problems.append(f"capacity_factor must be a positive, finite number (got "
+                            f"{self.capacity_factor})")
         return problems
 
 

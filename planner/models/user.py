@@ -75,7 +75,7 @@ def load_factory(target: str, overrides: Mapping[str, Any], device: Any = "meta"
     loss = getattr(module, "loss", None) if callable(getattr(module, "loss", None)) else None
     if inputs is not None:
         def example(batch: int, seq_len: int | None, device: Any) -> tuple[tuple, dict, Any]:
-            args = inputs(batch, seq_len, device)
+            args = _call_user(target, "inputs", inputs, batch, seq_len, device)
             if isinstance(args, torch.Tensor):
                 args = (args,)
             if isinstance(args, dict):
@@ -84,7 +84,8 @@ def load_factory(target: str, overrides: Mapping[str, Any], device: Any = "meta"
         return module, example, None
     if callable(getattr(module, "example_batch", None)):
         def example(batch: int, seq_len: int | None, device: Any) -> tuple[tuple, dict, Any]:
-            args, targets = module.example_batch(batch, seq_len, device)
+            args, targets = _call_user(target, "example_batch", module.example_batch, batch,
+                                       seq_len, device)
             return tuple(args), {}, targets
         return module, example, loss
     raise PlannerError(
@@ -93,6 +94,23 @@ def load_factory(target: str, overrides: Mapping[str, Any], device: Any = "meta"
         ["return (module, inputs) where inputs(batch, seq_len, device) returns the "
          "forward's input tensors", "or give the module an example_batch(batch, seq_len, "
          "device) method returning (inputs, targets)"])
+
+
+def _call_user(target: str, what: str, make: Callable, batch: int, seq_len: int | None,
+               device: Any) -> Any:
+    """Call the user's input builder: what it raises is an error of the user's model."""
+    try:
+        return make(batch, seq_len, device)
+    except Exception as exc:
+        call = (f"its {what}(batch={batch}, seq_len={seq_len}, device='{device}') raised "
+                f"{type(exc).__name__}: {exc}")
+        if seq_len is None:  # the likely cause: a model of the user's has no default length
+            message = f"Model {target!r} has no default sequence length, and {call}"
+            fix = "pass the sequence length with --seq-len"
+        else:
+            message, fix = f"Model {target!r}: {call}", f"fix the error in the model's {what}()"
+        raise PlannerError("bad-model", message,
+                           [fix, "run again with --debug for the traceback"]) from exc
 
 
 _HF_NAMES = {"layers": "num_hidden_layers", "hidden": "hidden_size",

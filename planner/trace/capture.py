@@ -14,11 +14,13 @@ meta device's reference decomposition materialises.
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
 import operator
+import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,12 +133,16 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 def _export_graph(module: nn.Module, args: tuple, kwargs: dict
                   ) -> tuple[nn.Module, torch.fx.Graph]:
-    with _module_stack(module) as stack, _quiet_torch_logs():
+    printed = io.StringIO()  # a failed export prints its partial graph to stderr
+    with _module_stack(module) as stack, _quiet_torch_logs(), redirect_stderr(printed):
         try:
             program = torch.export.export(module, args, kwargs, strict=False)
         except Exception as exc:
             exc.add_note(f"planner: in module {stack[-1] if stack else '<root>'!r}")
+            if printed.getvalue().strip():  # for --debug's traceback
+                exc.add_note(f"torch.export printed:\n{printed.getvalue().strip()}")
             raise
+    sys.stderr.write(printed.getvalue())  # what a successful export prints still shows
     gm = program.module()
     return gm, gm.graph
 
