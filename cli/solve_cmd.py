@@ -33,6 +33,7 @@ Output = Annotated[Path | None, typer.Option("--output", "-o", help="Write the p
 def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dtype: str,
            shape: dict) -> tuple[ModelGraph, ClusterSpec, TrainingSpec]:
     from cost_models.cluster import load_cluster
+    from cost_models.compute import rate_dtype
     from planner.models import load_model, model_spec
     from planner.session import resolve_dtype
     from planner.trace import trace_loaded
@@ -40,11 +41,12 @@ def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dty
 
     spec = load_cluster(cluster)
     dtype = resolve_dtype(dtype, spec)
-    slow = sorted(k for k, d in spec.device_types().items() if dtype not in d.peak_flops)
-    if slow and dtype != "fp32":
-        err_console.print(f"[yellow]note:[/] {', '.join(slow)} list no {dtype} throughput: "
-                          f"their layers are priced at fp32 speed (--dtype auto picks a dtype "
-                          "every device runs fast).", soft_wrap=True)
+    slow = sorted(k for k, d in spec.device_types().items() if rate_dtype(d, dtype) != dtype)
+    if slow:
+        err_console.print(f"[yellow]note:[/] {', '.join(slow)} list no {dtype} throughput "
+                          "(measured or in the catalog): their layers are priced at fp32 "
+                          "speed (--dtype auto picks a dtype every device runs fast).",
+                          soft_wrap=True)
     graph = trace_loaded(load_model(model_spec(model, shape), seq_len=seq_len), batch=1,
                          dtype=dtype)
     return graph, spec, TrainingSpec(global_batch=global_batch, seq_len=graph.seq_len,

@@ -31,6 +31,7 @@ from typing import Any
 
 from cost_models import catalog
 from cost_models.yamlfile import Fields, read_yaml
+from planner.dtypes import DTYPES
 from planner.errors import PlannerError, closest
 from planner.types import (
     ClusterSpec,
@@ -79,6 +80,9 @@ def parse_inline(spec: str) -> ClusterSpec:
     network = DEFAULT_NETWORK
     if at:
         bandwidth, _, latency = net.partition("/")
+        if latency.strip().startswith("s"):  # "25GB/s[/2us]": that '/' is part of the unit
+            unit, _, latency = latency.partition("/")
+            bandwidth = f"{bandwidth}/{unit}"
         network = LinkSpec(name=f"{bandwidth.strip()} network",
                            bandwidth=parse_bandwidth(bandwidth.strip(), "the inline network"),
                            latency=parse_duration(latency.strip() or "5us", "the inline network"))
@@ -126,10 +130,22 @@ def _link(fields: Fields, key: str, default: LinkSpec | None, *, per: str) -> Li
     return link
 
 
+def _flops(fields: Fields, key: str) -> dict[str, float] | None:
+    """{dtype: FLOP/s} from a mapping like {bf16: 100TFLOPS}; None when absent."""
+    value = fields.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise fields.error("must map dtypes to FLOP/s, e.g. {bf16: 100TFLOPS}", key)
+    rates = fields.sub(key, value)
+    for dtype in value:
+        if dtype not in DTYPES:
+            raise rates.error(f"unknown dtype {dtype!r}", str(dtype),
+                              [f"use one of {', '.join(DTYPES)}"])
+    return {dtype: rates.parse(dtype, parse_flops) for dtype in value}
+
+
 def _measured(fields: Fields) -> MeasuredDevice:
-    flops = fields.get("matmul_flops", {})
-    if not isinstance(flops, dict):
-        raise fields.error("must map dtypes to FLOP/s", "matmul_flops")
     times = []
     for i, item in enumerate(fields.get("layer_times", []) or []):
         t = fields.sub("layer_times", item, i)
@@ -140,7 +156,7 @@ def _measured(fields: Fields) -> MeasuredDevice:
             fwd=t.parse("fwd", parse_duration), bwd=t.parse("bwd", parse_duration)))
         t.check_unknown()
     measured = MeasuredDevice(
-        matmul_flops={str(k): parse_flops(v, f"matmul_flops.{k}") for k, v in flops.items()},
+        matmul_flops=_flops(fields, "matmul_flops") or {},
         memory_bandwidth=fields.parse("memory_bandwidth", parse_bandwidth, 0.0) or None,
         layer_times=tuple(times), source=str(fields.get("source", "")))
     fields.check_unknown()
@@ -161,21 +177,23 @@ def _device(fields: Fields, node_name: str) -> DeviceSpec:
             device = catalog.device(str(base)) if base else None
         except PlannerError as exc:
             raise sub.error(exc.message, "base", list(exc.remedies)) from None
-        peak = sub.get("peak_flops", None)
-        if device is None and peak is None:
-            raise sub.error("a custom device needs peak_flops (or a catalog `base`)")
-        if peak is not None and not isinstance(peak, dict):
-            raise sub.error("must map dtypes to FLOP/s, e.g. {bf16: 100TFLOPS}", "peak_flops")
+        peak = {**(device.peak_flops if device else {}), **(_flops(sub, "peak_flops") or {})}
+        if "fp32" not in peak:
+            raise sub.error("a custom device needs peak_flops with an fp32 rate (dtypes "
+                            "without their own rate run at it), or a catalog `base`",
+                            "peak_flops" if "peak_flops" in sub.data else None,
+                            ["e.g. peak_flops: {fp32: 25TFLOPS, bf16: 100TFLOPS}"])
+        memory = sub.parse("memory", parse_bytes, device.memory if device else None)
+        if memory <= 0:
+            raise sub.error(f"must be positive (got {sub.data['memory']!r})", "memory")
         name = str(sub.get("name", base or "", required=device is None))
         default_link = device.intra_link if device else catalog.link("pcie4")
         device = DeviceSpec(
             name=name, vendor=str(sub.get("vendor", device.vendor if device else "custom")),
-            memory=sub.parse("memory", parse_bytes, device.memory if device else None),
+            memory=memory,
             memory_bandwidth=sub.parse("memory_bandwidth", parse_bandwidth,
                                        device.memory_bandwidth if device else None),
-            peak_flops={**(device.peak_flops if device else {}),
-                        **{str(k): parse_flops(v, f"peak_flops.{k}")
-                           for k, v in (peak or {}).items()}},
+            peak_flops=peak,
             intra_link=_link(sub, "intra_link", default_link, per="per device"),
             sources={**(device.sources if device else {}), "custom": "given in the cluster spec"})
         sub.check_unknown()
@@ -227,6 +245,7 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
         raise top.error(f"schema_version {version!r} is not supported (this planner reads "
                         f"version {SCHEMA_VERSION})", "schema_version",
                         ["write the file for schema_version 1 (see docs/clusters.md)"])
+    top.check_unknown("schema_version", "name", "network", "groups", "nodes")
     groups = _groups(top)
     items = top.get("nodes", required=True)
     if not isinstance(items, list) or not items:
@@ -235,6 +254,8 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
     hosts_seen: dict[str, str] = {}
     for i, item in enumerate(items):
         f = top.sub("nodes", item, i)
+        f.check_unknown("name", "count", "hosts", "device", "devices", "intra_link", "nic",
+                        "group", "measured")
         hosts = f.get("hosts")
         if hosts is not None and (not isinstance(hosts, list) or not hosts):
             raise f.error("must be a non-empty list of host names", "hosts")
@@ -242,6 +263,10 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
         base = str(f.get("name", "" if hosts else None) or "") or None
         if base is None and not hosts:
             raise f.error("is missing field 'name' (or a hosts list)")
+        for text, key in ((base, "name"), *((str(h), "hosts") for h in hosts or [])):
+            if text and not text.isprintable():  # names go into launch scripts and READMEs
+                raise f.error(f"{text!r} has a line break or another control character",
+                              key, ["write it on one line"])
         devices = f.positive_int("devices")
         group = f.get("group")
         if group is not None and group not in groups:
@@ -261,8 +286,6 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
                 name=name, host=host, device=device, devices=devices,
                 intra_link=_link(f, "intra_link", device.intra_link, per="per device"),
                 nic=nic, groups=_chain(groups, group)))
-        f.used.update({"measured"})
-        f.check_unknown()
     names = [n.name for n in nodes]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -275,7 +298,6 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
                             ["add e.g. network: {bandwidth: 100Gbps, latency: 5us}"])
         network = DEFAULT_NETWORK
     name = str(top.get("name", Path(source).stem))
-    top.check_unknown()
     return ClusterSpec(name=name, nodes=tuple(nodes), network=network,
                        groups=tuple(groups.values()))
 

@@ -17,7 +17,8 @@ Measurements override the catalog in two steps: a profile's achieved matmul
 FLOP/s and memory bandwidth replace peak x efficiency; and measured times of
 this very layer (same signature and dtype) at one or more micro-batch sizes
 replace the roofline, fitted as time = a + b * mb (scaled by the roofline's
-tp ratio when tp > 1).
+tp ratio when tp > 1). A dtype the profile did not measure (or, without a profile,
+the catalog does not list) runs at the fp32 rate (`rate_dtype`).
 """
 
 from __future__ import annotations
@@ -75,15 +76,22 @@ def gemm_utilization(m: float, k: int, n: int, tile: int) -> float:
     return pad(m) * pad(n) * k / (k + 32)
 
 
+def rate_dtype(device: DeviceSpec, dtype: str) -> str:
+    """The dtype whose matmul rate prices `dtype` on `device`: `dtype` if the profile
+    measured it; else fp32 if the profile measured that; else `dtype` if the catalog
+    lists it; else fp32 (a dtype without a fast path runs at the fp32 rate)."""
+    measured = device.measured.matmul_flops if device.measured else {}
+    known = measured if dtype in measured or "fp32" in measured else device.peak_flops
+    return dtype if dtype in known else "fp32"
+
+
 def _rates(device: DeviceSpec, dtype: str, eff: Efficiency) -> tuple[float, float, float]:
     """(matmul FLOP/s at full utilization, attention/conv scale, memory bytes/s)."""
     measured = device.measured
-    peak = device.flops(dtype)
-    matmul = peak * eff.matmul
-    if measured and measured.matmul_flops:
-        achieved = measured.matmul_flops.get(dtype) or measured.matmul_flops.get("fp32")
-        if achieved:
-            matmul = achieved
+    rated = rate_dtype(device, dtype)
+    matmul = device.flops(rated) * eff.matmul
+    if measured and rated in measured.matmul_flops:
+        matmul = measured.matmul_flops[rated]
     bandwidth = device.memory_bandwidth * eff.memory
     if measured and measured.memory_bandwidth:
         bandwidth = measured.memory_bandwidth

@@ -92,13 +92,18 @@ class Fields:
         """A human-unit value parsed to SI; `default` (already SI) when absent."""
         value = self.get(key, required=default is None)
         if value is None:
+            if default is None:
+                raise self.error("needs a value", key)
             return default
         try:
             return parser(value)
         except PlannerError as exc:
             raise self.error(exc.message, key) from None
 
-    def check_unknown(self) -> None:
+    def check_unknown(self, *expected: str) -> None:
+        """An error for a field nothing read; `expected` adds fields still to be read,
+        so a misspelt field is named before a required one is reported missing."""
+        self.used.update(expected)
         unknown = [k for k in self.data if k not in self.used]
         if unknown:
             raise self.error(f"unknown field {unknown[0]!r}", unknown[0],

@@ -25,7 +25,8 @@ Hosts (`read_hosts`): a YAML or JSON mapping from plan node names to a host name
 or to {host, addr, cpus, ifname, env}: `addr` is the address other nodes reach
 it at (default: host), `cpus` a CPU list for taskset (local and torchrun
 targets; it also sets OMP_NUM_THREADS), `ifname`
-the network interface NCCL/gloo should use, `env` extra environment variables.
+the network interface NCCL/gloo should use, `env` extra environment variables;
+each value is one line of printable text.
 Nodes not listed use the cluster file's host, else their node name.
 """
 
@@ -89,6 +90,13 @@ def parse_hosts(data: Any, source: str) -> dict[str, HostEntry]:
             if not _ENV_NAME.match(str(key)):
                 raise PlannerError("bad-hosts", f"{where}: {key!r} is not an environment "
                                    "variable name.")
+        for key, text in [*((k, value.get(k)) for k in ("host", "addr", "ifname")),
+                          *((f"env {k}", v) for k, v in env.items())]:
+            if text is not None and not str(text).isprintable():
+                raise PlannerError("bad-hosts", f"{where}: {key} {str(text)!r} has a line "
+                                   "break or another control character; host names, "
+                                   "addresses, interfaces and env values must be one line "
+                                   "of printable text.")
         cpus = value.get("cpus")
         if cpus is not None and not _CPUS.match(str(cpus)):
             raise PlannerError("bad-hosts", f"{where}: cpus {cpus!r} is not a CPU list like "

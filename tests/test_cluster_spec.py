@@ -36,7 +36,7 @@ GOOD = """\
         nic: 25Gbps
       - name: custom
         device: {name: MyAccel, memory: 24GiB, memory_bandwidth: 900GB/s,
-                 peak_flops: {bf16: 100TFLOPS}, intra_link: pcie4}
+                 peak_flops: {bf16: 100TFLOPS, fp32: 25TFLOPS}, intra_link: pcie4}
         devices: 2
     """
 
@@ -51,7 +51,7 @@ def test_a_hand_written_file(tmp_path):
     assert c.link_between("a100-0", "gpu-v1").bandwidth == 25e9 / 8  # capped by the NIC
     assert c.link_between("gpu-v1", "gpu-v1").name.startswith("NVLink 2")
     custom = c.node("custom").device
-    assert custom.memory == 24 * 2**30 and custom.peak_flops == {"bf16": 100e12}
+    assert custom.memory == 24 * 2**30 and custom.peak_flops == {"bf16": 100e12, "fp32": 25e12}
 
 
 def test_inline_shorthand():
@@ -62,6 +62,9 @@ def test_inline_shorthand():
     single = load_cluster("4xRTX4090")
     assert len(single.nodes) == 1 and single.num_devices == 4
     assert load_cluster("2x8xH100@400Gbps/2us").network.latency == 2e-6
+    for spec in ("2x8xH100@25GB/s", "2x8xH100@25 GB/s", "2x8xH100@25GB/s/2us"):
+        network = load_cluster(spec).network  # the '/' of "GB/s" is no latency separator
+        assert (network.bandwidth, network.latency) == (25e9, 2e-6 if "us" in spec else 5e-6)
 
 
 @pytest.mark.parametrize("name", example_names())
@@ -114,6 +117,27 @@ def test_units():
     ("nodes: [{name: a, device: A100-80G, devices: 8, colour: red}]", "unknown field 'colour'"),
     ("nodes: [{name: a, device: A100-80G, devices: 8, group: rack}]", "unknown group 'rack'"),
     ("nodes: [{name: a, devices: 8}]", "is missing field 'device'"),
+    ("nodes:\n  - name: a\n    device: A100-80G\n    devcies: 8\n",
+     "line 4, nodes[0].devcies: unknown field 'devcies'"),  # not "missing field 'devices'"
+    ("node: [{name: a, device: A100-80G, devices: 8}]", "line 1, node: unknown field 'node'"),
+    ("nodes:\n  - name: a\n    device: {base: A100-80G, memory: 0GiB}\n    devices: 2\n",
+     "line 3, nodes[0].device.memory: must be positive (got '0GiB')"),
+    ("nodes:\n  - name: a\n    device: {base: A100-80G, peak_flops: {bf16: 0TFLOPS}}\n"
+     "    devices: 2\n", "line 3, nodes[0].device.peak_flops.bf16: compute rate must be "
+     "positive"),
+    ("nodes: [{name: a, device: {base: A100-80G, peak_flops: {fp8: 1TFLOPS}}, devices: 2}]",
+     "nodes[0].device.peak_flops.fp8: unknown dtype 'fp8'"),
+    ("nodes: [{name: a, device: {base: A100-80G, peak_flops: {bf16: }}, devices: 2}]",
+     "nodes[0].device.peak_flops.bf16: needs a value"),
+    ("nodes:\n  - name: a\n    device:\n      name: X\n      memory: 24GiB\n"
+     "      memory_bandwidth: 900GB/s\n      peak_flops: {}\n    devices: 2\n",
+     "line 7, nodes[0].device.peak_flops: a custom device needs peak_flops with an fp32"),
+    ("nodes: [{name: a, device: {name: X, memory: 1GiB, memory_bandwidth: 1GB/s, "
+     "peak_flops: {bf16: 1TFLOPS}}, devices: 2}]", "needs peak_flops with an fp32 rate"),
+    ("nodes: [{name: a, device: cpu, devices: 1, measured: {matmul_flops: {fp8: 1GFLOPS}}}]",
+     "nodes[0].measured.matmul_flops.fp8: unknown dtype 'fp8'"),
+    ('nodes: [{hosts: ["h1\\nrm -rf ~"], device: A100-80G, devices: 8}]',
+     "line 1, nodes[0].hosts: 'h1\\nrm -rf ~' has a line break"),
     ("nodes: []", "must be a non-empty list"),
     ("nodes: [{name: a, device: A100-80G, devices: 8}\n", "not valid YAML"),
     ("groups: [{name: x, parent: y, bandwidth: 1Gbps}, {name: y, parent: x, bandwidth: 1Gbps}]"

@@ -10,6 +10,7 @@ from cost_models.compute import (
     gemm_utilization,
     layer_time,
     optimizer_time,
+    rate_dtype,
     recompute_time,
 )
 from cost_models.memory import GIB, activation_bytes, stage_memory
@@ -157,6 +158,21 @@ def test_measured_rates_replace_the_catalog():
     t = layer_time(layer, measured, tp=1, micro_batch=1, dtype="bf16")
     util = gemm_utilization(4096, 8192, 8192, 128)
     assert t.fwd == pytest.approx(2 * 4096 * 8192**2 / (100e12 * util) + 5e-6)
+
+
+def test_a_measured_dtype_is_priced_at_its_measured_rate():
+    """What the CLI's "priced at fp32 speed" note is decided by (rate_dtype): a dtype the
+    catalog lacks but the profile measured (fp16 on a CPU) runs at its measured rate."""
+    cpu = DeviceSpec(name="cpu@n", vendor="x", memory=GPU.memory, memory_bandwidth=1e11,
+                     peak_flops={"fp32": 1e12}, intra_link=NVLINK,
+                     measured=MeasuredDevice(matmul_flops={"fp32": 50e9, "fp16": 3e9}))
+    assert [rate_dtype(cpu, d) for d in ("fp16", "bf16")] == ["fp16", "fp32"]
+    assert [rate_dtype(GPU, d) for d in ("bf16", "fp16")] == ["bf16", "fp32"]
+    layer = dense_layer()
+    fp16 = layer_time(layer, cpu, tp=1, micro_batch=1, dtype="fp16").fwd
+    fp32 = layer_time(layer, cpu, tp=1, micro_batch=1, dtype="fp32").fwd
+    assert fp16 / fp32 == pytest.approx(50 / 3, rel=0.01)  # not fp32 speed
+    assert layer_time(layer, cpu, tp=1, micro_batch=1, dtype="bf16").fwd == fp32
 
 
 def test_measured_layer_times_are_fitted_linearly():

@@ -19,7 +19,7 @@ from planner.types import DeviceGroup
 from tests.runtime_helpers import tiny_plan
 
 runner = CliRunner()
-EVIL = "gpu-a1$(touch pwned);`touch pwned2` 'x' \"y\"\nreboot"
+EVIL = "gpu-a1$(touch pwned);`touch pwned2` 'x' \"y\" # reboot"
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +107,9 @@ def test_a_host_name_with_shell_metacharacters_is_quoted_not_executed(tmp_path, 
     files = render_launch(hetero_plan, target="torchrun", hosts=hosts,
                           runtime_args=["--data", "$(touch pwned3)"])
     out = _check_shell(tmp_path, files)
-    # in comments the line break becomes "?": "reboot" stays in the comment
-    assert "# Run it on host gpu-a1$(touch pwned);`touch pwned2` 'x' \"y\"?reboot;" in files[
-        "node-0-a100-80g-sxm-0.sh"]
+    # line breaks are refused (test_a_hosts_value_with_a_line_break_is_refused), so it
+    # stays in its comment
+    assert f"# Run it on host {EVIL};" in files["node-0-a100-80g-sxm-0.sh"]
     # the README's ssh line quotes it too: copied into a shell, it runs nothing
     readme = files["README.md"]
     ssh = readme[readme.index("    ssh "):].split("  # from this folder")[0]
@@ -140,6 +140,23 @@ def test_hosts_file_errors_name_the_node(tmp_path, hetero_plan):
         parse_hosts({"v100-32g-0": {"host": "h", "cpus": "all"}}, "hosts.yaml")
     with pytest.raises(PlannerError, match="'bad-name' is not an environment variable"):
         parse_hosts({"v100-32g-0": {"host": "h", "env": {"bad-name": "1"}}}, "hosts.yaml")
+    for value, field in (({"addr": "a\nb"}, "addr"), ({"ifname": "eth0\t"}, "ifname"),
+                         ({"env": {"X": "a\nb"}}, "env X")):
+        with pytest.raises(PlannerError, match=f"node 'v100-32g-0': {field} .* line break"):
+            parse_hosts({"v100-32g-0": {"host": "h", **value}}, "hosts.yaml")
+
+
+@pytest.mark.parametrize("target", ["torchrun", "slurm", "local"])
+def test_a_hosts_value_with_a_line_break_is_refused(tmp_path, hetero_plan, target):
+    """It would break the README (and the scripts' comments) for every target alike."""
+    plan = tmp_path / "plan.json"
+    write_plan(hetero_plan, plan)
+    (tmp_path / "hosts.yaml").write_text('a100-80g-sxm-0: {host: "h1\\nrm -rf ~"}\n')
+    result = runner.invoke(app, ["launch", str(plan), "--out", str(tmp_path / "out"),
+                                 "--hosts", str(tmp_path / "hosts.yaml"), "--target", target])
+    assert result.exit_code == 1 and not (tmp_path / "out").exists()
+    assert "hosts.yaml: node 'a100-80g-sxm-0': host 'h1\\nrm -rf ~' has a line break" in (
+        " ".join(result.stderr.split()))
 
 
 def test_cli_writes_refuses_to_overwrite_and_dry_runs(tmp_path, hetero_plan):
