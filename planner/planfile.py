@@ -1,7 +1,8 @@
 """Plan files: JSON with a schema version, validated on load (never pickle).
 
 The file is the Plan dataclass as JSON (enums by value, tuples as lists); loading
-validates every field with pydantic against the same dataclasses.
+validates every field's type with pydantic against the same dataclasses, then
+`check_plan` checks values (ranges, the model, the layout) as the runtime needs them.
 """
 
 from __future__ import annotations
@@ -80,15 +81,86 @@ def read_plan(path: Path) -> Plan:
 
 
 def check_plan(plan: Plan, source: str) -> Plan:
-    """The plan if it is one the runtime can run as written (every layer placed once,
-    shares summing to the global batch, each device used once, devices and types that
-    match its cluster, a known dtype); else an error naming the first problem."""
+    """The plan if it is one the runtime can run as written (counts in range, a model
+    the zoo builds, every layer placed once, shares summing to the global batch, each
+    device used once, devices and types that match its cluster, a known dtype); else an
+    error naming the source and the first problem."""
     from planner.dtypes import canonical_dtype
     from planner.runtime.layout import rank_layout
 
     try:
+        _check_fields(plan)
+        _check_model(plan)
         canonical_dtype(plan.training.dtype)
         rank_layout(plan)
     except PlannerError as exc:
         raise PlannerError("bad-plan", f"{source}: {exc.message}", exc.remedies) from None
     return plan
+
+
+_REGENERATE = "regenerate the plan with `planner solve`"
+
+
+def _check_fields(plan: Plan) -> None:
+    """An error naming the first field out of range: a count below 1, a ZeRO stage
+    other than 0-3, an index out of order, a stage's layer span that is not its chunks'."""
+    def bad(message: str) -> PlannerError:
+        return PlannerError("bad-plan", message, [_REGENERATE])
+
+    if not plan.pipelines:
+        raise bad("pipelines is empty: the plan has no pipelines to run.")
+    counts = [("training.global_batch", plan.training.global_batch)]
+    if plan.training.seq_len is not None:
+        counts.append(("training.seq_len", plan.training.seq_len))
+    for i, p in enumerate(plan.pipelines):
+        counts += [(f"pipelines[{i}].{name}", getattr(p, name))
+                   for name in ("batch_share", "micro_batch", "num_microbatches", "interleave")]
+        counts += [(f"pipelines[{i}].stages[{j}].tp", s.tp) for j, s in enumerate(p.stages)]
+    for field, value in counts:
+        if value < 1:
+            raise bad(f"{field} must be positive (got {value}).")
+    for i, n in enumerate(plan.cluster.nodes):
+        if n.devices < 1:
+            raise bad(f"cluster.nodes[{i}].devices is {n.devices}: node {n.name} has no "
+                      "devices (a node needs at least one).")
+    for i, p in enumerate(plan.pipelines):
+        if p.index != i:
+            raise bad(f"pipelines[{i}].index is {p.index}; pipelines are numbered 0, 1, ... "
+                      "in file order.")
+        if not p.stages:
+            raise bad(f"pipelines[{i}].stages is empty: pipeline {i} has no stages.")
+        for j, s in enumerate(p.stages):
+            at = f"pipelines[{i}].stages[{j}]"
+            if s.index != j:
+                raise bad(f"{at}.index is {s.index}; stages are numbered 0, 1, ... in file "
+                          "order.")
+            if s.zero not in (0, 1, 2, 3):
+                raise bad(f"{at}.zero must be 0, 1, 2 or 3 (got {s.zero}).")
+            if not s.chunks:
+                raise bad(f"{at}.chunks is empty: the stage holds no layers.")
+            span = (min(a for a, _ in s.chunks), max(b for _, b in s.chunks))
+            if tuple(s.layers) != span:
+                raise bad(f"{at}.layers is {list(s.layers)}, but its chunks span layers "
+                          f"{list(span)}.")
+
+
+def _check_model(plan: Plan) -> None:
+    """An error naming the model field at fault when a zoo model, its overrides or the
+    sequence length is not one the zoo builds (factory and transformers models are
+    checked where they are built)."""
+    from planner.models.zoo import configure
+
+    if plan.model.source not in ("zoo", "factory", "hf"):
+        raise PlannerError("bad-plan", f"model.source must be zoo, factory or hf (got "
+                           f"{plan.model.source!r}).", [_REGENERATE])
+    if plan.model.source != "zoo":
+        return
+    try:
+        configure(plan.model.name, plan.model.overrides, plan.training.seq_len)
+    except PlannerError as exc:
+        field = {"unknown-model": "model.name", "bad-override": "model.overrides",
+                 "bad-option": "training.seq_len"}.get(exc.kind, "model.overrides or "
+                                                       "training.seq_len")
+        remedies = exc.remedies if exc.kind == "unknown-model" else ()
+        raise PlannerError("bad-plan", f"{field}: {exc.message}",
+                           [*remedies, _REGENERATE]) from None

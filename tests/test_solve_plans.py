@@ -4,6 +4,7 @@ plan files and bad input."""
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -164,6 +165,38 @@ def test_corrupted_or_foreign_plan_files(tmp_path, text, needle):
     path.write_text(text)
     with pytest.raises(PlannerError, match=needle):
         read_plan(path)
+
+
+def _stage(data):
+    return data["pipelines"][0]["stages"][0]
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.update(pipelines=[]), "pipelines is empty: the plan has no pipelines"),
+    (lambda d: _stage(d).update(zero=7), r"pipelines\[0\].stages\[0\].zero must be 0, 1, 2 or 3 "
+     r"\(got 7\)"),
+    (lambda d: d["pipelines"][0].update(interleave=0), r"pipelines\[0\].interleave must be "
+     r"positive \(got 0\)"),
+    (lambda d: d["pipelines"][0].update(micro_batch=0, num_microbatches=0, batch_share=0),
+     r"pipelines\[0\].batch_share must be positive"),
+    (lambda d: _stage(d).update(tp=0, devices={**_stage(d)["devices"], "devices": []}),
+     r"pipelines\[0\].stages\[0\].tp must be positive \(got 0\)"),
+    (lambda d: _stage(d).update(chunks=[]), r"pipelines\[0\].stages\[0\].chunks is empty"),
+    (lambda d: _stage(d).update(layers=[0, 99]),
+     r"pipelines\[0\].stages\[0\].layers is \[0, 99\], but its chunks span"),
+    (lambda d: d["training"].update(seq_len=-1), r"training.seq_len must be positive \(got -1\)"),
+    (lambda d: d["model"].update(name="gpt9"), "model.name: Unknown model 'gpt9'"),
+    (lambda d: d["cluster"]["nodes"][0].update(devices=0), r"cluster.nodes\[0\].devices is 0: "
+     "node .* has no devices"),
+])
+def test_plan_file_fields_out_of_range_name_the_file_and_field(setup, tmp_path, edit, needle):
+    data = json.loads(plan_json(setup[3]))
+    edit(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlannerError, match=f"^{re.escape(str(path))}: {needle}") as caught:
+        read_plan(path)
+    assert caught.value.kind == "bad-plan"
 
 
 def test_estimate_prices_a_fixed_recipe(setup):
@@ -471,6 +504,25 @@ def test_cli_solve_and_estimate(tmp_path):
     assert json.loads(est.stdout)["solver"]["status"] == "fixed"
 
 
+def test_the_dtype_note_names_only_devices_priced_at_fp32_speed(tmp_path):
+    """V100s list no bf16 rate, so bf16 runs at their fp32 speed and the note says so; a
+    profiled CPU's measured fp16 rate prices fp16 (even though the catalog lists none),
+    so it gets no note."""
+    lab = tmp_path / "lab.yaml"
+    lab.write_text("schema_version: 1\nnodes:\n  - name: vm\n    device: cpu\n"
+                   "    devices: 1\n    measured: {matmul_flops: {fp32: 50GFLOPS, fp16: "
+                   "3GFLOPS}}\n")
+    measured = runner.invoke(app, ["estimate", "gpt-tiny", "--cluster", str(lab), "-B", "8",
+                                   "--dtype", "fp16"])
+    assert measured.exit_code == 0, measured.output
+    assert "note:" not in measured.stderr
+    v100 = runner.invoke(app, ["estimate", "gpt-tiny", "--cluster", "1x4xV100-16G", "-B", "8",
+                               "--dtype", "bf16"])
+    assert v100.exit_code == 0, v100.output
+    assert "V100-16G list no bf16 throughput" in v100.stderr
+    assert "priced at fp32 speed" in v100.stderr
+
+
 def test_stage_pins_place_the_first_and_last_stages(tmp_path):
     out = tmp_path / "plan.json"
     result = runner.invoke(app, ["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", "16",
@@ -485,6 +537,8 @@ def test_stage_pins_place_the_first_and_last_stages(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--first-stage", "H100"],
      "--first-stage H100: no usable node has that device type"),
+    (["solve", "gpt-tiny", "--cluster", CLUSTER, "--exclude", "v100-16g-0", "--first-stage",
+      "V100-16G"], "only nodes that --exclude leaves out (v100-16g-0) have that device type"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "16"], "--tp 16 cannot be used"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "-B", "0"], "--global-batch must be"),
     (["solve", "gpt-tiny", "--cluster", "1x8xA100-80G", "--tp", "8"],

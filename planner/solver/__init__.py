@@ -170,9 +170,10 @@ def pinned_type(name: str, types: list[str]) -> str | None:
         return None
 
 
-def _resolve_pins(limits: Limits, cluster: ClusterSpec) -> Limits:
-    """The limits with their stage pins named as the cluster's device types; an error
-    for a pin no usable node has."""
+def _resolve_pins(limits: Limits, cluster: ClusterSpec, whole: ClusterSpec) -> Limits:
+    """The limits with their stage pins named as the device types of `cluster` (the
+    nodes left to use of `whole`); an error for a pin no usable node has, naming the
+    excluded nodes that have it."""
     types = sorted({n.device.name for n in cluster.nodes})
     resolved = {}
     for flag, field_name in (("--first-stage", "first_stage"), ("--last-stage", "last_stage")):
@@ -180,11 +181,21 @@ def _resolve_pins(limits: Limits, cluster: ClusterSpec) -> Limits:
         if pinned is None:
             continue
         resolved[field_name] = pinned_type(pinned, types)
-        if resolved[field_name] is None:
-            near = closest(pinned, types)
-            raise PlannerError("bad-option", f"{flag} {pinned}: no usable node has that device "
-                               f"type" + (f"; did you mean {near[0]}?" if near else "."),
-                               [f"use one of {', '.join(types)}"])
+        if resolved[field_name] is not None:
+            continue
+        kind = pinned_type(pinned, sorted({n.device.name for n in whole.nodes}))
+        left_out = [n.name for n in whole.nodes if n.device.name == kind and n not in
+                    cluster.nodes]
+        if left_out:
+            raise PlannerError("bad-option", f"{flag} {pinned}: only nodes that --exclude "
+                               f"leaves out ({', '.join(left_out)}) have that device type.",
+                               [f"drop --exclude {left_out[0]}" if len(left_out) == 1 else
+                                "use some of those nodes (drop their --exclude)",
+                                f"or pin one of {', '.join(types)}"])
+        near = closest(pinned, types)
+        raise PlannerError("bad-option", f"{flag} {pinned}: no usable node has that device "
+                           "type" + (f"; did you mean {near[0]}?" if near else "."),
+                           [f"use one of {', '.join(types)}"])
     first, last = resolved.get("first_stage"), resolved.get("last_stage")
     if first and last and first != last and (limits.pp == 1 or not limits.mixed):
         flag = "--pp 1" if limits.pp == 1 else "--no-mixed"
@@ -247,7 +258,7 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     during the first search, the full one only prices what it found."""
     options = options or SolveOptions()
     used = _check(model, cluster, training, options)
-    options = dataclasses.replace(options, limits=_resolve_pins(options.limits, used))
+    options = dataclasses.replace(options, limits=_resolve_pins(options.limits, used, cluster))
     costs = costs or AnalyticalCostModel(cluster)
     alone_cluster = _fastest_only(used, training.dtype)
     alone: list[Plan] = []
