@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from enum import Enum
 from functools import lru_cache
 from pathlib import Path
@@ -46,7 +47,31 @@ def write_plan(plan: Plan, path: Path, *, force: bool = False) -> None:
 
 @lru_cache(maxsize=1)
 def _adapter() -> pydantic.TypeAdapter:
+    """Plan's validator, strict: a field the plan does not have (a misspelt one would be
+    silently dropped) is an error, as is a value of another JSON type (\"64\" or true
+    for a count)."""
+    for cls in _dataclasses(Plan):
+        cls.__pydantic_config__ = pydantic.ConfigDict(extra="forbid", strict=True)
     return pydantic.TypeAdapter(Plan)
+
+
+def _dataclasses(cls: type, seen: set | None = None) -> set:
+    """The dataclasses a dataclass's fields hold, itself included, at any depth."""
+    seen = set() if seen is None else seen
+    if dataclasses.is_dataclass(cls) and cls not in seen:
+        seen.add(cls)
+        for hint in typing.get_type_hints(cls).values():
+            for inner in [hint, *_nested(hint)]:
+                _dataclasses(inner, seen)
+    return seen
+
+
+def _nested(hint: Any) -> list:
+    """The types inside a hint (tuple[X, ...], X | None, dict[str, X]), at any depth."""
+    out = []
+    for arg in typing.get_args(hint):
+        out += [arg, *_nested(arg)]
+    return out
 
 
 def read_plan(path: Path) -> Plan:
@@ -70,12 +95,14 @@ def read_plan(path: Path) -> Plan:
                            ["regenerate the plan with this planner's `planner solve`"])
     data.pop("kind")
     try:
-        plan = _adapter().validate_python(data)
+        plan = _adapter().validate_json(json.dumps(data))
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise PlannerError("bad-plan", f"{str(path)!r} is not a valid plan: field {where}: "
-                           f"{first['msg']} ({exc.error_count()} problem(s) in all).",
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        why = ("the plan has no such field (misspelt?)" if first["type"] ==
+               "unexpected_keyword_argument" else first["msg"])
+        raise PlannerError("bad-plan", f"{str(path)!r} is not a valid plan: field "
+                           f"{where.lstrip('.')}: {why} ({exc.error_count()} problem(s) in all).",
                            ["regenerate it with `planner solve`"]) from exc
     return check_plan(plan, str(path))
 

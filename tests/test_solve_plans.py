@@ -199,6 +199,26 @@ def test_plan_file_fields_out_of_range_name_the_file_and_field(setup, tmp_path, 
     assert caught.value.kind == "bad-plan"
 
 
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d["pipelines"][0].update(micro_batchs=2),
+     "field pipelines[0].micro_batchs: the plan has no such field"),
+    (lambda d: d.update(notes="mine"), "field notes: the plan has no such field"),
+    (lambda d: d["training"].update(global_batch="64"), "field training.global_batch: Input "
+     "should be a valid integer"),
+    (lambda d: d["pipelines"][0]["stages"][0].update(zero=True),
+     "field pipelines[0].stages[0].zero: Input should be a valid integer"),
+])
+def test_plan_file_fields_are_typed_strictly_and_spelt_right(setup, tmp_path, edit, needle):
+    """A hand-edited plan whose field is misspelt (it would be dropped) or of another
+    JSON type (it would be converted) is refused, naming the field."""
+    data = json.loads(plan_json(setup[3]))
+    edit(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlannerError, match=re.escape(needle)):
+        read_plan(path)
+
+
 def test_estimate_prices_a_fixed_recipe(setup):
     graph, cluster, training, plan = setup
     fixed = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
