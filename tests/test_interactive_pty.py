@@ -77,6 +77,7 @@ def test_guided_session_load_solve_whatif_save(tmp_path):
 def test_ctrl_c_during_the_questions_and_ctrl_d_at_the_prompt(tmp_path):
     child = spawn(tmp_path)
     child.expect(r"Model")
+    time.sleep(0.5)  # let the question start reading: a ^C before that can be lost
     child.sendintr()
     child.expect(pexpect.EOF)
     child.close()
