@@ -421,6 +421,45 @@ def test_least_largest_parts_are_those_of_every_cut(seed):
                 assert got <= want
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**9))
+def test_tails_in_memory_are_those_of_every_cut(seed):
+    """`bound._tails_in_memory`: for every stage count c and layer boundary j, the least
+    largest and the least summed busy time over every cut of the layers from j on into
+    a pipeline's last c stages, stage q from the end holding q + 1 micro-batches and
+    taking the cheapest recompute policy that fits (memory tight enough that few layers
+    do)."""
+    from planner.solver.bound import _tails_in_memory
+    from planner.solver.evaluate import Config
+
+    rng = random.Random(seed)
+    layers, mb = rng.randint(1, 6), rng.choice([1, 2])
+    table = random_table(seed, layers=layers, types=[("t0", [4])], micro_batches=(mb,),
+                         memory=rng.choice([1, 2, 4, 8]) * GIB)
+    space = Space(zeros=(0,))
+    per_param = table.weight_bytes + table.grad_bytes + table.state_bytes
+    largest, sums = _tails_in_memory(table, "t0", 1, Config(mb), space, 4, per_param)
+    costs = table.costs("t0", 1, mb)
+    room = table.type("t0").memory - table.type("t0").reserve
+
+    def stage(a, b, held):
+        fits = [float((costs.fwd + costs.bwd + costs.recompute[p])[a:b].sum())
+                for p in space.policies
+                if table.rank_params(1)[a:b].sum() * per_param
+                + held * table.activations(p, 1)[a:b].sum() * mb <= room]
+        return min(fits, default=float("inf"))
+
+    for c in range(1, 5):
+        for j in range(layers + 1):
+            cuts = itertools.combinations(range(j + 1, layers), c - 1) if j < layers else ()
+            times = [[stage(a, b, c - i) for i, (a, b) in enumerate(
+                itertools.pairwise((j, *cut, layers)))] for cut in cuts]
+            for got, want in ((largest[c - 1, j], min(map(max, times), default=float("inf"))),
+                              (sums[c - 1, j], min(map(sum, times), default=float("inf")))):
+                assert got == want == float("inf") or got == pytest.approx(want, rel=1e-8)
+                assert got <= want
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_every_split_is_within_its_familys_first_bounds(seed):

@@ -152,6 +152,15 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
                    + table.grad_bytes / (shard if z >= 2 else 1)
                    + table.state_bytes / (shard if z >= 1 else 1) for z in space.zeros)
 
+    def tails(kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """[c - 1, j]: no stage of the last c stages of a pipeline holding layers
+        [j, L) is busy for less, and they are not busy for less in all (the states as
+        ZeRO over the most pipelines the type holds keeps them)."""
+        if config.gpipe:
+            return parts[kind][1], np.zeros_like(parts[kind][1])
+        return _tails_in_memory(table, kind, tp, config, space, longest,
+                                state_bytes(slots[kind]))
+
     def runs(n: int) -> int:
         """Micro-batches a pipeline of n side by side runs at least (for in_flight)."""
         return -(-microbatches // n) if config.gpipe else 10**9
@@ -185,7 +194,9 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
                 kind, held[-1] * state_bytes(found[1]), kept_acts[-1], np.array(s),
                 np.array(in_flight(s - 1, s, runs(found[1]), config.schedule,
                                    config.interleave))))
-            period = max(total / s, largest_layer[kind, kind], parts[kind][0][s - 1, -1])
+            total = max(total, tails(kind)[1][s - 1, 0])
+            period = max(total / s, largest_layer[kind, kind], parts[kind][0][s - 1, -1],
+                         tails(kind)[0][s - 1, 0])
             out.append(Family(types=found[0], tp=tp, n_max=found[1], min_busy=period,
                               total=fill(total, period)))
         return out
@@ -240,10 +251,12 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         head = prefix[a][None, :] + recompute(a, need, kept_acts[None, :], ca, first)
         tail = (work[b] - prefix[b])[None, :] + recompute(
             b, need[:, -1:] - need, kept_acts[-1] - kept_acts[None, :], cb, last)
+        largest, least = (x[cb[:, 0].astype(int) - 1] for x in tails(b))
+        tail = np.maximum(tail, least)
         total = np.where(ok, head + tail, INF).min(axis=1)
         # a block's largest stage: at least its mean and its layers' least largest part
         head_max = np.maximum(head / ca, parts[a][0][ca[:, 0].astype(int) - 1])
-        tail_max = np.maximum(tail / cb, parts[b][1][cb[:, 0].astype(int) - 1])
+        tail_max = np.maximum(tail / cb, largest)
         period = np.maximum(np.where(ok, np.maximum(head_max, tail_max), INF).min(axis=1),
                             largest_layer[a, b])
         return [Family(types=kept[i][0][0], tp=tp, n_max=kept[i][0][1], total=t, min_busy=m)
@@ -295,6 +308,66 @@ def _least_largest_parts(table: CostTable, kind: str, tp: int, mb: int, most: in
             heads.append(np.maximum(heads[-1][:, None], ranges).min(axis=0))
             tails.append(np.maximum(ranges, tails[-1][None, :]).min(axis=1))
         table.cache[key] = (np.array(heads) * (1 - 1e-9), np.array(tails) * (1 - 1e-9))
+    return table.cache[key]
+
+
+def _tails_in_memory(table: CostTable, kind: str, tp: int, config: Config, space: Space,
+                     most_stages: int, per_param: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per c = 1..most_stages (a row each, c - 1) and layer boundary j (a column): the
+    least largest busy time of a stage, and the least sum of their busy times, over the
+    cuts of layers [j, L) into c stages that are a pipeline's last, each stage's busy
+    time that of the cheapest recompute policy its memory allows (`per_param` bytes of
+    states per parameter, no ZeRO-3 gathers, no sends): the stage q from the end holds
+    at least q + 1 micro-batches (1F1B's S - s; interleaved, more), and more in flight
+    only needs more freed, so no block of a pipeline's last c stages does better.
+    Infinite where nothing fits; slightly lowered against rounding (cached). Not for
+    GPipe, whose stages hold their pipeline's share. Two programs over (layer, width),
+    a range [a, a + d + 1) being row a, column d, as wide as any range's states allow."""
+    key = ("tails in memory", kind, tp, config.mb, config.interleave, most_stages,
+           space.policies, per_param)
+    if key in table.cache:
+        return table.cache[key]
+    layers = table.num_layers
+    held = np.concatenate([[0.0], np.cumsum(table.rank_params(tp))])
+    room_all = table.type(kind).memory - table.type(kind).reserve
+    starts = np.arange(layers + 1)
+    width = int(max(0, (np.searchsorted(held, held + room_all / per_param, side="right")
+                        - 1 - starts).max()))
+    ends = starts[:, None] + np.arange(1, width + 1)[None, :]
+    inside = ends <= layers
+    after = np.minimum(ends, layers)  # the next stage's first layer
+
+    def band(values: np.ndarray) -> np.ndarray:
+        cum = np.concatenate([[0.0], np.cumsum(values)])
+        return cum[after] - cum[starts][:, None]
+
+    costs = table.costs(kind, tp, config.mb)
+    room = np.where(inside, room_all - band(table.rank_params(tp)) * per_param, -INF)
+    busy = band(costs.fwd + costs.bwd)
+    policies = []  # (most micro-batches in flight that fit, busy time) per policy
+    for policy in space.policies:
+        acts = band(table.activations(policy, tp)) * config.mb
+        with np.errstate(divide="ignore", invalid="ignore"):
+            most = np.where(acts > 0, room / acts, np.where(room >= 0, INF, -INF))
+        policies.append((most, busy + band(costs.recompute[policy])))
+    last = layers - starts - 1  # the column of [a, L), where the band holds it
+    whole = (last >= 0) & (last < width)
+    largest: list[np.ndarray] = []
+    sums: list[np.ndarray] = []
+    for q in range(most_stages):  # stage q from the end: q + 1 micro-batches in flight
+        cost = np.full(room.shape, INF)
+        for most, time in policies:
+            cost = np.where(most >= q + 1, np.minimum(cost, time), cost)
+        if q == 0:
+            alone = np.full(len(starts), INF)
+            alone[whole] = cost[whole, last[whole]]
+            largest.append(alone)
+            sums.append(alone)
+            continue
+        largest.append(np.maximum(cost, np.where(inside, largest[-1][after], INF)).min(
+            axis=1, initial=INF))
+        sums.append((cost + np.where(inside, sums[-1][after], INF)).min(axis=1, initial=INF))
+    table.cache[key] = (np.array(largest) * (1 - 1e-9), np.array(sums) * (1 - 1e-9))
     return table.cache[key]
 
 
