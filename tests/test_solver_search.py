@@ -460,6 +460,23 @@ def test_tails_in_memory_are_those_of_every_cut(seed):
                 assert got <= want
 
 
+def _sampled_families(rng, seed, *, layers, memory, max_stages, count):
+    """A random table of two types (1-4 devices each), a configuration with or without
+    interleaving, and a sample of its runnable families (from `bound.families`)."""
+    from planner.solver.bound import families
+    from planner.solver.evaluate import Config
+    from planner.solver.interleave import fold
+
+    table = random_table(seed, layers=layers,
+                         types=[("t0", [rng.randint(1, 4)]), ("t1", [rng.randint(1, 4)])],
+                         link_speed=rng.choice([0.1, 1.0]), memory=memory)
+    config, space = Config(1, interleave=rng.choice([1, 2])), Space(zeros=(0,))
+    view = fold(table, config.interleave)
+    options = [f for level in families(view, config, Limits(max_stages=max_stages), space, 8,
+                                       [1]) for f in level if f.min_busy < float("inf")]
+    return table, config, space, view, rng.sample(options, min(count, len(options)))
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_every_split_is_within_its_familys_first_bounds(seed):
@@ -467,21 +484,13 @@ def test_every_split_is_within_its_familys_first_bounds(seed):
     split of its pipelines on the terms `tighten` prices them (no placement does
     better): no split has a shorter bottleneck or a smaller fill, homogeneous or mixed,
     interleaved or not, with memory tight enough to need recompute."""
-    from planner.solver.bound import families, tight_result
-    from planner.solver.evaluate import Config
-    from planner.solver.interleave import fold
+    from planner.solver.bound import tight_result
 
     rng = random.Random(seed)
-    layers = rng.choice([4, 6, 8])
-    table = random_table(seed, layers=layers,
-                         types=[("t0", [rng.randint(1, 4)]), ("t1", [rng.randint(1, 4)])],
-                         link_speed=rng.choice([0.1, 1.0]), memory=rng.choice([2, 8]) * GIB)
-    config = Config(1, interleave=rng.choice([1, 2]))
-    space = Space(zeros=(0,))
-    view = fold(table, config.interleave)
-    options = [f for level in families(view, config, Limits(max_stages=4), space, 8, [1])
-               for f in level if f.min_busy < float("inf")]
-    for family in rng.sample(options, min(6, len(options))):
+    table, config, space, view, sample = _sampled_families(
+        rng, seed, layers=rng.choice([4, 6, 8]), memory=rng.choice([2, 8]) * GIB,
+        max_stages=4, count=6)
+    for family in sample:
         result = tight_result(table, config, space, family, 8)
         if result is None:
             continue
@@ -500,20 +509,13 @@ def test_every_split_runs_on_or_above_a_floor_pair(seed):
     pair's, checked on each step of its staircase (the splits that make its time exact
     for every micro-batch count), also with the class slowed to a longer period as
     the ZeRO-3 bound slows it; the pairs' periods rise and their fills fall."""
-    from planner.solver.bound import _staircase, families, floor_pairs, tight_result
-    from planner.solver.evaluate import Config
-    from planner.solver.interleave import fold
+    from planner.solver.bound import _staircase, floor_pairs, tight_result
     from planner.solver.partition import Staircase
 
     rng = random.Random(seed)
-    table = random_table(seed, layers=rng.choice([4, 6]),
-                         types=[("t0", [rng.randint(1, 4)]), ("t1", [rng.randint(1, 4)])],
-                         link_speed=rng.choice([0.1, 1.0]), memory=32 * GIB)
-    config, space = Config(1, interleave=rng.choice([1, 2])), Space(zeros=(0,))
-    view = fold(table, config.interleave)
-    options = [f for level in families(view, config, Limits(max_stages=3), space, 8, [1])
-               for f in level if f.min_busy < float("inf")]
-    for family in rng.sample(options, min(4, len(options))):
+    table, config, space, _, sample = _sampled_families(
+        rng, seed, layers=rng.choice([4, 6]), memory=32 * GIB, max_stages=3, count=4)
+    for family in sample:
         result = tight_result(table, config, space, family, 8)
         if result is None:
             continue

@@ -107,8 +107,9 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     layer and each block room for its layers' parameter states (ZeRO-sharded over
     the most pipelines), each block's mean raised to the least largest stage any cut
     of its layers into its stages has (`_least_largest_parts`: whole layers make a
-    block of 7 stages holding 24 like ones as slow as 4 of them, not 24 / 7), and at
-    least the largest layer's time on its faster type
+    block of 7 stages holding 24 like ones as slow as 4 of them, not 24 / 7; a
+    pipeline's last block's stages, their memory too, `_tails_in_memory`, which bounds
+    its total as well), and at least the largest layer's time on its faster type
     (with v chunks per device, of the folded table; the total bounds the fill, 1/v
     of the busy time plus (1 - 1/v) bottlenecks).
     (Layer times are not proportional across types, so the plain fluid bound
