@@ -4,6 +4,7 @@ what-if, saving, and Ctrl-C leaving cleanly with the saved files intact."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,8 +22,11 @@ pytestmark = [pytest.mark.slow,
 def spawn(cwd: Path, *args: str):
     env = dict(os.environ, NO_COLOR="1", COLUMNS="120", LINES="60", TERM="xterm",
                PYTHONPATH=str(ROOT))
+    # Ctrl-C as a terminal has it, even where the tests run with SIGINT ignored (a shell
+    # runs a background job so, and the child would inherit that)
     child = pexpect.spawn(sys.executable, ["-m", "cli.main", *args], cwd=str(cwd), env=env,
-                          encoding="utf-8", timeout=90, dimensions=(60, 120))
+                          encoding="utf-8", timeout=90, dimensions=(60, 120),
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child.logfile_read = (cwd / "terminal.log").open("w")
     return child
 
