@@ -78,7 +78,7 @@ def explain(
             "a search result.", ["solve the same model and cluster with `planner solve ... -o "
                                  f"best.json`, then `planner compare {plan_file} best.json`"])
     with err_console.status(f"Tracing {plan.model.describe()}...", spinner="dots") as status:
-        graph = retrace(plan)
+        graph = retrace(plan, str(plan_file))
         others = []
         if runners_up:
             from planner.compare import same_structure

@@ -35,21 +35,21 @@ TERM_WORDS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "ten
 
 # ---------------------------------------------------------------- tracing the plan's model
 
-def retrace(plan: Plan) -> ModelGraph:
+def retrace(plan: Plan, source: str = "") -> ModelGraph:
     """The plan's model traced again (batch 1, the plan's sequence length and dtype),
-    checked against the plan's stages."""
+    checked against the plan's stages (`source`: the plan file, which errors name)."""
     from planner.models import load_model
     from planner.trace import trace_loaded
 
     graph = trace_loaded(load_model(plan.model, seq_len=plan.training.seq_len), batch=1,
                          dtype=plan.training.dtype)
-    check_layers(plan, graph.layers)
+    check_layers(plan, graph.layers, source)
     return graph
 
 
-def check_layers(plan: Plan, layers: Sequence[Layer]) -> None:
+def check_layers(plan: Plan, layers: Sequence[Layer], source: str = "") -> None:
     """A clear error when the plan's stages do not match the model's layers (the model
-    or its code changed since the plan was made)."""
+    or its code changed since the plan was made), naming `source` if given."""
     for p in plan.pipelines:
         for s in p.stages:
             held = [layer for a, b in s.chunks for layer in layers[a:b]]
@@ -57,7 +57,8 @@ def check_layers(plan: Plan, layers: Sequence[Layer]) -> None:
             modules = tuple(m for layer in held for m in layer.modules)
             if end > len(layers) or (s.modules and modules != tuple(s.modules)):
                 raise PlannerError(
-                    "plan-mismatch", f"The plan's stage {s.index} of pipeline {p.index} holds "
+                    "plan-mismatch", (f"{source}: " if source else "")
+                    + f"The plan's stage {s.index} of pipeline {p.index} holds "
                     f"layers {s.layers[0]}-{s.layers[1] - 1}, which do not match model "
                     f"{plan.model.describe()} as it traces now ({len(layers)} layers); the "
                     "model or its code changed since the plan was made.",

@@ -128,6 +128,8 @@ def test_a_plan_for_another_model_is_refused(solved):
     other = dataclasses.replace(plan, model=model_spec("gpt-tiny", {"layers": 2}))
     with pytest.raises(PlannerError, match="do not match"):
         retrace(other)
+    with pytest.raises(PlannerError, match=r"^mine\.json: The plan.s stage 1 of pipeline 0 holds"):
+        retrace(other, "mine.json")  # (the file the plan came from, as explain gives it)
     small = trace_loaded(load_model(model_spec("gpt-tiny", {"layers": 2})), batch=1)
     with pytest.raises(PlannerError, match="changed since the plan was made"):
         check_layers(plan, small.layers)
