@@ -406,7 +406,8 @@ def test_least_largest_parts_are_those_of_every_cut(seed):
     table = random_table(seed, layers=layers, types=[("t0", [2])])
     costs = table.costs("t0", 1, 1)
     busy = costs.fwd + costs.bwd
-    heads, tails = _least_largest_parts(table, "t0", 1, 1, layers)
+    heads = _least_largest_parts(table, "t0", 1, 1, layers)
+    tails = _least_largest_parts(table, "t0", 1, 1, layers, from_end=True)
 
     def least(lo, hi, parts):
         cuts = itertools.combinations(range(lo + 1, hi), parts - 1)

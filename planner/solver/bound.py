@@ -127,7 +127,7 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     longest = min(limits.max_stages, table.num_layers)
     largest_layer = {(a, b): float(np.minimum(busy[a], busy[b]).max())
                      for a in busy for b in busy}
-    parts = {k: _least_largest_parts(table, k, tp, config.mb, longest) for k in busy}
+    heads = {k: _least_largest_parts(table, k, tp, config.mb, longest) for k in busy}
 
     held = np.concatenate([[0.0], np.cumsum(table.rank_params(tp))])
     rooms = {t.name: t.memory - t.reserve for t in table.types}
@@ -158,7 +158,8 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         [j, L) is busy for less, and they are not busy for less in all (the states as
         ZeRO over the most pipelines the type holds keeps them)."""
         if config.gpipe:
-            return parts[kind][1], np.zeros_like(parts[kind][1])
+            plain = _least_largest_parts(table, kind, tp, config.mb, longest, from_end=True)
+            return plain, np.zeros_like(plain)
         return _tails_in_memory(table, kind, tp, config, space, longest,
                                 state_bytes(slots[kind]))
 
@@ -190,14 +191,15 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
             table.cache[key] = [(s, found) for s in lengths()
                                 if s <= slots[kind] and (found := fits([(kind, s)]))]
         out = []
+        largest, least = tails(kind)
         for s, found in table.cache[key]:
             total = work[kind] + float(recompute(
                 kind, held[-1] * state_bytes(found[1]), kept_acts[-1], np.array(s),
                 np.array(in_flight(s - 1, s, runs(found[1]), config.schedule,
                                    config.interleave))))
-            total = max(total, tails(kind)[1][s - 1, 0])
-            period = max(total / s, largest_layer[kind, kind], parts[kind][0][s - 1, -1],
-                         tails(kind)[0][s - 1, 0])
+            total = max(total, least[s - 1, 0])
+            period = max(total / s, largest_layer[kind, kind], heads[kind][s - 1, -1],
+                         largest[s - 1, 0])
             out.append(Family(types=found[0], tp=tp, n_max=found[1], min_busy=period,
                               total=fill(total, period)))
         return out
@@ -256,7 +258,7 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         tail = np.maximum(tail, least)
         total = np.where(ok, head + tail, INF).min(axis=1)
         # a block's largest stage: at least its mean and its layers' least largest part
-        head_max = np.maximum(head / ca, parts[a][0][ca[:, 0].astype(int) - 1])
+        head_max = np.maximum(head / ca, heads[a][ca[:, 0].astype(int) - 1])
         tail_max = np.maximum(tail / cb, largest)
         period = np.maximum(np.where(ok, np.maximum(head_max, tail_max), INF).min(axis=1),
                             largest_layer[a, b])
@@ -289,26 +291,26 @@ def stage_counts(limits: Limits, config: Config, longest: int) -> range:
         least, longest + 1)
 
 
-def _least_largest_parts(table: CostTable, kind: str, tp: int, mb: int, most: int
-                         ) -> tuple[np.ndarray, np.ndarray]:
+def _least_largest_parts(table: CostTable, kind: str, tp: int, mb: int, most: int,
+                         from_end: bool = False) -> np.ndarray:
     """Per c = 1..most (a row each, c - 1) and layer boundary j (a column): the least
-    largest busy time of a part over the cuts of layers [0, j) into c parts, and of
-    layers [j, L) (infinite where there are fewer layers than parts): no stage of a
-    block of c stages holding those layers is busy for less (a min-max program over
+    largest busy time of a part over the cuts of layers [0, j) into c parts (of layers
+    [j, L) `from_end`; infinite where there are fewer layers than parts): no stage of
+    a block of c stages holding those layers is busy for less (a min-max program over
     the layers' forward and backward times, without sends, recompute and memory);
     slightly lowered against rounding (cached)."""
-    key = ("least largest parts", kind, tp, mb, most)
+    key = ("least largest parts", kind, tp, mb, most, from_end)
     if key not in table.cache:
         costs = table.costs(kind, tp, mb)
         cum = np.concatenate([[0.0], np.cumsum(costs.fwd + costs.bwd)])
         size = len(cum)
         ranges = np.where(np.triu(np.ones((size, size), dtype=bool), 1),
                           cum[None, :] - cum[:, None], INF)
-        heads, tails = [ranges[0]], [ranges[:, -1]]
+        rows = [ranges[:, -1] if from_end else ranges[0]]
         for _ in range(most - 1):
-            heads.append(np.maximum(heads[-1][:, None], ranges).min(axis=0))
-            tails.append(np.maximum(ranges, tails[-1][None, :]).min(axis=1))
-        table.cache[key] = (np.array(heads) * (1 - 1e-9), np.array(tails) * (1 - 1e-9))
+            rows.append(np.maximum(ranges, rows[-1][None, :]).min(axis=1) if from_end else
+                        np.maximum(rows[-1][:, None], ranges).min(axis=0))
+        table.cache[key] = np.array(rows) * (1 - 1e-9)
     return table.cache[key]
 
 
