@@ -119,8 +119,7 @@ def structures(table: CostTable, batch: int, limits: Limits):
     """(config, class shapes) of every structure of the search space."""
     names = [t.name for t in table.types]
     for config in configs(table, batch, limits):
-        lengths = stage_counts(limits, config, min(
-            limits.max_stages, fold(table, config.interleave).num_layers))
+        lengths = stage_counts(limits, config, fold(table, config.interleave).num_layers)
         mixed: list[tuple[str, ...] | None] = [None]
         if limits.mixed and len(names) > 1:
             for a, b in itertools.permutations(names, 2):

@@ -741,3 +741,20 @@ def test_a_schedule_no_plan_fits_names_itself():
     assert "constraints given (--schedule gpipe)" in err.value.message
     assert err.value.remedies[0].startswith("drop --schedule gpipe")
     assert solve(graph, cluster, training, options)
+
+
+@pytest.mark.parametrize("interleave", [1, 2])
+def test_a_fixed_pp_above_max_stages_gets_as_many_stages(interleave):
+    """--pp beyond --max-stages' default (16) is what the user asked for; the stage
+    counts the bounds cover follow it (and stop at the layers a chunk count leaves)."""
+    graph = trace_model(model_spec("gpt2-small", {"layers": 34}), seq_len=128, dtype="fp16")
+    cluster = load_cluster("3x8xA100-80G")
+    training = TrainingSpec(global_batch=18, seq_len=128, dtype="fp16")
+    plan = solve(graph, cluster, training,
+                 SolveOptions(limits=Limits(pp=18, interleave=interleave)))[0]
+    assert [len(p.stages) for p in plan.pipelines] == [18]
+    assert plan.pipelines[0].interleave == interleave
+    with pytest.raises(PlannerError) as err:  # 2 rounds of 18 layers: a 19th stage has none
+        solve(graph, cluster, training, SolveOptions(limits=Limits(pp=19, interleave=2)))
+    assert "--pp 19 with --interleave 2" in err.value.message
+    assert err.value.remedies[0] == "use --pp 18 or less"

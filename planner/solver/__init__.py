@@ -154,6 +154,12 @@ def _check_interleave(limits: Limits, layers: int) -> None:
             "bad-option", f"--interleave {v} cannot cut the model's {layers} layers into {v} "
             "equal rounds (the solver splits every round alike, Megatron-style).",
             [f"use one of --interleave {', '.join(map(str, fits))}"])
+    if limits.pp is not None and limits.pp > layers // v:
+        raise PlannerError(
+            "bad-option", f"--pp {limits.pp} with --interleave {v}: each of the {v} rounds "
+            f"has {layers // v} of the model's {layers} layers, too few for a chunk on every "
+            "one of its stages.", [f"use --pp {layers // v} or less",
+                                   "use a smaller --interleave, or drop it"])
 
 
 def pinned_type(name: str, types: list[str]) -> str | None:

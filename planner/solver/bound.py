@@ -124,7 +124,8 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     work = {k: float(v.sum()) for k, v in busy.items()}
     prefix = {k: np.concatenate([[0.0], np.cumsum(v)]) for k, v in busy.items()}
     slots = {t.name: sum(d // tp for d in t.node_devices) for t in table.types}
-    longest = min(limits.max_stages, table.num_layers)
+    lengths = stage_counts(limits, config, table.num_layers)
+    longest = max(lengths, default=1)
     largest_layer = {(a, b): float(np.minimum(busy[a], busy[b]).max())
                      for a in busy for b in busy}
     heads = {k: _least_largest_parts(table, k, tp, config.mb, longest) for k in busy}
@@ -183,12 +184,12 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     def cached(*what: object) -> tuple:
         """A table cache key of what the patterns that fit depend on besides `what`:
         not the micro-batch size."""
-        return (*what, tp, lengths(), limits.first_stage, limits.last_stage, space.zeros)
+        return (*what, tp, lengths, limits.first_stage, limits.last_stage, space.zeros)
 
     def homogeneous(kind: str) -> list[Family]:
         key = cached("homogeneous shapes", kind)
         if key not in table.cache:  # (the same at every micro-batch size)
-            table.cache[key] = [(s, found) for s in lengths()
+            table.cache[key] = [(s, found) for s in lengths
                                 if s <= slots[kind] and (found := fits([(kind, s)]))]
         out = []
         largest, least = tails(kind)
@@ -211,7 +212,7 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         states: the same at every micro-batch size (cached in the table)."""
         key = cached("mixed shapes", a, b)
         if key not in table.cache:
-            kept = [(found, ca, total - ca) for total in lengths()
+            kept = [(found, ca, total - ca) for total in lengths
                     for ca in range(1, min(total, slots[a] + 1))
                     if 1 <= total - ca <= slots[b]
                     and (found := fits([(a, ca), (b, total - ca)]))]
@@ -273,22 +274,20 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         v = config.interleave
         return busy if v == 1 else busy / v + (1 - 1 / v) * period
 
-    def lengths() -> range:
-        return stage_counts(limits, config, longest)
-
     mixed_families = [f for a, b in itertools.permutations(sorted(work), 2)
                       for f in mixed(a, b)] if limits.mixed and len(table.types) > 1 else []
     return {k: homogeneous(k) for k in work}, mixed_families
 
 
-def stage_counts(limits: Limits, config: Config, longest: int) -> range:
-    """Stages per pipeline: --pp or 1 to `longest`; at least 2 interleaved (one stage
+def stage_counts(limits: Limits, config: Config, layers: int) -> range:
+    """Stages per pipeline of a table of `layers` (folded) layers: --pp or 1 to
+    --max-stages, never more than the layers; at least 2 interleaved (one stage
     holding every chunk is plain 1F1B, which the configuration without chunks has) or
     with GPipe (one stage holding every micro-batch runs as 1F1B's one stage does, in
     less memory)."""
     least = 2 if config.interleave > 1 or config.gpipe else 1
-    return range(max(limits.pp, least), limits.pp + 1) if limits.pp else range(
-        least, longest + 1)
+    most = limits.pp if limits.pp else limits.max_stages
+    return range(max(limits.pp or least, least), min(most, layers) + 1)
 
 
 def _least_largest_parts(table: CostTable, kind: str, tp: int, mb: int, most: int,
