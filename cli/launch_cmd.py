@@ -23,14 +23,19 @@ class Target(str, Enum):
 
 
 def _cpus(values: list[str] | None) -> dict[str, str]:
+    """--cpus NODE=CPUS values by node; a node named twice is refused, not overridden."""
     from planner.errors import PlannerError
 
-    out = {}
+    out: dict[str, str] = {}
     for value in values or []:
         node, sep, cpus = value.partition("=")
         if not sep or not node or not cpus:
             raise PlannerError("bad-option", f"--cpus {value!r} must look like NODE=CPUS, e.g. "
                                "worker-0=0 or worker-1=1-3.")
+        if node in out:
+            raise PlannerError("bad-option", f"--cpus names node {node!r} twice ({out[node]!r}, "
+                               f"then {cpus!r}); give each node's CPU list once.",
+                               [f"keep one of --cpus {node}={out[node]} and --cpus {node}={cpus}"])
         out[node] = cpus
     return out
 

@@ -40,6 +40,14 @@ Console.on_broken_pipe = _on_broken_pipe  # type: ignore[method-assign]
 class _Group(TyperGroup):
     """Maps library errors to messages and exit codes in one place."""
 
+    def make_context(self, *args: Any, **kwargs: Any) -> typer.Context:
+        """`planner --help` and `--version` print while the arguments are parsed, before
+        `invoke`: a closed pipe there ends as quietly (typer would exit with 1)."""
+        try:
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError:
+            raise typer.Exit(PIPE_CLOSED) from None
+
     def invoke(self, ctx: typer.Context) -> Any:
         try:
             return super().invoke(ctx)

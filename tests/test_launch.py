@@ -2,6 +2,7 @@
 settings from the plan, the hosts file, and the CLI."""
 
 import dataclasses
+import json
 import os
 import shlex
 import shutil
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from planner.errors import PlannerError
 from planner.launch import parse_hosts, render_launch, write_launch
-from planner.planfile import write_plan
+from planner.planfile import plan_json, write_plan
 from planner.types import DeviceGroup
 from tests.runtime_helpers import tiny_plan
 
@@ -157,6 +158,39 @@ def test_a_hosts_value_with_a_line_break_is_refused(tmp_path, hetero_plan, targe
     assert result.exit_code == 1 and not (tmp_path / "out").exists()
     assert "hosts.yaml: node 'a100-80g-sxm-0': host 'h1\\nrm -rf ~' has a line break" in (
         " ".join(result.stderr.split()))
+
+
+def test_cpus_naming_a_node_twice_is_refused(tmp_path, hetero_plan):
+    """The last value used to win silently; an unknown node was refused already."""
+    plan = tmp_path / "plan.json"
+    write_plan(hetero_plan, plan)
+    result = runner.invoke(app, ["launch", str(plan), "--dry-run", "--cpus", "v100-32g-0=0",
+                                 "--cpus", "v100-32g-0=1-3"])
+    assert result.exit_code == 1 and "taskset" not in result.stdout
+    assert ("--cpus names node 'v100-32g-0' twice ('0', then '1-3'); give each node's CPU "
+            "list once.") in " ".join(result.stderr.split())
+    assert "keep one of --cpus v100-32g-0=0 and --cpus v100-32g-0=1-3" in result.stderr
+    unknown = runner.invoke(app, ["launch", str(plan), "--dry-run", "--cpus", "v100-32g-1=0"])
+    assert unknown.exit_code == 1 and "node 'v100-32g-1', which the plan's cluster does not " \
+        "have" in " ".join(unknown.stderr.split())
+
+
+@pytest.mark.parametrize("field", ["host", "name"])
+def test_a_plan_node_name_or_host_with_a_line_break_is_refused(tmp_path, hetero_plan, field):
+    """Hand-edited into the plan file, it would reach the scripts and the README as
+    a hosts file's would (cluster files refuse it too)."""
+    evil = "v1\nrm -rf ~"
+    data = json.loads(plan_json(hetero_plan))
+    if field == "host":
+        data["cluster"]["nodes"][1]["host"] = evil
+    else:  # renamed wherever the plan names it, so only the line break is wrong
+        data = json.loads(json.dumps(data).replace('"v100-32g-0"', json.dumps(evil)))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(data))
+    result = runner.invoke(app, ["launch", str(plan), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and not (tmp_path / "out").exists()
+    assert (f"{plan}: cluster.nodes[1].{field} 'v1\\nrm -rf ~' has a line break or another "
+            "control character") in " ".join(result.stderr.split())
 
 
 def test_cli_writes_refuses_to_overwrite_and_dry_runs(tmp_path, hetero_plan):

@@ -5,6 +5,7 @@ device, and returns either a module or `(module, inputs)`, where
 `inputs(batch, seq_len, device)` returns the forward's positional inputs (a
 tuple of tensors). A module may instead define `example_batch(batch, seq_len,
 device) -> (inputs, targets)` and `loss(output, targets)`, like the zoo models.
+Tensors are created on `device`; a return of another shape is a bad-model error.
 """
 
 from __future__ import annotations
@@ -75,18 +76,14 @@ def load_factory(target: str, overrides: Mapping[str, Any], device: Any = "meta"
     loss = getattr(module, "loss", None) if callable(getattr(module, "loss", None)) else None
     if inputs is not None:
         def example(batch: int, seq_len: int | None, device: Any) -> tuple[tuple, dict, Any]:
-            args = _call_user(target, "inputs", inputs, batch, seq_len, device)
-            if isinstance(args, torch.Tensor):
-                args = (args,)
-            if isinstance(args, dict):
-                return (), args, None
-            return tuple(args), {}, None
+            made = _call_user(target, "inputs", inputs, batch, seq_len, device)
+            return _example(target, "inputs", made, batch, seq_len, device)
         return module, example, None
     if callable(getattr(module, "example_batch", None)):
         def example(batch: int, seq_len: int | None, device: Any) -> tuple[tuple, dict, Any]:
-            args, targets = _call_user(target, "example_batch", module.example_batch, batch,
-                                       seq_len, device)
-            return tuple(args), {}, targets
+            made = _call_user(target, "example_batch", module.example_batch, batch, seq_len,
+                              device)
+            return _example(target, "example_batch", made, batch, seq_len, device)
         return module, example, loss
     raise PlannerError(
         "bad-model", f"Model factory {target!r} returned a module but no example inputs, so "
@@ -111,6 +108,65 @@ def _call_user(target: str, what: str, make: Callable, batch: int, seq_len: int 
             message, fix = f"Model {target!r}: {call}", f"fix the error in the model's {what}()"
         raise PlannerError("bad-model", message,
                            [fix, "run again with --debug for the traceback"]) from exc
+
+
+_RETURNS = {
+    "inputs": "the forward's inputs: a tensor, a tuple of tensors, or a dict of tensors "
+              "passed by keyword",
+    "example_batch": "(inputs, targets): inputs a tensor or a tuple of tensors (the "
+                     "forward's positional inputs), targets what the model's loss takes",
+}
+
+
+def _describe(value: Any) -> str:
+    """A value a user's function returned, in a few words for an error message."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a {value.device.type} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list, dict)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _example(target: str, what: str, made: Any, batch: int, seq_len: int | None,
+             device: Any) -> tuple[tuple, dict, Any]:
+    """The user's example as (args, kwargs, targets); a bad-model error naming the model
+    and what `what` must return when it returned something else, or inputs on another
+    device than the one it was given (the tracer runs on meta)."""
+    def bad(problem: str) -> PlannerError:
+        return PlannerError(
+            "bad-model", f"Model {target!r}: its {what}(batch={batch}, seq_len={seq_len}, "
+            f"device='{device}') {problem}; it must return {_RETURNS[what]}.",
+            [f"fix the model's {what}()", "e.g. return ((x,), y) with x and y created on "
+             "the device it is given" if what == "example_batch" else
+             "e.g. return (x,) with x created on the device it is given"])
+
+    targets = None
+    if what == "example_batch":
+        if not isinstance(made, (tuple, list)) or len(made) != 2:
+            raise bad(f"returned {_describe(made)}")
+        made, targets = made
+    if isinstance(made, torch.Tensor):
+        made = (made,)
+    if isinstance(made, dict) and what == "inputs":
+        args, kwargs = (), dict(made)
+    elif isinstance(made, (tuple, list)):
+        args, kwargs = tuple(made), {}
+    else:
+        raise bad(f"returned {_describe(made)} as its inputs")
+    values = [*args, *kwargs.values()]
+    if not values:
+        raise bad("returned no inputs")
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            raise bad(f"returned {_describe(value)} among its inputs")
+    expected = torch.device(device).type
+    for tensor in values:  # (targets only meet the loss, which says where they belong)
+        if tensor.device.type != expected:
+            raise bad(f"returned {_describe(tensor)}, not on {expected}")
+    return args, kwargs, targets
 
 
 _HF_NAMES = {"layers": "num_hidden_layers", "hidden": "hidden_size",
