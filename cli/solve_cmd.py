@@ -143,8 +143,8 @@ def solve(
                       max_stages=max_stages, mixed=mixed, tp_per_class=tp_per_class,
                       first_stage=first_stage,
                       last_stage=last_stage, interleave=interleave,
-                      interleaves=(1,) if max_interleave is None else tuple(
-                          range(1, max_interleave + 1)),
+                      **({} if max_interleave is None else {
+                          "interleaves": tuple(range(1, max_interleave + 1))}),
                       schedule=parse_schedule(schedule) if schedule else None),
         space=Space(policies=_policies(recompute),
                     zeros=(zero,) if zero is not None else (0, 1, 2, 3)),
@@ -153,6 +153,11 @@ def solve(
         plans = solve(graph, spec, training, options,
                       progress=lambda now: status.update(now.describe())
                       if now.explored % 200 == 0 else None)
+    if len(plans) < top_k:  # say so, not leave the reader to count
+        found = ("exist under the constraints given" if plans[0].solver.status == "optimal"
+                 else "were found before the search stopped")
+        err_console.print(f"[yellow]note:[/] --top-k {top_k} asked for {top_k} plans, but only "
+                          f"{len(plans)} {found}.", soft_wrap=True)
     if json_out and top_k > 1:
         from planner.planfile import to_jsonable
 
@@ -186,8 +191,9 @@ def estimate(
     zero: Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")] = 0,
     interleave: Annotated[int, typer.Option(
         "--interleave", help="Model chunks per device (interleaved 1F1B).")] = 1,
-    schedule: Annotated[str, typer.Option(
-        "--schedule", help="1f1b, gpipe or interleaved (with --interleave).")] = "1f1b",
+    schedule: Annotated[str | None, typer.Option(
+        "--schedule", help="1f1b, gpipe or interleaved (with --interleave); default: 1f1b, "
+        "interleaved with --interleave 2 or more.", show_default=False)] = None,
     output: Output = None,
     json_out: opt.JsonOut = False,
     force: opt.Force = False,
@@ -212,7 +218,15 @@ def estimate(
 
     if zero not in (0, 1, 2, 3):
         raise PlannerError("bad-option", f"--zero must be 0, 1, 2 or 3 (got {zero}).")
-    chosen = parse_schedule(schedule)
+    if dp is not None and dp < 1:
+        raise PlannerError("bad-option", f"--dp must be at least 1 (got {dp}).",
+                           ["drop --dp to use as many pipelines as the devices allow"])
+    chosen = parse_schedule(schedule) if schedule is not None else (
+        Schedule.INTERLEAVED if interleave > 1 else Schedule.ONE_F_ONE_B)
+    if chosen is Schedule.ONE_F_ONE_B and interleave > 1:
+        raise PlannerError("bad-option", f"--interleave {interleave} runs interleaved 1F1B, "
+                           "which contradicts --schedule 1f1b.",
+                           ["drop --schedule 1f1b", "or drop --interleave"])
     if chosen is Schedule.INTERLEAVED and interleave < 2:
         raise PlannerError("bad-option", "--schedule interleaved needs model chunks per "
                            "device: give --interleave V (V of 2 or more).")

@@ -24,6 +24,7 @@ from planner.solver.bounds import lower_bound
 from planner.solver.build import from_evaluation
 from planner.solver.diagnose import diagnose
 from planner.solver.evaluate import Space
+from planner.solver.interleave import choices
 from planner.solver.limits import Limits, schedule_name
 from planner.solver.search import SEARCH_SPACE, Progress, SearchResult, search
 from planner.solver.table import CostTable, build_table, check_tp_divides
@@ -120,6 +121,7 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     if limits.dp is not None and limits.dp > training.global_batch:
         raise PlannerError("bad-option", f"--dp {limits.dp} pipelines cannot share a global "
                            f"batch of {training.global_batch}.", ["lower --dp"])
+    _check_interleave_batch(limits, len(model.layers), training.global_batch)
     return used
 
 
@@ -135,31 +137,88 @@ def _check_schedule(limits: Limits) -> None:
     if schedule is not Schedule.INTERLEAVED and v is not None and v > 1:
         raise PlannerError("bad-option", f"--interleave {v} runs interleaved 1F1B, which "
                            f"contradicts {name}.", ["drop one of them"])
-    if schedule is not Schedule.ONE_F_ONE_B and limits.pp == 1:
+    one = _one_stage(limits)
+    if schedule is not Schedule.ONE_F_ONE_B and one:
         raise PlannerError("bad-option", f"{name} needs pipelines of several stages, which "
-                           "contradicts --pp 1.", ["drop one of them"])
+                           f"contradicts {one}.", ["drop one of them"])
+
+
+def _one_stage(limits: Limits) -> str | None:
+    """The option that allows pipelines of one stage only, as given (None: several
+    stages are allowed)."""
+    if limits.pp == 1:
+        return "--pp 1"
+    if limits.pp is None and limits.max_stages == 1:
+        return "--max-stages 1"
+    return None
 
 
 def _check_interleave(limits: Limits, layers: int) -> None:
     """A fixed chunk count must cut the layers into equal rounds, over several stages."""
     v = limits.interleave
+    if (limits.schedule is Schedule.INTERLEAVED and v is None
+            and max(choices(layers, limits.interleaves), default=1) < 2):
+        fits = choices(layers, tuple(range(2, 9)))
+        raise PlannerError(
+            "bad-option", f"--schedule interleaved: no chunk count up to --max-interleave "
+            f"{max(limits.interleaves)} cuts the model's {layers} layers into equal rounds of "
+            "two or more (the solver splits every round alike, Megatron-style).",
+            [f"use --max-interleave {fits[0]}" if fits else "drop --schedule interleaved"])
     if v is None or v == 1:
         return
-    if limits.pp == 1:
+    if _one_stage(limits):
         raise PlannerError("bad-option", f"--interleave {v} needs pipelines of several "
-                           "stages, which contradicts --pp 1.", ["drop one of them"])
-    if layers % v:
-        fits = [k for k in range(1, min(layers, 8) + 1) if layers % k == 0]
+                           f"stages, which contradicts {_one_stage(limits)}.",
+                           ["drop one of them"])
+    if not choices(layers, (v,)):
+        fits = choices(layers, tuple(range(1, 9)))
         raise PlannerError(
             "bad-option", f"--interleave {v} cannot cut the model's {layers} layers into {v} "
-            "equal rounds (the solver splits every round alike, Megatron-style).",
-            [f"use one of --interleave {', '.join(map(str, fits))}"])
+            "equal rounds of two or more (the solver splits every round alike, "
+            "Megatron-style).", [f"use one of --interleave {', '.join(map(str, fits))}"])
     if limits.pp is not None and limits.pp > layers // v:
         raise PlannerError(
             "bad-option", f"--pp {limits.pp} with --interleave {v}: each of the {v} rounds "
             f"has {layers // v} of the model's {layers} layers, too few for a chunk on every "
             "one of its stages.", [f"use --pp {layers // v} or less",
                                    "use a smaller --interleave, or drop it"])
+
+
+def _check_interleave_batch(limits: Limits, layers: int, batch: int) -> None:
+    """Interleaved 1F1B runs a whole multiple of its stages in micro-batches on every
+    pipeline: where it is required (--interleave V, --schedule interleaved), the global
+    batch must allow that, for --pp stages (every pipeline alike), or for two or more
+    (pipelines of several depths may share any larger batch)."""
+    v = limits.interleave
+    if v is not None and v > 1:
+        what, counts = f"--interleave {v}", (v,)
+    elif v is None and limits.schedule is Schedule.INTERLEAVED:
+        what, counts = "--schedule interleaved", tuple(
+            c for c in choices(layers, limits.interleaves) if c > 1)
+    else:
+        return
+    mb = limits.micro_batch or 1  # (the most micro-batches: any other size is no better)
+    total, dp = batch // mb, limits.dp or 1
+    pp = limits.pp or 2
+    if (total % pp == 0 or limits.pp is None) and total >= dp * pp:
+        return
+    pipes = "every pipeline" if limits.dp is None else f"each of the --dp {dp} pipelines"
+    batch_is = (f"the global batch of {batch}" if limits.micro_batch is None else
+                f"the {total} micro-batches of --micro-batch {mb} in a global batch of "
+                f"{batch}")
+    runs = (f"a whole multiple of its {pp} stages" if limits.pp else
+            "a whole multiple of its stages, two or more,")
+    most = max((layers // c for c in counts), default=1)
+    fits = [k for k in range(2, most + 1) if total % k == 0 and total >= dp * k]
+    raise PlannerError(
+        "bad-option", f"{what}{f' with --pp {pp}' if limits.pp else ''}: interleaved 1F1B "
+        f"runs {runs} in micro-batches on {pipes}, which {batch_is} cannot be.",
+        [f"use a global batch that is a multiple of {pp * mb}"
+         + (f", at least {dp * pp * mb}" if dp > 1 else ""),
+         *([f"lower --dp {dp}"] if dp > 1 else []),
+         *([f"use {'one of ' if len(fits) > 1 else ''}--pp {', '.join(map(str, fits))}"]
+           if fits and limits.pp else []),
+         f"drop {what}"])
 
 
 def pinned_type(name: str, types: list[str]) -> str | None:
@@ -203,8 +262,8 @@ def _resolve_pins(limits: Limits, cluster: ClusterSpec, whole: ClusterSpec) -> L
                            "type" + (f"; did you mean {near[0]}?" if near else "."),
                            [f"use one of {', '.join(types)}"])
     first, last = resolved.get("first_stage"), resolved.get("last_stage")
-    if first and last and first != last and (limits.pp == 1 or not limits.mixed):
-        flag = "--pp 1" if limits.pp == 1 else "--no-mixed"
+    if first and last and first != last and (_one_stage(limits) or not limits.mixed):
+        flag = _one_stage(limits) or "--no-mixed"
         raise PlannerError("bad-option", f"--first-stage {limits.first_stage} and --last-stage "
                            f"{limits.last_stage} put two device types in every pipeline, which "
                            f"{flag} rules out.", [f"drop {flag} or one of the pins"])

@@ -109,6 +109,11 @@ def _constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, s
         out.append((f"--max-stages {limits.max_stages}",
                     f"raise --max-stages {limits.max_stages} (one pipeline over every device "
                     f"has {stages} stages)"))
+    if limits.interleave is not None and limits.interleave > 1:
+        out.append((f"--interleave {limits.interleave}",
+                    f"drop --interleave {limits.interleave} (interleaved 1F1B runs a whole "
+                    "multiple of its stages in micro-batches on every pipeline), or pick "
+                    "another value"))
     if limits.micro_batch is not None and limits.micro_batch > 1:
         out.append((f"--micro-batch {limits.micro_batch}",
                     f"use a smaller --micro-batch than {limits.micro_batch}"))

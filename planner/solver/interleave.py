@@ -61,5 +61,7 @@ def chunks(bounds: tuple[int, int], num_layers: int, v: int) -> tuple[tuple[int,
 
 
 def choices(num_layers: int, allowed: tuple[int, ...]) -> tuple[int, ...]:
-    """The chunk counts of `allowed` that split the layers into equal rounds."""
-    return tuple(v for v in allowed if v >= 1 and num_layers % v == 0 and num_layers >= v)
+    """The chunk counts of `allowed` that split the layers into equal rounds, of at
+    least two layers where there are several (a chunk on each of two stages or more)."""
+    return tuple(v for v in allowed if v == 1 or (v > 1 and num_layers % v == 0
+                                                  and num_layers >= 2 * v))

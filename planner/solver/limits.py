@@ -22,10 +22,9 @@ class Limits:
     max_dp: int | None = None  # most pipelines
     micro_batch: int | None = None
     interleave: int | None = None  # model chunks per device (1: plain 1F1B)
-    # the chunk counts tried if `interleave` is free: interleaving only on request, as its
-    # closed form runs above the simulator on unbalanced pipelines, which cutting every
-    # round alike leaves more of (benchmarks/closed_form.py)
-    interleaves: tuple[int, ...] = (1,)
+    # the chunk counts tried if `interleave` is free (--max-interleave; more chunks cut
+    # the bubble further, but each adds configurations to search)
+    interleaves: tuple[int, ...] = (1, 2)
     # the schedule (None: 1F1B, GPipe for plans of one pipeline class, and interleaved
     # 1F1B with the chunk counts above)
     schedule: Schedule | None = None
