@@ -167,11 +167,14 @@ def _structure(table: CostTable, config: Config, space: Space,
                 splits.append(split)
         if not splits:
             return float("inf")
-        # the search space's splits: those no other split beats in both the largest stage
-        # time and the sum of w (the staircase the dynamic program walks)
-        options.append([x for x in splits if not any(
-            (y.largest_h <= x.largest_h and y.weights < x.weights)
-            or (y.largest_h < x.largest_h and y.weights <= x.weights) for y in splits)])
+        # the search space's splits: those no other split beats in the largest stage time,
+        # the sum of w and the most parameters a stage holds (sync and the optimizer step
+        # grow with them) at once (`evaluate._useful_steps`)
+        params = table.range_params(shape.tp)
+        keys = [(x.largest_h, x.weights, max(params[a, b] for a, b in itertools.pairwise(
+            x.bounds))) for x in splits]
+        options.append([x for x, kx in zip(splits, keys, strict=True) if not any(
+            all(a <= b for a, b in zip(ky, kx, strict=True)) and ky != kx for ky in keys)])
     best = float("inf")
     for combo in itertools.product(*options):
         sync, opt = sync_and_optimizer(table, config, shapes, placement, combo)

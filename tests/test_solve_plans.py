@@ -762,3 +762,19 @@ def test_a_fixed_pp_above_max_stages_gets_as_many_stages(interleave):
         solve(graph, cluster, training, SolveOptions(limits=Limits(pp=19, interleave=2)))
     assert "--pp 19 with --interleave 2" in err.value.message
     assert err.value.remedies[0] == "use --pp 18 or less"
+
+
+def test_a_split_off_the_staircase_that_holds_fewer_parameters_is_searched():
+    """With one micro-batch the period weighs nothing and every cut of gpt2-small has the
+    same fill, so the staircase holds only the cut that balances compute (12 | 2: the
+    head weighs as much as 11 blocks); the even cut of the uniform recipe updates fewer
+    parameters per stage and steps faster, so the search must find it (or better)."""
+    graph = trace_model(model_spec("gpt2-small"), seq_len=1024, dtype="bf16")
+    cluster = load_cluster("1x4xA100-40G")
+    training = TrainingSpec(global_batch=1, seq_len=1024, dtype="bf16")
+    costs = AnalyticalCostModel(cluster)
+    even = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                        training=training, costs=costs, tp=2, pp=2, dp=1, micro_batch=1)
+    solved = solve(graph, cluster, training, SolveOptions(limits=Limits(tp=2, pp=2, dp=1)))[0]
+    assert solved.prediction.step_time <= even.prediction.step_time * (1 + 1e-9)
+    assert solved.solver.status == "optimal"

@@ -360,33 +360,79 @@ def refine(table: CostTable, priced: Priced, microbatches: int,
 
 def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: int,
                   bar: float) -> list[Split]:
-    """Class `index`'s staircase up to the first step from which on no split can beat
-    `bar`: the steps after it have no smaller largest stage (nor a smaller total than
-    the floor), and the other classes run at best at their own bounds."""
+    """Class `index`'s splits that may beat `bar`: the steps of its staircase that may
+    (`_stair_steps`; GPipe's, `_gpipe_steps`), and the same of the splits that hold
+    fewer parameters per stage.
+
+    Gradient sync and the optimizer step grow with a stage's parameters, so a split
+    off the staircase, slower in its pipeline, may still make the faster step where
+    those terms weigh (few micro-batches): every split that no other beats in its
+    largest stage, its total and its largest parameter count at once is a step of the
+    staircase of the splits under some cap on that count (`_capped`). The caps fall
+    below the most any step found so far holds, until no split under them may beat
+    `bar` (the fewer splits, the higher their least bottleneck and floor)."""
     result = priced.results[index]
-    if result.costs.gpipe:
-        return _gpipe_steps(table, priced, index, microbatches, bar)
+    steps = _gpipe_steps if result.costs.gpipe else _stair_steps
+    params = table.range_params(priced.shapes[index].tp)
+    found: dict[tuple[int, ...], Split] = {}
+    capped: ClassResult | None = result
+    while capped is not None:
+        useful = steps(table, priced, index, capped, microbatches, bar)
+        if not useful:
+            break
+        for split in useful:
+            found.setdefault(split.bounds, split)
+        cap = max(float(params[a, b]) for split in useful
+                  for a, b in itertools.pairwise(split.bounds))
+        capped = _capped(table, result, params, cap)
+    return list(found.values())
+
+
+def _capped(table: CostTable, result: ClassResult, params: np.ndarray, cap: float
+            ) -> ClassResult | None:
+    """The class's result over the splits whose every stage holds fewer than `cap`
+    parameters per device (None if none fits; kept as long as the result)."""
+    memo = table.cache.setdefault("capped", {})
+    key = (id(result), cap)
+    if key not in memo:
+        costs = result.costs
+        over = params >= cap * (1 - 1e-12)
+        memo[key] = (result, optimize(dataclasses.replace(
+            costs, busy=[np.where(over, INF, b) for b in costs.busy], _hw={})))
+    return memo[key][1]
+
+
+def _stair_steps(table: CostTable, priced: Priced, index: int, result: ClassResult,
+                 microbatches: int, bar: float) -> list[Split]:
+    """The steps of `result`'s staircase (class `index`'s, or its capped one's) up to
+    the first from which on no split can beat `bar`: the steps after it have no
+    smaller largest stage (nor a smaller total than the floor), and the other classes
+    run at best at their own bounds. The class's own first step is always kept (the
+    upper plan's)."""
     stair = _staircase(table, result)
     lines = [(shape.n, r.min_period, r.floor) for shape, r in zip(
         priced.shapes, priced.results, strict=True)]
-    count = 1  # the first step (the upper plan's)
-    while count < len(stair.points) or stair.extend():
-        point = stair.points[count]
-        lines[index] = (lines[index][0], max(point.largest_h, result.min_period),
-                        result.floor)
-        if _fastest(lines, microbatches) + priced.extra >= bar:
-            break
+
+    def fast(largest_h: float) -> bool:
+        lines[index] = (lines[index][0], max(largest_h, result.min_period), result.floor)
+        return _fastest(lines, microbatches) + priced.extra < bar
+
+    if result is not priced.results[index] and not fast(result.smallest_max):
+        return []
+    count = 1
+    while (count < len(stair.points) or stair.extend()) and fast(
+            stair.points[count].largest_h):
         count += 1
     return stair.points[:count]
 
 
-def _gpipe_steps(table: CostTable, priced: Priced, index: int, microbatches: int,
-                 bar: float) -> list[Split]:
-    """`_useful_steps` of a GPipe class (the one class of its structure): the splits of
+def _gpipe_steps(table: CostTable, priced: Priced, index: int, result: ClassResult,
+                 microbatches: int, bar: float) -> list[Split]:
+    """`_stair_steps` of a GPipe class (the one class of its structure): the splits of
     its staircase (`partition.gpipe_front`) whose period may still beat `bar`, as its
     busiest pipeline runs the most micro-batches of its shares at least at the
     class's least fill and the structure's least sync."""
-    result, shape = priced.results[index], priced.shapes[index]
+    shape = priced.shapes[index]
     most = max(shares([(shape.n, result.min_period, result.floor)], microbatches) or [1])
     limit = (bar - priced.extra - result.floor) / (most - 1) if most > 1 else INF
     memo = table.cache.setdefault("gpipe fronts", {})
