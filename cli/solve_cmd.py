@@ -182,7 +182,8 @@ def estimate(
     seq_len: opt.SeqLen = None,
     dtype: AutoDtype = "auto",
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")] = 1,
-    pp: Annotated[int, typer.Option("--pp", help="Pipeline stages.")] = 1,
+    pp: Annotated[int | None, typer.Option(
+        "--pp", help="Pipeline stages (default: 1).", show_default=False)] = None,
     dp: Annotated[int | None, typer.Option(
         "--dp", help="Pipelines (default: as many as the devices allow).")] = None,
     micro_batch: Annotated[int, typer.Option("--micro-batch")] = 1,
@@ -230,6 +231,11 @@ def estimate(
     if chosen is Schedule.INTERLEAVED and interleave < 2:
         raise PlannerError("bad-option", "--schedule interleaved needs model chunks per "
                            "device: give --interleave V (V of 2 or more).")
+    if chosen is Schedule.GPIPE and (pp is None or pp == 1):
+        raise PlannerError("bad-option", "--schedule gpipe needs pipelines of several stages, "
+                           "which contradicts --pp 1" + (" (the default)" if pp is None else "")
+                           + ".", ["give --pp 2 or more", "or drop --schedule gpipe"])
+    pp = 1 if pp is None else pp
     if output is not None:
         check_writable(output, force=force)
     shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,

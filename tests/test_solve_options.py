@@ -89,3 +89,95 @@ def test_estimate_interleaves_with_a_chunk_count(schedule):
     plan = json.loads(result.stdout)
     assert {(p["schedule"], p["interleave"]) for p in plan["pipelines"]} == {
         ("interleaved-1f1b", 2)}
+
+
+def _baseline(args: list[str], name: str) -> dict:
+    result = runner.invoke(app, ["solve", *args, "--json", "--time-limit", "10"])
+    assert result.exit_code == 0, result.output
+    return next(b for b in json.loads(result.stdout)["baselines"] if b["name"] == name)
+
+
+@pytest.mark.parametrize("args, reason", [
+    # the A100s alone are 4 devices, --dp 8 needs 8 pipelines: not a memory problem
+    (["gpt-tiny", "-c", CLUSTER, "-B", "64", "--dp", "8"],
+     "the constraints given (--dp 8) rule out a plan on the A100-40G-SXM devices alone"),
+    (["gpt-tiny", "-c", CLUSTER, "--first-stage", "V100-16G"],
+     "the constraints given (--first-stage V100-16G) rule out a plan on the A100-40G-SXM "
+     "devices alone"),
+    (["gpt-tiny", "-c", "consumer-rtx", "--last-stage", "RTX3090"],
+     "the constraints given (--last-stage RTX3090) rule out a plan on the RTX4090 devices "
+     "alone"),
+    # the constraints make the one A100 overflow, where a leaner plan would fit it
+    (["gpt2-small", "--hidden", "3072", "--layers", "16", "-c",
+      "1x1xA100-40G,1x4xV100-32G@100Gbps", "-B", "32", "--recompute", "none",
+      "--micro-batch", "16"],
+     "under the constraints given (--micro-batch 16, --recompute none), no plan on the "
+     "A100-40G-SXM devices alone fits in memory"),
+    # memory alone rules the one A100 out (3.2B parameters): the memory reason stays
+    (["gpt-tiny", "--hidden", "4096", "--layers", "16", "-c",
+      "1x1xA100-40G,1x4xV100-32G@100Gbps", "-B", "8", "--micro-batch", "1"],
+     "the model does not fit the A100-40G-SXM devices alone"),
+])
+def test_fastest_type_baseline_says_what_ruled_it_out(args, reason):
+    assert _baseline(args, "fastest-type")["reason"] == reason
+
+
+def test_data_parallel_baseline_says_the_batch_is_too_small():
+    got = _baseline(["gpt-tiny", "-c", CLUSTER, "-B", "1"], "data-parallel")
+    assert got["prediction"] is None
+    assert got["reason"] == "a global batch of 1 cannot feed 8 replicas (one per device)"
+
+
+@pytest.mark.parametrize("args, needle, fixes", [
+    # --dp defaulted to 4 (8 devices, 2 per pipeline): say so, and which --dp works
+    (["-B", "3", "--pp", "2"],
+     "3 micro-batches (the global batch of 3 in micro-batches of 1) cannot feed 4 pipelines "
+     "(--dp was not given, and defaults to as many as the devices allow: 8 devices, 2 per "
+     "pipeline)", ["use one of --dp 3, 2, 1 (fewer pipelines than the devices allow)"]),
+    # no --dp runs 3 micro-batches in whole rounds of 2 stages: the batch must change
+    (["-B", "3", "--pp", "2", "--interleave", "2"],
+     "cannot feed 4 pipelines (--dp was not given, and defaults to as many as the devices "
+     "allow", ["use a global batch of 8 (or a larger multiple of 8) for 4 pipelines",
+               "use a global batch of 4 (or a larger multiple of 2) with --dp 1"]),
+    (["-B", "4", "--pp", "2", "--interleave", "2"],
+     "a multiple of --pp 2, which 4 micro-batches over 4 pipelines (--dp was not given",
+     ["use one of --dp 2, 1 (fewer pipelines than the devices allow)"]),
+    (["-B", "12", "--micro-batch", "4", "--dp", "4"],
+     "3 micro-batches (the global batch of 12 in micro-batches of 4) cannot feed --dp 4 "
+     "pipelines.", ["use one of --dp 3, 2, 1", "use --micro-batch 3"]),
+])
+def test_estimate_says_which_dp_feeds_the_pipelines(args, needle, fixes):
+    result = runner.invoke(app, ["estimate", "gpt2-small", "--cluster", CLUSTER, *args])
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.stderr.split())
+    assert needle in text and "Traceback" not in result.output, result.stderr
+    assert "use a smaller --micro-batch or --dp" not in text
+    for fix in fixes:
+        assert fix in text, result.stderr
+
+
+@pytest.mark.parametrize("command, args, needle", [
+    ("solve", ["--tp", "4", "--tp-per-class"],
+     "--tp-per-class lets each pipeline class take its own tensor-parallel degree, which "
+     "contradicts --tp 4"),
+    # the contradiction, not what --tp 8 alone cannot do on 4-device nodes
+    ("solve", ["--tp", "8", "--max-tp", "4"], "--tp 8 contradicts --max-tp 4."),
+    ("solve", ["--dp", "16", "--max-dp", "4"], "--dp 16 contradicts --max-dp 4."),
+    ("estimate", ["--schedule", "gpipe", "--pp", "1"],
+     "--schedule gpipe needs pipelines of several stages, which contradicts --pp 1."),
+    ("estimate", ["--schedule", "gpipe"],
+     "--schedule gpipe needs pipelines of several stages, which contradicts --pp 1 (the "
+     "default)."),
+])
+def test_contradictions_are_named(command, args, needle):
+    result = runner.invoke(app, [command, "gpt-tiny", "--cluster", CLUSTER, *args])
+    assert result.exit_code == 1, result.output
+    assert needle in " ".join(result.stderr.split()), result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_estimate_runs_gpipe_on_several_stages():
+    result = runner.invoke(app, ["estimate", "gpt-tiny", "--cluster", CLUSTER, "-B", "8",
+                                 "--schedule", "gpipe", "--pp", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert {p["schedule"] for p in json.loads(result.stdout)["pipelines"]} == {"gpipe"}

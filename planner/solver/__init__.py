@@ -62,6 +62,17 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
                         ("--max-interleave", max(limits.interleaves, default=0))):
         if value is not None and value < 1:
             raise PlannerError("bad-option", f"{flag} must be at least 1 (got {value}).")
+    # contradictions between options first: they say more than what either one rules out
+    for fixed, most, name in ((limits.tp, limits.max_tp, "tp"), (limits.dp, limits.max_dp, "dp")):
+        if fixed is not None and most is not None and fixed > most:
+            raise PlannerError("bad-option", f"--{name} {fixed} contradicts --max-{name} "
+                               f"{most}.", ["drop one of them"])
+    if limits.tp is not None and limits.tp_per_class:
+        raise PlannerError("bad-option", f"--tp-per-class lets each pipeline class take its "
+                           f"own tensor-parallel degree, which contradicts --tp {limits.tp} "
+                           "(one degree for every stage).",
+                           ["drop --tp-per-class",
+                            f"or bound the degrees with --max-tp {limits.tp} instead of --tp"])
     _check_schedule(limits)
     _check_interleave(limits, len(model.layers))
     # --max-stages bounds a free --pp; only one the user changed contradicts a fixed one
@@ -106,10 +117,6 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
             f"nodes of cluster {cluster.name} have {devices}.",
             ["lower " + " or ".join(f for f, v in (("--dp", limits.dp), ("--pp", limits.pp),
                                                    ("--tp", tp)) if v), "add devices"])
-    for fixed, most, name in ((tp, limits.max_tp, "tp"), (limits.dp, limits.max_dp, "dp")):
-        if fixed is not None and most is not None and fixed > most:
-            raise PlannerError("bad-option", f"--{name} {fixed} contradicts --max-{name} "
-                               f"{most}.", ["drop one of them"])
     if limits.pp is not None and limits.pp > len(model.layers):
         raise PlannerError("bad-option", f"--pp {limits.pp} is more stages than the model has "
                            f"layers ({len(model.layers)}).", [f"use --pp {len(model.layers)} "
@@ -327,6 +334,7 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     costs = costs or AnalyticalCostModel(cluster)
     alone_cluster = _fastest_only(used, training.dtype)
     alone: list[Plan] = []
+    alone_error: PlannerError | None = None  # why the fastest type alone has no plan
     seeds: tuple = ()
     start = time.perf_counter()
     if len(alone_cluster.nodes) < len(used.nodes):
@@ -336,8 +344,8 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
                 costs)
             alone = _plans(result, 0.0, model, alone_cluster, training, costs)
             seeds = tuple((e.config, e.shapes) for e in result.best)
-        except PlannerError:
-            pass
+        except PlannerError as exc:  # the baseline says why (memory, or the constraints)
+            alone_error = exc
     interrupted = bool(alone) and alone[0].solver.status == "interrupted"
     if interrupted:  # the full search prices the seeds and stops
         options = dataclasses.replace(options, time_limit=0.0)
@@ -350,8 +358,14 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     plans = _plans(result, lower_bound(table, training.global_batch), model, cluster,
                    training, costs)
     if options.with_baselines:
+        def fastest_alone(_: ClusterSpec) -> Plan | None:
+            if alone:
+                return alone[0]
+            if alone_error is not None:
+                raise alone_error
+            return plans[0] if len(alone_cluster.nodes) == len(used.nodes) else None
+
         plans[0] = dataclasses.replace(plans[0], baselines=baselines(
             layers=model.layers, model=model.spec, cluster=used, training=training,
-            costs=costs, fastest_alone=lambda _: alone[0] if alone else (
-                plans[0] if len(alone_cluster.nodes) == len(used.nodes) else None)))
+            costs=costs, fastest_alone=fastest_alone))
     return plans

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Callable, Sequence
 
 from cost_models.model import CostModel
 from planner.errors import PlannerError
 from planner.solver.build import FIXED, assemble
+from planner.solver.diagnose import MORE_DEVICES
 from planner.solver.uniform import uniform_pipelines
 from planner.types import (
     Baseline,
@@ -60,6 +62,10 @@ def _powers(limit: int) -> list[int]:
 def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec,
               training: TrainingSpec, costs: CostModel,
               fastest_alone: Callable[[ClusterSpec], Plan | None]) -> tuple[Baseline, ...]:
+    """The baselines; `fastest_alone` gives the best plan on the cluster of the fastest
+    device type alone: None where the model does not fit those devices, or it raises the
+    PlannerError the search on them ended with (the baseline then says what ruled them
+    out: their memory, or the constraints given)."""
     common = dict(layers=layers, cluster=cluster, training=training, costs=costs)
     whole = dict(common, model=model)
     micro = [m for m in (1, 2, 4, 8) if training.global_batch % m == 0]
@@ -69,7 +75,11 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
                                                micro_batch=mb, recompute=r, zero=z,
                                                must_fit=True))
         for mb in micro], whole)
+    replicas = cluster.num_devices
     out.append(_baseline("data-parallel", "every device a replica, even batch shares", dp_plan,
+                         f"a global batch of {training.global_batch} cannot feed {replicas} "
+                         f"replicas (one per device)"
+                         if training.global_batch < replicas else
                          "the model does not fit one device of every type"))
     biggest = max(n.devices for n in cluster.nodes)
     uniform = _best([
@@ -83,14 +93,34 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
     fastest = max(cluster.device_types().values(), key=lambda d: d.flops(training.dtype))
     alone = dataclasses.replace(cluster, nodes=tuple(n for n in cluster.nodes
                                                      if n.device.name == fastest.name))
-    plan = fastest_alone(alone)
+    reason = f"the model does not fit the {fastest.name} devices alone"
+    try:
+        plan = fastest_alone(alone)
+    except PlannerError as exc:
+        plan, reason = None, _ruled_out(exc, f"the {fastest.name} devices alone")
     description = f"the best plan on the {fastest.name} devices alone"
     if plan is not None and plan.solver.status != "optimal":  # stopped early
         description = (f"the best plan found before the search stopped on the {fastest.name} "
                        f"devices alone (within {plan.solver.gap:.1%} of their optimum)")
-    out.append(_baseline("fastest-type", description, plan,
-                         f"the model does not fit the {fastest.name} devices alone"))
+    out.append(_baseline("fastest-type", description, plan, reason))
     return tuple(out)
+
+
+def _ruled_out(error: PlannerError, where: str) -> str:
+    """Why the search on `where` (the fastest device type alone) found no plan, from the
+    error it ended with: `diagnose` names the constraints given where they rule every plan
+    out ("No plan satisfies the constraints given (--dp 8)", or fits "in device memory
+    under the constraints given" where without them a plan would fit), and says more
+    or bigger devices are needed where memory alone rules every plan out."""
+    given = re.search(r"under the constraints given \(([^)]*)\)\. Without them|"
+                      r"satisfies the constraints given \(([^)]*)\)", error.message)
+    if error.kind == "infeasible" and given:
+        if given[1]:
+            return f"under the constraints given ({given[1]}), no plan on {where} fits in memory"
+        return f"the constraints given ({given[2]}) rule out a plan on {where}"
+    if error.kind == "infeasible" and MORE_DEVICES in error.remedies:
+        return f"the model does not fit {where}"
+    return f"no plan on {where}: {error.message}"
 
 
 def _baseline(name: str, description: str, plan: Plan | None, reason: str) -> Baseline:

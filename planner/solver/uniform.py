@@ -72,6 +72,10 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
         raise PlannerError("bad-option", f"--interleave {interleave} runs interleaved 1F1B, "
                            "which contradicts --schedule gpipe.",
                            ["drop --schedule gpipe", "or drop --interleave"])
+    if schedule is Schedule.GPIPE and pp == 1:
+        raise PlannerError("bad-option", "--schedule gpipe needs pipelines of several stages, "
+                           "which contradicts --pp 1.", ["use --pp 2 or more",
+                                                         "or drop --schedule gpipe"])
     if interleave > 1 and pp == 1:
         raise PlannerError("bad-option", f"--interleave {interleave} needs a pipeline: with "
                            "--pp 1 there is no stage to interleave chunks with.",
@@ -95,7 +99,8 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
             "bad-option", f"--pp {pp} stages of --tp {tp} need {pp * tp} devices in groups of "
             f"{tp}; cluster {cluster.name} has {len(slots)} such groups "
             f"({cluster.num_devices} devices).", ["lower --pp" + (" or --tp" if tp > 1 else "")])
-    dp = dp or len(slots) // pp
+    given, most = bool(dp), len(slots) // pp  # (most: the pipelines the devices allow)
+    dp = dp or most
     if dp < 1 or dp * pp > len(slots):
         raise PlannerError(
             "bad-option", f"--tp {tp} x --pp {pp} x --dp {dp} needs {tp * pp * dp} devices in "
@@ -112,20 +117,25 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
         raise PlannerError("bad-option", f"--micro-batch {micro_batch} does not divide the "
                            f"global batch {batch}.", ["pick a divisor of the global batch"])
     total = batch // micro_batch
-    if total < dp:
-        raise PlannerError("bad-option", f"{total} micro-batches cannot feed {dp} pipelines.",
-                           ["use a smaller --micro-batch or --dp"])
-    if zero == 3 and total % dp:
-        raise PlannerError(
-            "bad-option", f"--zero 3 needs every pipeline to run as many micro-batches as "
-            f"the others (each forward gathers the weights from all replicas), but {total} "
-            f"micro-batches over --dp {dp} pipelines leave some with one more.",
-            ["use --zero 2", "or make --dp divide the micro-batches (change the global "
-             "batch, --micro-batch or --dp)"])
-    if interleave > 1 and any(m % pp for m in _even(total, dp)):
+    if not _feeds(total, dp, pp, interleave, zero):
+        units = f"{len(slots)} devices" if tp == 1 else f"{len(slots)} groups of --tp {tp}"
+        pipes = (f"--dp {dp} pipelines" if given else f"{dp} pipelines (--dp was not given, "
+                 f"and defaults to as many as the devices allow: {units}, {pp} per pipeline)")
+        remedies = _feed_remedies(batch, micro_batch, dp, given, most, pp, interleave, zero)
+        if total < dp:
+            raise PlannerError("bad-option", f"{total} micro-batch{'es' * (total != 1)} (the "
+                               f"global batch of {batch} in micro-batches of {micro_batch}) "
+                               f"cannot feed {pipes}.", remedies)
+        if zero == 3 and total % dp:
+            raise PlannerError(
+                "bad-option", f"--zero 3 needs every pipeline to run as many micro-batches "
+                f"as the others (each forward gathers the weights from all replicas), but "
+                f"{total} micro-batches over {pipes} leave some with one more.",
+                [*(["use --zero 2"] if _feeds(total, dp, pp, interleave, 2) else []),
+                 *remedies])
         raise PlannerError("bad-option", "An interleaved schedule needs each pipeline's "
-                           f"micro-batch count to be a multiple of --pp {pp}.",
-                           ["change the global batch, --micro-batch or --dp"])
+                           f"micro-batch count to be a multiple of --pp {pp}, which {total} "
+                           f"micro-batches over {pipes} cannot be.", remedies)
     pipelines = []
     alike: dict[tuple, StagePlan] = {}  # stages differ only in their devices
     # the runtime shards a stage with ZeRO among its replicas of one device type, and
@@ -166,6 +176,42 @@ def _moved(stage: StagePlan, devices: DeviceGroup) -> StagePlan:
 
 def _even(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def _feeds(total: int, dp: int, pp: int, interleave: int, zero: int) -> bool:
+    """Whether `total` micro-batches shared evenly can feed `dp` pipelines: one each at
+    least, as many each for ZeRO-3, and a whole multiple of the `pp` stages each for an
+    interleaved schedule (even shares that differ by one cannot both be)."""
+    return (total >= dp and (zero != 3 or total % dp == 0)
+            and (interleave == 1 or total % (dp * pp) == 0))
+
+
+def _feed_remedies(batch: int, micro_batch: int, dp: int, given: bool, most: int, pp: int,
+                   interleave: int, zero: int) -> list[str]:
+    """What feeds the pipelines: a --dp that works with this batch, a smaller --micro-batch
+    that works with this --dp, the least global batch above this one that does."""
+    out = []
+    dps = [n for n in range(most, 0, -1)
+           if _feeds(batch // micro_batch, n, pp, interleave, zero)]
+    if dps:
+        out.append(f"use {'one of ' if len(dps) > 1 else ''}--dp "
+                   f"{', '.join(map(str, dps[:3]))}" + (", ..." if len(dps) > 3 else "")
+                   + ("" if given else " (fewer pipelines than the devices allow)"))
+    smaller = [m for m in range(micro_batch - 1, 0, -1)
+               if batch % m == 0 and _feeds(batch // m, dp, pp, interleave, zero)]
+    if smaller:
+        out.append(f"use --micro-batch {smaller[0]}")
+    leasts = []
+    for n in (dp, 1) if not dps and dp > 1 else (dp,):  # (--dp 1 too where none works)
+        unit = micro_batch * (n * pp if interleave > 1 else n if zero == 3 else 1)
+        least = max(n * micro_batch, -(-(batch + 1) // unit) * unit)
+        if least in leasts:
+            continue
+        leasts.append(least)
+        out.append(f"use a global batch of {least}" + (f" (or a larger multiple of {unit})"
+                                                       if unit > 1 else " or more")
+                   + (f" for {n} pipelines" if n == dp else " with --dp 1"))
+    return out
 
 
 def overflows(pipelines: Sequence[PipelinePlan], cluster: ClusterSpec) -> list[str]:
