@@ -346,29 +346,24 @@ def _tails_in_memory(table: CostTable, kind: str, tp: int, config: Config, space
     costs = table.costs(kind, tp, config.mb)
     room = np.where(inside, room_all - band(table.rank_params(tp)) * per_param, -INF)
     busy = band(costs.fwd + costs.bwd)
-    policies = []  # (most micro-batches in flight that fit, busy time) per policy
+    mosts, times = [], []  # per policy: most micro-batches in flight that fit, busy time
     for policy in space.policies:
         acts = band(table.activations(policy, tp)) * config.mb
         with np.errstate(divide="ignore", invalid="ignore"):
-            most = np.where(acts > 0, room / acts, np.where(room >= 0, INF, -INF))
-        policies.append((most, busy + band(costs.recompute[policy])))
+            mosts.append(np.where(acts > 0, room / acts, np.where(room >= 0, INF, -INF)))
+        times.append(busy + band(costs.recompute[policy]))
+    # [q]: the cheapest policy that fits q + 1 micro-batches, for every stage q from the end
+    flights = np.arange(1, most_stages + 1)[:, None, None, None]
+    cost = np.where(np.array(mosts)[None] >= flights, np.array(times)[None], INF).min(axis=1)
     last = layers - starts - 1  # the column of [a, L), where the band holds it
     whole = (last >= 0) & (last < width)
-    largest: list[np.ndarray] = []
-    sums: list[np.ndarray] = []
-    for q in range(most_stages):  # stage q from the end: q + 1 micro-batches in flight
-        cost = np.full(room.shape, INF)
-        for most, time in policies:
-            cost = np.where(most >= q + 1, np.minimum(cost, time), cost)
-        if q == 0:
-            alone = np.full(len(starts), INF)
-            alone[whole] = cost[whole, last[whole]]
-            largest.append(alone)
-            sums.append(alone)
-            continue
-        largest.append(np.maximum(cost, np.where(inside, largest[-1][after], INF)).min(
+    alone = np.full(len(starts), INF)
+    alone[whole] = cost[0][whole, last[whole]]
+    largest, sums = [alone], [alone]
+    for q in range(1, most_stages):
+        largest.append(np.maximum(cost[q], np.where(inside, largest[-1][after], INF)).min(
             axis=1, initial=INF))
-        sums.append((cost + np.where(inside, sums[-1][after], INF)).min(axis=1, initial=INF))
+        sums.append((cost[q] + np.where(inside, sums[-1][after], INF)).min(axis=1, initial=INF))
     table.cache[key] = (np.array(largest) * (1 - 1e-9), np.array(sums) * (1 - 1e-9))
     return table.cache[key]
 

@@ -361,8 +361,8 @@ def refine(table: CostTable, priced: Priced, microbatches: int,
 def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: int,
                   bar: float) -> list[Split]:
     """Class `index`'s splits that may beat `bar`: the steps of its staircase that may
-    (`_stair_steps`; GPipe's, `_gpipe_steps`), and the same of the splits that hold
-    fewer parameters per stage.
+    (`_stair_steps`), and the same of the splits that hold fewer parameters per stage
+    (GPipe's: the splits of its front that may, `_gpipe_steps`).
 
     Gradient sync and the optimizer step grow with a stage's parameters, so a split
     off the staircase, slower in its pipeline, may still make the faster step where
@@ -372,12 +372,13 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
     below the most any step found so far holds, until no split under them may beat
     `bar` (the fewer splits, the higher their least bottleneck and floor)."""
     result = priced.results[index]
-    steps = _gpipe_steps if result.costs.gpipe else _stair_steps
+    if result.costs.gpipe:  # (its front with few micro-batches is long: not per cap too)
+        return _gpipe_steps(table, priced, index, result, microbatches, bar)
     params = table.range_params(priced.shapes[index].tp)
     found: dict[tuple[int, ...], Split] = {}
     capped: ClassResult | None = result
     while capped is not None:
-        useful = steps(table, priced, index, capped, microbatches, bar)
+        useful = _stair_steps(table, priced, index, capped, microbatches, bar)
         if not useful:
             break
         for split in useful:
