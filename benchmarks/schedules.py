@@ -72,7 +72,7 @@ def main() -> None:
                    "best 1F1B plan (`--schedule 1f1b`)", "speedup", "search",
                    "search, 1F1B only", "closed form vs simulator"], rows) + "\n"
             "The default search tries 1F1B, GPipe (in plans of one pipeline class) and "
-            "interleaved 1F1B with up to `--max-interleave` chunks (default 2); `--schedule 1f1b` "
+            "interleaved 1F1B as `--max-interleave` allows (1: none); `--schedule 1f1b` "
             "searches 1F1B alone. Search: the branch and bound of the full cluster (the "
             "report's wall time), one run.")
     write_section("schedules", "python benchmarks/schedules.py", body)

@@ -2,9 +2,8 @@
 
     python benchmarks/solve.py               # all scenarios, writes the "solve" section
     python benchmarks/solve.py --only 0 2    # some scenarios, printed only
-    python benchmarks/solve.py --max-interleave 1   # plain 1F1B only (the default tries
-                                                    # up to 2 chunks): its own section,
-                                                    # "solve-max-interleave-1"
+    python benchmarks/solve.py --max-interleave 2   # interleaved 1F1B searched too: its
+                                                    # own section, "solve-interleaved"
     python benchmarks/solve.py --tp-per-class       # a tp degree per class: its own
                                                     # section, "solve-tp-per-class"
 
@@ -56,7 +55,7 @@ def dtype_for(cluster) -> str:
     return "bf16" if all("bf16" in d.peak_flops for d in kinds) else "fp16"
 
 
-def run(index: int, max_interleave: int | None = None, tp_per_class: bool = False) -> str:
+def run(index: int, max_interleave: int = 1, tp_per_class: bool = False) -> str:
     name, spec, batch, seq, label = SCENARIOS[index]
     cluster = load_cluster(spec)
     dtype = dtype_for(cluster)
@@ -68,8 +67,8 @@ def run(index: int, max_interleave: int | None = None, tp_per_class: bool = Fals
     searches, totals = [], []
     for _ in range(REPEATS if limit is None else 1):  # this machine is shared and noisy
         start = time.perf_counter()
-        limits = Limits(tp_per_class=tp_per_class, **(
-            {} if max_interleave is None else {"interleaves": tuple(range(1, max_interleave + 1))}))
+        limits = Limits(interleaves=tuple(range(1, max_interleave + 1)),
+                        tp_per_class=tp_per_class)
         plan = solve(graph, cluster, training, SolveOptions(time_limit=limit, limits=limits))[0]
         totals.append(time.perf_counter() - start)
         searches.append(plan.solver.wall_time)
@@ -99,7 +98,7 @@ def run(index: int, max_interleave: int | None = None, tp_per_class: bool = Fals
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", type=int, nargs="*")
-    parser.add_argument("--max-interleave", type=int)
+    parser.add_argument("--max-interleave", type=int, default=1)
     parser.add_argument("--tp-per-class", action="store_true")
     args = parser.parse_args()
     indices = args.only if args.only is not None else range(len(SCENARIOS))
@@ -126,15 +125,13 @@ def main() -> None:
                       body + " Each pipeline class may take its own tensor-parallel degree "
                       "(`--tp-per-class`; the default is one degree per plan).")
         return
-    if args.max_interleave is not None:
-        write_section(f"solve-max-interleave-{args.max_interleave}",
+    if args.max_interleave > 1:
+        write_section("solve-interleaved",
                       f"python benchmarks/solve.py --max-interleave {args.max_interleave}",
-                      body + f" Interleaved 1F1B with at most {args.max_interleave} chunks per "
-                      "device (`--max-interleave`; the default tries 1 and 2).")
+                      body + f" Interleaved 1F1B with up to {args.max_interleave} chunks per "
+                      "device is searched too (`--max-interleave`; the default is 1).")
         return
-    write_section("solve", "python benchmarks/solve.py",
-                  body + " The search tries plain and interleaved 1F1B (up to 2 chunks per "
-                  "device, the default; `--max-interleave 1` for plain 1F1B only).")
+    write_section("solve", "python benchmarks/solve.py", body)
 
 
 if __name__ == "__main__":

@@ -61,8 +61,8 @@ Interleave = Annotated[int | None, _constraint(
     "--interleave", "Model chunks per device: interleaved 1F1B with that many, 1 for plain "
     "1F1B (default: the solver tries 1 to --max-interleave).")]
 MaxInterleave = Annotated[int | None, _constraint(
-    "--max-interleave", "Most model chunks per device the solver tries (default 2; 1: plain "
-    "1F1B only).")]
+    "--max-interleave", "Most model chunks per device the solver tries (default 1: plain "
+    "1F1B; 2 or more searches interleaved 1F1B too, in a longer search).")]
 ScheduleChoice = Annotated[str | None, _constraint(
     "--schedule", "1f1b, gpipe (plans of one pipeline class) or interleaved (with "
     "--interleave or --max-interleave); default: the solver tries 1F1B and GPipe, and "

@@ -16,6 +16,7 @@ from planner.solver.evaluate import (
     class_links,
     group,
     placement_sharing,
+    swept,
     sync_and_optimizer,
     zero_gathers,
     zero_space,
@@ -168,11 +169,12 @@ def _structure(table: CostTable, config: Config, space: Space,
         if not splits:
             return float("inf")
         # the search space's splits: those no other split beats in the largest stage time,
-        # the sum of w and (not GPipe) the most parameters a stage holds (sync and the
-        # optimizer step grow with them) at once (`evaluate._useful_steps`)
+        # the sum of w and (not GPipe, and where the pipelines run few micro-batches) the
+        # most parameters a stage holds at once (`evaluate._useful_steps`)
         params = table.range_params(shape.tp)
-        keys = [(x.largest_h, x.weights, 0.0 if config.gpipe else max(
-            params[a, b] for a, b in itertools.pairwise(x.bounds))) for x in splits]
+        capped = not config.gpipe and swept(shapes, len(options), microbatches)
+        keys = [(x.largest_h, x.weights, max(params[a, b] for a, b in itertools.pairwise(
+            x.bounds)) if capped else 0.0) for x in splits]
         options.append([x for x, kx in zip(splits, keys, strict=True) if not any(
             all(a <= b for a, b in zip(ky, kx, strict=True)) and ky != kx for ky in keys)])
     best = float("inf")

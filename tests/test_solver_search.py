@@ -204,7 +204,8 @@ def test_refine_keeps_every_staircase_step_that_can_beat_the_bar(seed):
             assert expected == float("inf")
             continue
         bar = expected * rng.choice([float("inf"), 1.02, 1.0, 0.99])
-        got = refine(table, priced, batch // config.mb, bar)
+        got, skipped = refine(table, priced, batch // config.mb, bar)
+        assert skipped == float("inf")  # (no gap: nothing left out for it)
         if expected < bar:
             assert got is not None and got.step_time == pytest.approx(expected, rel=1e-9)
         else:
@@ -254,6 +255,23 @@ def test_gap_tolerance_reports_an_honest_bound():
     loose = search(table, 6, limits=Limits(max_stages=3), gap=0.05)
     assert loose.bound <= exact.best[0].step_time * (1 + 1e-12)
     assert loose.best[0].step_time <= exact.best[0].step_time / (1 - 0.05) * (1 + 1e-12)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_a_gap_leaves_the_bound_honest_where_it_cuts_a_sweep_short(seed):
+    """With a gap, refine leaves out splits under a parameter cap that can beat a
+    structure's best by less than the gap; the search's bound still holds them."""
+    rng = random.Random(seed)
+    table, batch, limits = random_instance(rng)
+    optimum = brute_force(table, batch, limits, Space())
+    try:
+        loose = search(table, batch, limits=limits, gap=0.05)
+    except PlannerError:
+        assert optimum == float("inf")
+        return
+    assert loose.bound <= optimum * (1 + 1e-12)
+    assert loose.best[0].step_time <= optimum / (1 - 0.05) * (1 + 1e-12)
 
 
 def test_time_limit_returns_a_feasible_plan_and_a_bound():
@@ -632,7 +650,7 @@ def test_node_bounds_hold_on_clusters_of_many_nodes(seed):
     for config, shapes in structures(table, batch, limits):
         if sum(s.n for s in shapes) <= batch // config.mb:
             priced = price(table, config, space, shapes, batch // config.mb)
-            best = priced and refine(table, priced, batch // config.mb)
+            best = priced and refine(table, priced, batch // config.mb)[0]
             values.append((config, shapes, best.step_time if best else float("inf")))
     _check_subtree_bounds(table, batch, limits, False, values, rng)
 

@@ -320,10 +320,22 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
 def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
                               shapes: Sequence[ClassShape], placement: Placement) -> float:
     """What any splits of this structure pay at least for gradient sync and optimizer:
-    whichever stage holds the first (last) layer has at least its parameters; the first
-    stages of all pipelines hold the first layer whatever the split, so they are its
-    sync group."""
+    whichever stage holds the first (last) layer has at least its parameters, and the
+    largest stage of each class at least its mean (on one of its types, all-reduced
+    among at least the class's replicas of some stage, where ZeRO-3 is not allowed);
+    the first stages of all pipelines hold the first layer whatever the split, so they
+    are its sync group."""
     sync = opt = 0.0
+    untied = float(table.params.sum()) - sum(w for _, w in table.tied_weights)
+    for shape, slots in zip(shapes, placement, strict=True):
+        sharded = shape.n > 1 and any(z >= 1 for z in space.zeros)
+        mean = float(table.rank_params(shape.tp).sum()) / shape.stages / (
+            shape.n if sharded else 1)
+        opt = max(opt, min(table.optimizer_time(kind, mean) for kind in set(shape.types)))
+        if shape.n > 1 and 3 not in space.zeros:
+            sync = max(sync, min(table.collective(
+                Collective.ALL_REDUCE, untied / shape.stages * table.grad_bytes,
+                CommGroup.of([p[s].node for p in slots])) for s in range(shape.stages)))
     for end, position in ((0, 0), (table.num_layers - 1, -1)):
         params = float(table.params[end])
         holders = [p[position].node for slots in placement for p in slots]
@@ -340,53 +352,86 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
 
 
 def refine(table: CostTable, priced: Priced, microbatches: int,
-           beat: float = float("inf")) -> Evaluation | None:
-    """The structure's exact best: every combination of each class's staircase splits
-    that may beat the best so far (None if none is faster than `beat`)."""
+           beat: float = float("inf"), gap: float = 0.0) -> tuple[Evaluation | None, float]:
+    """The structure's exact best: every combination of each class's splits that may
+    beat the best so far (None if none is faster than `beat`): first of the steps of
+    their staircases, then, against the best of those, with the splits that hold fewer
+    parameters per stage too (`_useful_steps`), those only where they may beat it by
+    more than `gap`; and the least step a split left out for the gap may have (inf if
+    none was)."""
     table = fold(table, priced.config.interleave)
     best = priced.upper if priced.upper.step_time < beat else None
-    bar = best.step_time if best else beat
-    fronts = [_useful_steps(table, priced, c, microbatches, bar)
-              for c in range(len(priced.results))]
     groups: dict = {}
-    for combo in itertools.product(*fronts):
+    tried: set[tuple] = set()
+    skipped = INF
+    for capped in (False, True):
         bar = best.step_time if best else beat
-        candidate = evaluate(table, priced.config, priced.shapes, priced.placement, combo,
-                             microbatches, bar, groups)
-        if candidate is not None and candidate.step_time < bar:
-            best = candidate
-    return best
+        fronts = []
+        for c in range(len(priced.results)):
+            splits, least = _useful_steps(table, priced, c, microbatches, bar,
+                                          gap if capped else None)
+            fronts.append(splits)
+            skipped = min(skipped, least)
+        for combo in itertools.product(*fronts):
+            if (key := tuple(split.bounds for split in combo)) in tried:
+                continue
+            tried.add(key)
+            bar = best.step_time if best else beat
+            candidate = evaluate(table, priced.config, priced.shapes, priced.placement,
+                                 combo, microbatches, bar, groups)
+            if candidate is not None and candidate.step_time < bar:
+                best = candidate
+    return best, skipped
 
 
 def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: int,
-                  bar: float) -> list[Split]:
+                  bar: float, gap: float | None = 0.0) -> tuple[list[Split], float]:
     """Class `index`'s splits that may beat `bar`: the steps of its staircase that may
-    (`_stair_steps`), and the same of the splits that hold fewer parameters per stage
-    (GPipe's: the splits of its front that may, `_gpipe_steps`).
+    (`_stair_steps`), and (unless `gap` is None) the same of the splits that hold fewer
+    parameters per stage that may beat it by more than `gap` (GPipe's: the splits of
+    its front that may, `_gpipe_steps`); and the least step a split left out for the
+    gap may have.
 
     Gradient sync and the optimizer step grow with a stage's parameters, so a split
     off the staircase, slower in its pipeline, may still make the faster step where
-    those terms weigh (few micro-batches): every split that no other beats in its
-    largest stage, its total and its largest parameter count at once is a step of the
-    staircase of the splits under some cap on that count (`_capped`). The caps fall
-    below the most any step found so far holds, until no split under them may beat
-    `bar` (the fewer splits, the higher their least bottleneck and floor)."""
+    those terms weigh: where its pipelines run no more micro-batches than they have
+    stages (`swept`), the fill, much the same for every split, and not the period
+    decides. There every split that no other beats in its largest stage, its total and
+    its largest parameter count at once is a step of the staircase of the splits
+    under some cap on that count (`_capped`). The caps fall below the most any step
+    found so far holds, until no split under them may beat the bar (the fewer splits,
+    the higher their least bottleneck and floor)."""
     result = priced.results[index]
     if result.costs.gpipe:  # (its front with few micro-batches is long: not per cap too)
-        return _gpipe_steps(table, priced, index, result, microbatches, bar)
+        return _gpipe_steps(table, priced, index, result, microbatches, bar), INF
+    if not swept(priced.shapes, index, microbatches):
+        gap = None
     params = table.range_params(priced.shapes[index].tp)
     found: dict[tuple[int, ...], Split] = {}
-    capped: ClassResult | None = result
-    while capped is not None:
-        useful = _stair_steps(table, priced, index, capped, microbatches, bar)
+    under: ClassResult | None = result
+    skipped = INF
+    while under is not None:
+        capped = under is not result
+        useful, least = _stair_steps(table, priced, index, under, microbatches,
+                                     bar * (1 - gap) if capped else bar)
+        if least < bar:  # left out only for the gap
+            skipped = min(skipped, least)
         if not useful:
             break
         for split in useful:
             found.setdefault(split.bounds, split)
+        if gap is None:
+            break
         cap = max(float(params[a, b]) for split in useful
                   for a, b in itertools.pairwise(split.bounds))
-        capped = _capped(table, result, params, cap)
-    return list(found.values())
+        under = _capped(table, result, params, cap)
+    return list(found.values()), skipped
+
+
+def swept(shapes: Sequence[ClassShape], index: int, microbatches: int) -> bool:
+    """Whether class `index`'s splits under parameter caps are searched: where its
+    pipelines run at most as many micro-batches as they have stages, an even share."""
+    return -(-microbatches // sum(shape.n for shape in shapes)) <= shapes[index].stages
 
 
 def _capped(table: CostTable, result: ClassResult, params: np.ndarray, cap: float
@@ -396,35 +441,43 @@ def _capped(table: CostTable, result: ClassResult, params: np.ndarray, cap: floa
     memo = table.cache.setdefault("capped", {})
     key = (id(result), cap)
     if key not in memo:
-        costs = result.costs
         over = params >= cap * (1 - 1e-12)
-        memo[key] = (result, optimize(dataclasses.replace(
-            costs, busy=[np.where(over, INF, b) for b in costs.busy], _hw={})))
+        costs = dataclasses.replace(result.costs, _hw={}, busy=[
+            np.where(over, INF, b) for b in result.costs.busy])
+        bottleneck = costs.min_bottleneck()
+        memo[key] = (result, None if not np.isfinite(bottleneck) else ClassResult(
+            costs=costs, least_weights=costs.cost(INF), smallest_max=bottleneck,
+            first=costs.split(costs.solve(bottleneck)[1]),
+            # (fewer splits than the class's: its floor on the period holds, and none of
+            # them has a stage below the smallest largest one)
+            min_period=max(result.min_period, bottleneck)))
     return memo[key][1]
 
 
 def _stair_steps(table: CostTable, priced: Priced, index: int, result: ClassResult,
-                 microbatches: int, bar: float) -> list[Split]:
+                 microbatches: int, bar: float) -> tuple[list[Split], float]:
     """The steps of `result`'s staircase (class `index`'s, or its capped one's) up to
     the first from which on no split can beat `bar`: the steps after it have no
     smaller largest stage (nor a smaller total than the floor), and the other classes
     run at best at their own bounds. The class's own first step is always kept (the
-    upper plan's)."""
+    upper plan's). With them, the least step the splits left out may have (inf where
+    the staircase ended)."""
     stair = _staircase(table, result)
     lines = [(shape.n, r.min_period, r.floor) for shape, r in zip(
         priced.shapes, priced.results, strict=True)]
 
-    def fast(largest_h: float) -> bool:
+    def least(largest_h: float) -> float:
         lines[index] = (lines[index][0], max(largest_h, result.min_period), result.floor)
-        return _fastest(lines, microbatches) + priced.extra < bar
+        return _fastest(lines, microbatches) + priced.extra
 
-    if result is not priced.results[index] and not fast(result.smallest_max):
-        return []
+    if result is not priced.results[index] and (first := least(result.smallest_max)) >= bar:
+        return [], first
     count = 1
-    while (count < len(stair.points) or stair.extend()) and fast(
-            stair.points[count].largest_h):
+    while count < len(stair.points) or stair.extend():
+        if (after := least(stair.points[count].largest_h)) >= bar:
+            return stair.points[:count], after
         count += 1
-    return stair.points[:count]
+    return stair.points[:count], INF
 
 
 def _gpipe_steps(table: CostTable, priced: Priced, index: int, result: ClassResult,

@@ -22,9 +22,11 @@ class Limits:
     max_dp: int | None = None  # most pipelines
     micro_batch: int | None = None
     interleave: int | None = None  # model chunks per device (1: plain 1F1B)
-    # the chunk counts tried if `interleave` is free (--max-interleave; more chunks cut
-    # the bubble further, but each adds configurations to search)
-    interleaves: tuple[int, ...] = (1, 2)
+    # the chunk counts tried if `interleave` is free (--max-interleave): interleaving only
+    # on request, as each chunk count adds configurations to search (Llama-3 70B: 0.82 s
+    # plain, 1.09 s with up to 2 chunks in the same hour, against a 1 s target) and its
+    # closed form runs above the simulator on unbalanced pipelines (benchmarks/closed_form.py)
+    interleaves: tuple[int, ...] = (1,)
     # the schedule (None: 1F1B, GPipe for plans of one pipeline class, and interleaved
     # 1F1B with the chunk counts above)
     schedule: Schedule | None = None

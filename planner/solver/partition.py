@@ -22,12 +22,14 @@ steps, each priced with its exact period.
 
 The search space uses these splits for a class: the steps of G, the splits with
 no other split both faster in largest stage and in total, and, as gradient sync
-and the optimizer step grow with a stage's parameters, the steps of G over the
-splits under each cap on the parameters a stage holds (`evaluate._useful_steps`):
-every split that no other beats in largest stage, total and largest parameter
-count at once. (Sync groups span classes, so two classes' splits that cut at the
-same layers may sync faster together; such pairs off these fronts are not
-searched.)
+and the optimizer step grow with a stage's parameters, where the pipelines run no
+more micro-batches than they have stages (the fill, not the period, decides) the
+steps of G over the splits under each cap on the parameters a stage holds
+(`evaluate._useful_steps`): every split that no other beats in largest stage,
+total and largest parameter count at once (GPipe: its front below, without the
+caps). (Sync groups span
+classes, so two classes' splits that cut at the same layers may sync faster
+together; such pairs off these fronts are not searched.)
 
 With v chunks per device (interleaved 1F1B, on a folded table: `interleave.py`),
 h_s = max(t_s, b_s + v c_s) (b_s: the backward part of t_s) and

@@ -76,7 +76,9 @@ SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class
                 "stages in structures of one class, or "
                 "interleaved 1F1B over several stages with the same cuts in every round and "
                 "whole multiples of its stages in micro-batches; exact layer "
-                "splits and recompute per stage, ZeRO per stage in structures of one class "
+                "splits (those no other beats in largest stage and total, and in the "
+                "parameters a stage holds where pipelines run no more micro-batches than "
+                "stages) and recompute per stage, ZeRO per stage in structures of one class "
                 "(ZeRO-3 where its pipelines run equal micro-batch counts); optimal "
                 "micro-batch shares")
 
@@ -353,14 +355,16 @@ class _Search:
         if chosen:
             node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
                          tuple((s.types, s.tp) for s in chosen), tuple(s.n for s in chosen))
-            _leaf(self.table, node, self.batch, self.limits, self.pricing, self.best,
-                  self.top_k)
+            self.given_up = min(self.given_up, _leaf(
+                self.table, node, self.batch, self.limits, self.pricing, self.best,
+                self.top_k, self.gap))
 
     def leaf(self, node: _Node) -> None:
         """Price a whole structure unless its sync floor already rules it out."""
         if self.sync_floor(node) < self.threshold():
-            _leaf(self.table, node, self.batch, self.limits, self.pricing, self.best,
-                  self.top_k)
+            self.given_up = min(self.given_up, _leaf(
+                self.table, node, self.batch, self.limits, self.pricing, self.best,
+                self.top_k, self.gap))
 
     def sync_floor(self, node: _Node) -> float:
         """A bound on a (settled) leaf's whole step: the first stage of every pipeline
@@ -569,7 +573,8 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
         if config in run.state:
             node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
                          tuple((s.types, s.tp) for s in shapes), tuple(s.n for s in shapes))
-            _leaf(table, node, batch, run.limits, run.pricing, run.best, run.top_k)
+            run.given_up = min(run.given_up, _leaf(
+                table, node, batch, run.limits, run.pricing, run.best, run.top_k, run.gap))
     for part, root in [(p, root) for p in runs for root in sorted(p.heap)[:dives]]:
         if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
             break
@@ -618,28 +623,31 @@ def _shapes(node: _Node) -> tuple[ClassShape, ...]:
 
 
 def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Space,
-          best: list[Evaluation], top_k: int) -> None:
+          best: list[Evaluation], top_k: int, gap: float) -> float:
+    """Price a whole structure; add it to `best` where it is among the k best. The
+    least step of the splits it left out only for `gap` (inf if none)."""
     if limits.dp is not None and sum(node.counts) != limits.dp:
-        return
+        return INF
     if limits.max_dp is not None and sum(node.counts) > limits.max_dp:
-        return
+        return INF
     if not all(limits.allows(types) for types, _ in node.chosen):
-        return  # a seed the stage pins rule out
+        return INF  # a seed the stage pins rule out
     shapes = _shapes(node)
     microbatches = batch // node.config.mb
     table = fold(table, node.config.interleave)
     priced = price(table, node.config, space, shapes, microbatches)
     if priced is None:
-        return
+        return INF
     threshold = best[top_k - 1].step_time if len(best) >= top_k else float("inf")
     if priced.lower >= threshold:
-        return
-    evaluation = refine(table, priced, microbatches, threshold)
+        return INF
+    evaluation, skipped = refine(table, priced, microbatches, threshold, gap)
     if evaluation is None:
-        return
+        return skipped
     if any((e.config, e.shapes) == (evaluation.config, evaluation.shapes) for e in best):
-        return  # already found (by a dive)
+        return skipped  # already found (by a dive)
     if evaluation.step_time < threshold:
         best.append(evaluation)
         best.sort(key=lambda e: e.step_time)
         del best[top_k:]
+    return skipped
