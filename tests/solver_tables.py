@@ -169,14 +169,20 @@ def _structure(table: CostTable, config: Config, space: Space,
         if not splits:
             return float("inf")
         # the search space's splits: those no other split beats in the largest stage time,
-        # the sum of w and (not GPipe, and where the pipelines run few micro-batches) the
-        # most parameters a stage holds at once (`evaluate._useful_steps`)
+        # the sum of w and, where the pipelines run few micro-batches, the most parameters
+        # a stage holds at once (`evaluate._useful_steps`); GPipe's, those none beats in
+        # its period and fill (`partition.gpipe_front`) or in its h and w (its first step)
         params = table.range_params(shape.tp)
         capped = not config.gpipe and swept(shapes, len(options), microbatches)
-        keys = [(x.largest_h, x.weights, max(params[a, b] for a, b in itertools.pairwise(
-            x.bounds)) if capped else 0.0) for x in splits]
-        options.append([x for x, kx in zip(splits, keys, strict=True) if not any(
-            all(a <= b for a, b in zip(ky, kx, strict=True)) and ky != kx for ky in keys)])
+        if config.gpipe:
+            options.append(_unbeaten(splits, [(x.bottleneck, x.total) for x in splits])
+                           + _unbeaten(splits, [(max(costs.h_w(s)[0][a, b] for s, (a, b) in
+                                                     enumerate(itertools.pairwise(x.bounds))),
+                                                 x.weights) for x in splits]))
+            continue
+        options.append(_unbeaten(splits, [
+            (x.largest_h, x.weights, max(params[a, b] for a, b in itertools.pairwise(
+                x.bounds)) if capped else 0.0) for x in splits]))
     best = float("inf")
     for combo in itertools.product(*options):
         sync, opt = sync_and_optimizer(table, config, shapes, placement, combo)
@@ -189,6 +195,12 @@ def _structure(table: CostTable, config: Config, space: Space,
             slowest = max(split.time(m) for split, m in zip(pipes, counts, strict=True))
             best = min(best, slowest + sync + opt)
     return best
+
+
+def _unbeaten(splits: list, keys: list[tuple]) -> list:
+    """The splits whose keys no other split's are all at most, one below."""
+    return [x for x, kx in zip(splits, keys, strict=True) if not any(
+        all(a <= b for a, b in zip(ky, kx, strict=True)) and ky != kx for ky in keys)]
 
 
 def random_instance(rng: random.Random) -> tuple[CostTable, int, Limits]:

@@ -364,7 +364,9 @@ def refine(table: CostTable, priced: Priced, microbatches: int,
     groups: dict = {}
     tried: set[tuple] = set()
     skipped = INF
-    for capped in (False, True):
+    sweeps = any(not r.costs.gpipe and swept(priced.shapes, c, microbatches)
+                 for c, r in enumerate(priced.results))
+    for capped in (False, True) if sweeps else (False,):
         bar = best.step_time if best else beat
         fronts = []
         for c in range(len(priced.results)):
