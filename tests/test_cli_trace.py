@@ -166,6 +166,8 @@ def test_debug_shows_the_traceback():
     (["devices", "--sources"], "1"),  # rich's console writes
     (["devices", "--json"], "1"),  # a plain write inside the command
     (["devices", "a100", "--json"], ""),  # buffered until main's last flush
+    # typer prints these while it parses the arguments, before the command runs
+    (["--version"], ""), (["--version"], "1"), (["--help"], ""), (["-h"], "1"),
 ])
 def test_output_into_a_closed_pipe_ends_quietly(args, unbuffered):
     """`planner ... | head -1`: the reader left early, which is neither a bug (exit 3) nor

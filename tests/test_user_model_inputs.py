@@ -1,12 +1,7 @@
-"""Bad input that fits no one command's tests: `planner --help`/`--version` into a closed
-pipe, and user models whose example inputs are malformed (the factories below are loaded
-as `tests.test_bad_input_misc:NAME`, like a user's package)."""
+"""User models whose example inputs are malformed (the factories below are loaded as
+`tests.test_user_model_inputs:NAME`, like a user's package)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,21 +11,6 @@ from typer.testing import CliRunner
 from cli.main import app
 
 runner = CliRunner()
-
-
-@pytest.mark.parametrize("args", [["--version"], ["--help"], ["-h"]])
-@pytest.mark.parametrize("unbuffered", ["", "1"])
-def test_root_help_and_version_into_a_closed_pipe_end_quietly(args, unbuffered):
-    """typer prints these while parsing the arguments, before the command runs: they end
-    like any other output into a closed pipe (141, nothing on stderr), not with 1."""
-    read, write = os.pipe()
-    os.close(read)
-    done = subprocess.run([sys.executable, "-m", "cli.main", *args], stdout=write,
-                          stderr=subprocess.PIPE, text=True, check=False,
-                          cwd=Path(__file__).parents[1],
-                          env={**os.environ, "PYTHONUNBUFFERED": unbuffered})
-    os.close(write)
-    assert (done.returncode, done.stderr) == (141, "")
 
 
 class _Returns(nn.Module):
@@ -98,7 +78,7 @@ def inputs_returns_none():
     ("returns_cpu_tensors", "returned a cpu tensor of shape (1, 8), not on meta"),
 ])
 def test_a_malformed_example_batch_names_the_model_and_what_it_must_return(factory, needle):
-    target = f"tests.test_bad_input_misc:{factory}"
+    target = f"tests.test_user_model_inputs:{factory}"
     result = runner.invoke(app, ["trace", target])
     assert result.exit_code == 1, result.output
     message = " ".join(result.stderr.split())
@@ -109,7 +89,7 @@ def test_a_malformed_example_batch_names_the_model_and_what_it_must_return(facto
 
 
 def test_a_malformed_inputs_function_names_the_model_and_what_it_must_return():
-    result = runner.invoke(app, ["trace", "tests.test_bad_input_misc:inputs_returns_none"])
+    result = runner.invoke(app, ["trace", "tests.test_user_model_inputs:inputs_returns_none"])
     assert result.exit_code == 1, result.output
     assert ("its inputs(batch=1, seq_len=None, device='meta') returned None as its inputs; "
             "it must return the forward's inputs") in " ".join(result.stderr.split())
@@ -118,7 +98,7 @@ def test_a_malformed_inputs_function_names_the_model_and_what_it_must_return():
 def test_a_single_input_tensor_is_one_input_not_its_rows():
     """(x, y) with a bare x is the forward's one input, as from a data hook or inputs();
     it used to be split into its rows (a quarter of the FLOPs traced at batch 4)."""
-    result = runner.invoke(app, ["trace", "tests.test_bad_input_misc:returns_a_bare_input",
+    result = runner.invoke(app, ["trace", "tests.test_user_model_inputs:returns_a_bare_input",
                                  "--batch", "4", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["per_sample"]["fwd_flops"] == 2 * 8 * 8
