@@ -173,7 +173,7 @@ def _structure(table: CostTable, config: Config, space: Space,
         # a stage holds at once (`evaluate._useful_steps`); GPipe's, those none beats in
         # its period and fill (`partition.gpipe_front`) or in its h and w (its first step)
         params = table.range_params(shape.tp)
-        capped = not config.gpipe and swept(shapes, len(options), microbatches)
+        capped = swept(config, shapes, len(options), microbatches)
         if config.gpipe:
             options.append(_unbeaten(splits, [(x.bottleneck, x.total) for x in splits])
                            + _unbeaten(splits, [(max(costs.h_w(s)[0][a, b] for s, (a, b) in

@@ -364,8 +364,8 @@ def refine(table: CostTable, priced: Priced, microbatches: int,
     groups: dict = {}
     tried: set[tuple] = set()
     skipped = INF
-    sweeps = any(not r.costs.gpipe and swept(priced.shapes, c, microbatches)
-                 for c, r in enumerate(priced.results))
+    sweeps = any(swept(priced.config, priced.shapes, c, microbatches)
+                 for c in range(len(priced.shapes)))
     for capped in (False, True) if sweeps else (False,):
         bar = best.step_time if best else beat
         fronts = []
@@ -406,7 +406,7 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
     result = priced.results[index]
     if result.costs.gpipe:  # (its front with few micro-batches is long: not per cap too)
         return _gpipe_steps(table, priced, index, result, microbatches, bar), INF
-    if not swept(priced.shapes, index, microbatches):
+    if not swept(priced.config, priced.shapes, index, microbatches):
         gap = None
     params = table.range_params(priced.shapes[index].tp)
     found: dict[tuple[int, ...], Split] = {}
@@ -430,10 +430,13 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
     return list(found.values()), skipped
 
 
-def swept(shapes: Sequence[ClassShape], index: int, microbatches: int) -> bool:
+def swept(config: Config, shapes: Sequence[ClassShape], index: int, microbatches: int
+          ) -> bool:
     """Whether class `index`'s splits under parameter caps are searched: where its
-    pipelines run at most as many micro-batches as they have stages, an even share."""
-    return -(-microbatches // sum(shape.n for shape in shapes)) <= shapes[index].stages
+    pipelines run at most as many micro-batches as they have stages, an even share (not
+    GPipe's, whose front is long with few micro-batches)."""
+    return not config.gpipe and -(-microbatches // sum(s.n for s in shapes)) <= shapes[
+        index].stages
 
 
 def _capped(table: CostTable, result: ClassResult, params: np.ndarray, cap: float
