@@ -15,6 +15,7 @@ from planner.solver.evaluate import Space, price, refine
 from planner.solver.limits import Limits
 from planner.solver.partition import (
     _enumerated_front,
+    _split_batches,
     _walked_front,
     class_costs,
     gpipe_front,
@@ -122,6 +123,14 @@ def test_search_equals_brute_force_gpipe(seed):
     table, batch, limits = random_instance(random.Random(seed))
     assert_equals_brute_force(table, batch, dataclasses.replace(
         limits, schedule=Schedule.GPIPE, interleaves=(1,)))
+
+
+@pytest.mark.parametrize("layers", [1, 2, 5, 9])
+@pytest.mark.parametrize("stages", [1, 2, 3, 5])
+def test_split_batches_are_every_split_once_in_order(layers, stages):
+    got = [tuple(row) for batch in _split_batches(layers, stages) for row in batch.tolist()]
+    assert got == [(0, *cuts, layers)
+                   for cuts in itertools.combinations(range(1, layers), stages - 1)]
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -280,6 +289,40 @@ def test_time_limit_returns_a_feasible_plan_and_a_bound():
     result = search(table, 6, limits=Limits(max_stages=4), time_limit=0.0)
     assert result.best and result.bound <= result.best[0].step_time
     assert result.status in ("feasible", "optimal")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_a_time_limit_inside_a_structure_leaves_the_bound_honest(seed):
+    """Past the time limit, the pricing of a structure stops with what it found (after
+    the first plan): the search's plan and bound still enclose the optimum."""
+    rng = random.Random(seed)
+    table, batch, limits = random_instance(rng)
+    optimum = brute_force(table, batch, limits, Space())
+    try:
+        result = search(table, batch, limits=limits, time_limit=0.0)
+    except PlannerError:
+        assert optimum == float("inf")
+        return
+    assert result.bound <= optimum * (1 + 1e-12) <= result.best[0].step_time * (1 + 2e-12)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_refine_past_its_deadline_stops_with_a_plan_and_the_structures_bound(seed):
+    """What refine leaves out at its deadline is bounded by the structure's bound."""
+    rng = random.Random(seed)
+    table, batch, limits = random_instance(rng)
+    for config, shapes, expected in every_structure(table, batch, limits, Space()):
+        priced = price(table, config, Space(), shapes, batch // config.mb)
+        if priced is None:
+            continue
+        got, skipped = refine(table, priced, batch // config.mb, deadline=0.0)
+        assert got is priced.upper  # (the plan priced before refine)
+        if skipped == float("inf"):  # nothing was left to try: no split can beat it
+            assert got.step_time == pytest.approx(expected, rel=1e-9)
+        else:
+            assert skipped == priced.lower <= expected * (1 + 1e-9)
 
 
 class _CtrlC:

@@ -35,8 +35,10 @@ from planner.solver.partition import (
     INF,
     ZERO_GATHER_REF,
     ClassResult,
+    OutOfTime,
     Split,
     Staircase,
+    check_time,
     class_costs,
     gpipe_front,
     optimize,
@@ -352,13 +354,15 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
 
 
 def refine(table: CostTable, priced: Priced, microbatches: int,
-           beat: float = float("inf"), gap: float = 0.0) -> tuple[Evaluation | None, float]:
+           beat: float = float("inf"), gap: float = 0.0, deadline: float | None = None
+           ) -> tuple[Evaluation | None, float]:
     """The structure's exact best: every combination of each class's splits that may
     beat the best so far (None if none is faster than `beat`): first of the steps of
     their staircases, then, against the best of those, with the splits that hold fewer
     parameters per stage too (`_useful_steps`), those only where they may beat it by
     more than `gap`; and the least step a split left out for the gap may have (inf if
-    none was)."""
+    none was). Past `deadline` (a `time.perf_counter` value), the best found by then,
+    and the structure's lower bound for what was left out."""
     table = fold(table, priced.config.interleave)
     best = priced.upper if priced.upper.step_time < beat else None
     groups: dict = {}
@@ -366,28 +370,33 @@ def refine(table: CostTable, priced: Priced, microbatches: int,
     skipped = INF
     sweeps = any(swept(priced.config, priced.shapes, c, microbatches)
                  for c in range(len(priced.shapes)))
-    for capped in (False, True) if sweeps else (False,):
-        bar = best.step_time if best else beat
-        fronts = []
-        for c in range(len(priced.results)):
-            splits, least = _useful_steps(table, priced, c, microbatches, bar,
-                                          gap if capped else None)
-            fronts.append(splits)
-            skipped = min(skipped, least)
-        for combo in itertools.product(*fronts):
-            if (key := tuple(split.bounds for split in combo)) in tried:
-                continue
-            tried.add(key)
+    try:
+        for capped in (False, True) if sweeps else (False,):
             bar = best.step_time if best else beat
-            candidate = evaluate(table, priced.config, priced.shapes, priced.placement,
-                                 combo, microbatches, bar, groups)
-            if candidate is not None and candidate.step_time < bar:
-                best = candidate
+            fronts = []
+            for c in range(len(priced.results)):
+                splits, least = _useful_steps(table, priced, c, microbatches, bar,
+                                              gap if capped else None, deadline)
+                fronts.append(splits)
+                skipped = min(skipped, least)
+            for combo in itertools.product(*fronts):
+                if (key := tuple(split.bounds for split in combo)) in tried:
+                    continue
+                tried.add(key)
+                check_time(deadline)
+                bar = best.step_time if best else beat
+                candidate = evaluate(table, priced.config, priced.shapes, priced.placement,
+                                     combo, microbatches, bar, groups)
+                if candidate is not None and candidate.step_time < bar:
+                    best = candidate
+    except OutOfTime:
+        skipped = priced.lower
     return best, skipped
 
 
 def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: int,
-                  bar: float, gap: float | None = 0.0) -> tuple[list[Split], float]:
+                  bar: float, gap: float | None = 0.0, deadline: float | None = None
+                  ) -> tuple[list[Split], float]:
     """Class `index`'s splits that may beat `bar`: the steps of its staircase that may
     (`_stair_steps`), and (unless `gap` is None) the same of the splits that hold fewer
     parameters per stage that may beat it by more than `gap` (GPipe's: the splits of
@@ -405,7 +414,7 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
     the higher their least bottleneck and floor)."""
     result = priced.results[index]
     if result.costs.gpipe:  # (its front with few micro-batches is long: not per cap too)
-        return _gpipe_steps(table, priced, index, result, microbatches, bar), INF
+        return _gpipe_steps(table, priced, index, result, microbatches, bar, deadline), INF
     if not swept(priced.config, priced.shapes, index, microbatches):
         gap = None
     params = table.range_params(priced.shapes[index].tp)
@@ -413,6 +422,7 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
     under: ClassResult | None = result
     skipped = INF
     while under is not None:
+        check_time(deadline)
         capped = under is not result
         useful, least = _stair_steps(table, priced, index, under, microbatches,
                                      bar * (1 - gap) if capped else bar)
@@ -486,7 +496,7 @@ def _stair_steps(table: CostTable, priced: Priced, index: int, result: ClassResu
 
 
 def _gpipe_steps(table: CostTable, priced: Priced, index: int, result: ClassResult,
-                 microbatches: int, bar: float) -> list[Split]:
+                 microbatches: int, bar: float, deadline: float | None) -> list[Split]:
     """`_stair_steps` of a GPipe class (the one class of its structure): the splits of
     its staircase (`partition.gpipe_front`) whose period may still beat `bar`, as its
     busiest pipeline runs the most micro-batches of its shares at least at the
@@ -497,7 +507,8 @@ def _gpipe_steps(table: CostTable, priced: Priced, index: int, result: ClassResu
     memo = table.cache.setdefault("gpipe fronts", {})
     known = memo.get(id(result))
     if known is None or known[1] < limit:  # (kept as long as the result: its id is valid)
-        known = memo[id(result)] = (result, limit, gpipe_front(result.costs, limit))
+        known = (result, limit, gpipe_front(result.costs, limit, deadline))
+        memo[id(result)] = known
     return [split for split in known[2] if split.bottleneck < limit]
 
 

@@ -51,9 +51,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -332,56 +332,101 @@ def _next_bound(least: Callable[[float], float], steps: np.ndarray, bound: float
     return float(steps[lo])
 
 
-_ENUMERATED = 20000  # GPipe fronts of at most this many splits are found by enumeration
+_ENUMERATED = 4_000_000  # GPipe fronts of at most this many splits are found by enumeration
 
 
 def _enumerated_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarray],
                       fill: list[np.ndarray], limit: float) -> list[Split]:
-    """`gpipe_front` by pricing every split at once (few stages: few splits)."""
+    """`gpipe_front` by pricing every split (few stages: few splits), a first cut at a
+    time, keeping of each batch only its own front (the whole front's splits are on
+    their batch's)."""
     layers = phi[0].shape[0] - 1
-    cuts = np.array(list(itertools.combinations(range(1, layers), costs.stages - 1)),
-                    dtype=int).reshape(-1, costs.stages - 1)
-    bounds = np.concatenate([np.zeros((len(cuts), 1), dtype=int), cuts,
-                             np.full((len(cuts), 1), layers)], axis=1)
-    a, b = bounds[:, :-1], bounds[:, 1:]
     stage = np.arange(costs.stages)
-    period = (np.stack([phi[s][a[:, s], b[:, s]] for s in stage]).max(axis=0)
-              + np.stack([beta[s][a[:, s], b[:, s]] for s in stage]).max(axis=0))
-    weights = np.stack([fill[s][a[:, s], b[:, s]] for s in stage]).sum(axis=0)
-    return [costs.split_at(tuple(int(x) for x in bounds[i]))
-            for i in _unbeaten(period, weights, limit)]
+    kept: list[np.ndarray] = []
+    for bounds in _split_batches(layers, costs.stages):
+        a, b = bounds[:, :-1], bounds[:, 1:]
+        period = (np.stack([phi[s][a[:, s], b[:, s]] for s in stage]).max(axis=0)
+                  + np.stack([beta[s][a[:, s], b[:, s]] for s in stage]).max(axis=0))
+        weights = np.stack([fill[s][a[:, s], b[:, s]] for s in stage]).sum(axis=0)
+        below = np.flatnonzero(period < limit)
+        front = _unbeaten(period[below], weights[below], limit)
+        kept.append(np.column_stack([period[below][front], weights[below][front],
+                                     bounds[below][front]]))
+    found = np.concatenate(kept) if kept else np.zeros((0, costs.stages + 3))
+    return [costs.split_at(tuple(int(x) for x in found[i, 2:]))
+            for i in _unbeaten(found[:, 0], found[:, 1], limit)]
+
+
+def _split_batches(layers: int, stages: int) -> Iterator[np.ndarray]:
+    """Every split of `layers` into `stages` non-empty ranges, as rows of bounds
+    (0, b_1, ..., layers), in batches of one first cut each (all at once for one or
+    two stages)."""
+    if stages < 3:
+        yield _bounded(np.arange(1, layers)[:, None] if stages == 2
+                       else np.zeros((1, 0), dtype=int), layers)
+        return
+    for first in range(1, layers - stages + 2):
+        cuts = np.array([[first]])
+        for k in range(2, stages):  # the k-th cut: after the last, leaving a layer a stage
+            last = cuts[:, -1]
+            counts = layers - (stages - k) - last
+            starts = np.repeat(last + 1 - (np.cumsum(counts) - counts), counts)
+            cuts = np.column_stack([np.repeat(cuts, counts, axis=0),
+                                    starts + np.arange(int(counts.sum()))])
+        yield _bounded(cuts, layers)
+
+
+def _bounded(cuts: np.ndarray, layers: int) -> np.ndarray:
+    return np.concatenate([np.zeros((len(cuts), 1), dtype=int), cuts,
+                           np.full((len(cuts), 1), layers)], axis=1)
 
 
 def _unbeaten(periods: np.ndarray, weights: np.ndarray, limit: float) -> list[int]:
     """The indices, by period, of the points below `limit` in period that no other
     beats in both period and weight (one of each tie)."""
+    order = np.lexsort((weights, periods))
+    order = order[periods[order] < limit]
+    # (only a point lighter than every one before it can be kept: few are)
+    lighter = weights[order] < np.minimum.accumulate(
+        np.concatenate([[INF], weights[order][:-1]]))
     kept: list[int] = []
     best = INF
-    for i in np.lexsort((weights, periods)):
-        if not periods[i] < limit:
-            break
+    for i in order[lighter].tolist():
         if weights[i] < best - 1e-12:
             best = weights[i]
-            kept.append(int(i))
+            kept.append(i)
     return kept
 
 
-def gpipe_front(costs: ClassCosts, limit: float = INF) -> list[Split]:
+class OutOfTime(Exception):
+    """A search's deadline passed inside the pricing of one structure."""
+
+
+def check_time(deadline: float | None) -> None:
+    """Raise `OutOfTime` once past `deadline` (a `time.perf_counter` value; None: never)."""
+    if deadline is not None and time.perf_counter() > deadline:
+        raise OutOfTime
+
+
+def gpipe_front(costs: ClassCosts, limit: float = INF, deadline: float | None = None
+                ) -> list[Split]:
     """GPipe's staircase: every split with a period below `limit` that no other beats
     in both period and fill, by period. A split's period is max_s phi_s + max_s beta_s
     (phi_s: stage s's forward or its send, whichever is longer; beta_s: its backward
     or send; timing.py), which is not one term per stage: where the splits are few,
-    every one is priced (`_enumerated_front`), else `_walked_front` finds them."""
+    every one is priced (`_enumerated_front`), else `_walked_front` finds them (which
+    raises `OutOfTime` past the deadline)."""
     phi, beta = costs.phi_beta()
     fill = [costs.h_w(s)[1] for s in range(costs.stages)]
     layers = phi[0].shape[0] - 1
-    front = _enumerated_front if math.comb(layers - 1, costs.stages - 1) <= _ENUMERATED \
-        else _walked_front
-    return front(costs, phi, beta, fill, limit)
+    if math.comb(layers - 1, costs.stages - 1) <= _ENUMERATED:
+        return _enumerated_front(costs, phi, beta, fill, limit)
+    return _walked_front(costs, phi, beta, fill, limit, deadline)
 
 
 def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarray],
-                  fill: list[np.ndarray], limit: float) -> list[Split]:
+                  fill: list[np.ndarray], limit: float, deadline: float | None = None
+                  ) -> list[Split]:
     """`gpipe_front` by dynamic programs: for each forward cap X (every value a phi
     takes, upward) the splits with all phi_s <= X are walked as 1F1B's staircase is,
     by their largest beta, each step the least fill below it; the caps stop once no
@@ -399,6 +444,7 @@ def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarra
     points: list[Split] = []
     done = limit  # the least period of a split at the least fill (or the limit)
     for cap, least in zip(caps, least_at, strict=True):
+        check_time(deadline)
         if cap + least_beta >= done:
             break
         if cap < lowest or cap + least >= done:

@@ -160,15 +160,16 @@ class _Search:
 
     def __init__(self, table: CostTable, batch: int, limits: Limits, space: Space,
                  top_k: int, gap: float, single: bool, best: list[Evaluation],
-                 counter: Iterator[int]) -> None:
+                 counter: Iterator[int], deadline: float | None = None) -> None:
         """single: search only structures of one class, else bound every structure
         as if ZeRO-free (as those of several classes are; see `_parts`); best: the
         plans found so far, shared with the other part's search; counter: node
-        numbers, shared too."""
+        numbers, shared too; deadline: the `time.perf_counter` value at which
+        pricing one structure stops with what it found (`evaluate.refine`)."""
         self.table, self.batch, self.limits, self.pricing = table, batch, limits, space
         self.space = space if single else dataclasses.replace(space, zeros=(0,))
         space = self.space
-        self.top_k, self.gap, self.single = top_k, gap, single
+        self.top_k, self.gap, self.single, self.deadline = top_k, gap, single, deadline
         self.heap: list[_Node] = []
         self.counter = counter
         self.state: dict[Config, tuple[list[list[Family]], Bound, dict]] = {}
@@ -355,16 +356,17 @@ class _Search:
         if chosen:
             node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
                          tuple((s.types, s.tp) for s in chosen), tuple(s.n for s in chosen))
-            self.given_up = min(self.given_up, _leaf(
-                self.table, node, self.batch, self.limits, self.pricing, self.best,
-                self.top_k, self.gap))
+            self.given_up = min(self.given_up, self.price(node))
+
+    def price(self, node: _Node) -> float:
+        """`_leaf` for this search."""
+        return _leaf(self.table, node, self.batch, self.limits, self.pricing, self.best,
+                     self.top_k, self.gap, self.deadline)
 
     def leaf(self, node: _Node) -> None:
         """Price a whole structure unless its sync floor already rules it out."""
         if self.sync_floor(node) < self.threshold():
-            self.given_up = min(self.given_up, _leaf(
-                self.table, node, self.batch, self.limits, self.pricing, self.best,
-                self.top_k, self.gap))
+            self.given_up = min(self.given_up, self.price(node))
 
     def sync_floor(self, node: _Node) -> float:
         """A bound on a (settled) leaf's whole step: the first stage of every pipeline
@@ -526,7 +528,8 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
     best: list[Evaluation] = []
     counter = itertools.count()
     limits = limits or Limits()
-    runs = [_Search(table, batch, limits, space, top_k, gap, single, best, counter)
+    deadline = None if time_limit is None else start + time_limit
+    runs = [_Search(table, batch, limits, space, top_k, gap, single, best, counter, deadline)
             for single in _parts(space, limits)]
     status, taken = "optimal", float("inf")  # taken: the bound of a node mid-step
     try:
@@ -573,8 +576,7 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
         if config in run.state:
             node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
                          tuple((s.types, s.tp) for s in shapes), tuple(s.n for s in shapes))
-            run.given_up = min(run.given_up, _leaf(
-                table, node, batch, run.limits, run.pricing, run.best, run.top_k, run.gap))
+            run.given_up = min(run.given_up, run.price(node))
     for part, root in [(p, root) for p in runs for root in sorted(p.heap)[:dives]]:
         if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
             break
@@ -623,9 +625,10 @@ def _shapes(node: _Node) -> tuple[ClassShape, ...]:
 
 
 def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Space,
-          best: list[Evaluation], top_k: int, gap: float) -> float:
+          best: list[Evaluation], top_k: int, gap: float, deadline: float | None) -> float:
     """Price a whole structure; add it to `best` where it is among the k best. The
-    least step of the splits it left out only for `gap` (inf if none)."""
+    least step of the splits it left out only for `gap` or the deadline (inf if
+    none; the first plan is priced whole, as the search goes on to one)."""
     if limits.dp is not None and sum(node.counts) != limits.dp:
         return INF
     if limits.max_dp is not None and sum(node.counts) > limits.max_dp:
@@ -641,7 +644,8 @@ def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Spac
     threshold = best[top_k - 1].step_time if len(best) >= top_k else float("inf")
     if priced.lower >= threshold:
         return INF
-    evaluation, skipped = refine(table, priced, microbatches, threshold, gap)
+    evaluation, skipped = refine(table, priced, microbatches, threshold, gap,
+                                 deadline if best else None)
     if evaluation is None:
         return skipped
     if any((e.config, e.shapes) == (evaluation.config, evaluation.shapes) for e in best):
