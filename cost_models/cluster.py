@@ -187,6 +187,7 @@ def _device(fields: Fields, node_name: str) -> DeviceSpec:
         if memory <= 0:
             raise sub.error(f"must be positive (got {sub.data['memory']!r})", "memory")
         name = str(sub.get("name", base or "", required=device is None))
+        _one_line(sub, "name", name)
         default_link = device.intra_link if device else catalog.link("pcie4")
         device = DeviceSpec(
             name=name, vendor=str(sub.get("vendor", device.vendor if device else "custom")),
@@ -264,9 +265,7 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
         if base is None and not hosts:
             raise f.error("is missing field 'name' (or a hosts list)")
         for text, key in ((base, "name"), *((str(h), "hosts") for h in hosts or [])):
-            if text and not text.isprintable():  # names go into launch scripts and READMEs
-                raise f.error(f"{text!r} has a line break or another control character",
-                              key, ["write it on one line"])
+            _one_line(f, key, text)
         devices = f.positive_int("devices")
         group = f.get("group")
         if group is not None and group not in groups:
@@ -298,8 +297,16 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
                             ["add e.g. network: {bandwidth: 100Gbps, latency: 5us}"])
         network = DEFAULT_NETWORK
     name = str(top.get("name", Path(source).stem))
+    _one_line(top, "name", name)
     return ClusterSpec(name=name, nodes=tuple(nodes), network=network,
                        groups=tuple(groups.values()))
+
+
+def _one_line(fields: Fields, key: str, text: str | None) -> None:
+    """Names go into launch scripts and READMEs: one line of printable text."""
+    if text and not text.isprintable():
+        raise fields.error(f"{text!r} has a line break or another control character", key,
+                           ["write it on one line"])
 
 
 def _human(value: float, units: tuple[tuple[str, float], ...]) -> str:

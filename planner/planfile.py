@@ -131,7 +131,8 @@ _REGENERATE = "regenerate the plan with `planner solve`"
 def _check_fields(plan: Plan) -> None:
     """An error naming the first field out of range: a count below 1, a ZeRO stage
     other than 0-3, an index out of order, a stage's layer span that is not its chunks',
-    a node name or host with a line break (cluster files refuse those too)."""
+    a cluster, node or device name or a host with a line break (cluster files refuse
+    those too)."""
     def bad(message: str) -> PlannerError:
         return PlannerError("bad-plan", message, [_REGENERATE])
 
@@ -147,16 +148,18 @@ def _check_fields(plan: Plan) -> None:
     for field, value in counts:
         if value < 1:
             raise bad(f"{field} must be positive (got {value}).")
+    names = [("cluster.name", plan.cluster.name)]
     for i, n in enumerate(plan.cluster.nodes):
         if n.devices < 1:
             raise bad(f"cluster.nodes[{i}].devices is {n.devices}: node {n.name} has no "
                       "devices (a node needs at least one).")
-        for key, text in (("name", n.name), ("host", n.host)):
-            if text is not None and not text.isprintable():  # they go into launch scripts
-                raise PlannerError("bad-plan", f"cluster.nodes[{i}].{key} {text!r} has a "
-                                   "line break or another control character; node names and "
-                                   "hosts must be one line of printable text.",
-                                   ["write it on one line", _REGENERATE])
+        names += [(f"cluster.nodes[{i}].name", n.name), (f"cluster.nodes[{i}].host", n.host),
+                  (f"cluster.nodes[{i}].device.name", n.device.name)]
+    for field, text in names:
+        if text is not None and not text.isprintable():  # they go into launch scripts
+            raise PlannerError("bad-plan", f"{field} {text!r} has a line break or another "
+                               "control character; names and hosts must be one line of "
+                               "printable text.", ["write it on one line", _REGENERATE])
     for i, p in enumerate(plan.pipelines):
         if p.index != i:
             raise bad(f"pipelines[{i}].index is {p.index}; pipelines are numbered 0, 1, ... "

@@ -138,6 +138,10 @@ def test_units():
      "nodes[0].measured.matmul_flops.fp8: unknown dtype 'fp8'"),
     ('nodes: [{hosts: ["h1\\nrm -rf ~"], device: A100-80G, devices: 8}]',
      "line 1, nodes[0].hosts: 'h1\\nrm -rf ~' has a line break"),
+    ('name: "c1\\nrm -rf ~"\nnodes: [{name: a, device: A100-80G, devices: 8}]',
+     "line 1, name: 'c1\\nrm -rf ~' has a line break"),
+    ('nodes: [{name: a, device: {base: A100-80G, name: "X\\n# y"}, devices: 8}]',
+     "line 1, nodes[0].device.name: 'X\\n# y' has a line break"),
     ("nodes: []", "must be a non-empty list"),
     ("nodes: [{name: a, device: A100-80G, devices: 8}\n", "not valid YAML"),
     ("groups: [{name: x, parent: y, bandwidth: 1Gbps}, {name: y, parent: x, bandwidth: 1Gbps}]"

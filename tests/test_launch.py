@@ -175,21 +175,26 @@ def test_cpus_naming_a_node_twice_is_refused(tmp_path, hetero_plan):
         "have" in " ".join(unknown.stderr.split())
 
 
-@pytest.mark.parametrize("field", ["host", "name"])
-def test_a_plan_node_name_or_host_with_a_line_break_is_refused(tmp_path, hetero_plan, field):
+@pytest.mark.parametrize("field", ["nodes[1].host", "nodes[1].name", "nodes[1].device.name",
+                                   "name"])
+def test_a_plan_name_or_host_with_a_line_break_is_refused(tmp_path, hetero_plan, field):
     """Hand-edited into the plan file, it would reach the scripts and the README as
     a hosts file's would (cluster files refuse it too)."""
     evil = "v1\nrm -rf ~"
     data = json.loads(plan_json(hetero_plan))
-    if field == "host":
+    if field == "nodes[1].host":
         data["cluster"]["nodes"][1]["host"] = evil
+    elif field == "name":
+        data["cluster"]["name"] = evil
     else:  # renamed wherever the plan names it, so only the line break is wrong
-        data = json.loads(json.dumps(data).replace('"v100-32g-0"', json.dumps(evil)))
+        old = "v100-32g-0" if field == "nodes[1].name" else data["cluster"]["nodes"][1][
+            "device"]["name"]
+        data = json.loads(json.dumps(data).replace(json.dumps(old), json.dumps(evil)))
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(data))
     result = runner.invoke(app, ["launch", str(plan), "--out", str(tmp_path / "out")])
     assert result.exit_code == 1 and not (tmp_path / "out").exists()
-    assert (f"{plan}: cluster.nodes[1].{field} 'v1\\nrm -rf ~' has a line break or another "
+    assert (f"{plan}: cluster.{field} 'v1\\nrm -rf ~' has a line break or another "
             "control character") in " ".join(result.stderr.split())
 
 
