@@ -31,6 +31,18 @@ class PlannerError(Exception):
         return f"{self.message}\nTry: {fixes}"
 
 
+class Infeasible(PlannerError):
+    """No plan exists (kind "infeasible"), and why, for callers that explain it:
+    `constraints`, the options as given that rule every plan out (empty if none do),
+    and `memory`, whether device memory does (with those constraints, where both)."""
+
+    def __init__(self, message: str, remedies: Sequence[str] = (), *,
+                 constraints: Sequence[str] = (), memory: bool = False) -> None:
+        super().__init__("infeasible", message, remedies)
+        self.constraints = tuple(constraints)
+        self.memory = memory
+
+
 def closest(name: str, candidates: Sequence[str], n: int = 3) -> list[str]:
     """The candidates closest to `name`, for "did you mean" messages."""
     import difflib

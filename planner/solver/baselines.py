@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 from collections.abc import Callable, Sequence
 
 from cost_models.model import CostModel
-from planner.errors import PlannerError
+from planner.errors import Infeasible, PlannerError
 from planner.solver.build import FIXED, assemble
-from planner.solver.diagnose import MORE_DEVICES
 from planner.solver.uniform import uniform_pipelines
 from planner.types import (
     Baseline,
@@ -108,17 +106,14 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
 
 def _ruled_out(error: PlannerError, where: str) -> str:
     """Why the search on `where` (the fastest device type alone) found no plan, from the
-    error it ended with: `diagnose` names the constraints given where they rule every plan
-    out ("No plan satisfies the constraints given (--dp 8)", or fits "in device memory
-    under the constraints given" where without them a plan would fit), and says more
-    or bigger devices are needed where memory alone rules every plan out."""
-    given = re.search(r"under the constraints given \(([^)]*)\)\. Without them|"
-                      r"satisfies the constraints given \(([^)]*)\)", error.message)
-    if error.kind == "infeasible" and given:
-        if given[1]:
-            return f"under the constraints given ({given[1]}), no plan on {where} fits in memory"
-        return f"the constraints given ({given[2]}) rule out a plan on {where}"
-    if error.kind == "infeasible" and MORE_DEVICES in error.remedies:
+    error it ended with (`diagnose`'s says whether the constraints given or memory rule
+    every plan out)."""
+    if isinstance(error, Infeasible) and error.constraints:
+        given = ", ".join(error.constraints)
+        if error.memory:
+            return f"under the constraints given ({given}), no plan on {where} fits in memory"
+        return f"the constraints given ({given}) rule out a plan on {where}"
+    if isinstance(error, Infeasible) and error.memory:
         return f"the model does not fit {where}"
     return f"no plan on {where}: {error.message}"
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from cost_models.memory import GIB, optimizer_state_bytes
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
-from planner.errors import PlannerError
+from planner.errors import Infeasible, PlannerError
 from planner.solver.evaluate import Space
 from planner.solver.limits import Limits, schedule_name
 from planner.solver.uniform import even_bounds, overflows, uniform_pipelines
@@ -29,7 +29,7 @@ MORE_DEVICES = "add devices, or devices with more memory"
 
 def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSpec,
              costs: CostModel, limits: Limits | None = None, space: Space | None = None,
-             excluded: Sequence[str] = ()) -> PlannerError:
+             excluded: Sequence[str] = ()) -> Infeasible:
     limits, space = limits or Limits(), space or Space()
     unexclude = ([f"use the nodes left out with --exclude ({', '.join(excluded)})"]
                  if excluded else [])
@@ -42,13 +42,13 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
     if params * per_param > room:
         holders = (f"the {cluster.num_devices} devices of cluster {cluster.name} have"
                    if cluster.num_devices > 1 else f"the one device of cluster {cluster.name} has")
-        return PlannerError(
-            "infeasible",
+        return Infeasible(
             f"The model is larger than the whole cluster's memory: {params / 1e9:.3g}B "
             f"parameters need {params * per_param / GIB:,.0f} GiB for weights, gradients and "
             f"optimizer states ({per_param:g} bytes each), and {holders} "
             f"{room / GIB:,.0f} GiB after the framework reserve.",
-            [MORE_DEVICES, *unexclude, "train in a smaller dtype or with a lighter optimizer"])
+            [MORE_DEVICES, *unexclude, "train in a smaller dtype or with a lighter optimizer"],
+            memory=True)
     devices = [n for n in cluster.nodes for _ in range(n.devices)]
     stages = min(len(layers), len(devices))
     worst = None
@@ -69,30 +69,32 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
     # plan; one that overflows smaller devices only may not, where constraints were given
     largest = node.device.memory >= max(n.device.memory for n in cluster.nodes)
     if over > 1 and (largest or not given):
-        return PlannerError(
-            "infeasible", f"No plan fits in device memory. Even {leanest}.",
-            [MORE_DEVICES, *unexclude, "train with a shorter --seq-len"])
+        return Infeasible(f"No plan fits in device memory. Even {leanest}.",
+                          [MORE_DEVICES, *unexclude, "train with a shorter --seq-len"],
+                          memory=True)
+    flags = [flag for flag, _ in given]
     if over > 1:
-        return PlannerError(
-            "infeasible", f"No plan fits in device memory under the constraints given "
-            f"({', '.join(flag for flag, _ in given)}), and spreading the layers evenly "
-            f"does not help: {leanest}.",
-            [*(remedy for _, remedy in given), MORE_DEVICES, *unexclude])
+        return Infeasible(
+            f"No plan fits in device memory under the constraints given ({', '.join(flags)}), "
+            f"and spreading the layers evenly does not help: {leanest}.",
+            [*(remedy for _, remedy in given), MORE_DEVICES, *unexclude], constraints=flags,
+            memory=True)
     if not given:
-        return PlannerError(
-            "infeasible", f"No plan fits in device memory, although {leanest}: plans that "
-            "deep are outside the search space.",
-            ["report this with the command that produced it", MORE_DEVICES])
-    flags = ", ".join(flag for flag, _ in given)
+        return Infeasible(
+            f"No plan fits in device memory, although {leanest}: plans that deep are "
+            "outside the search space.",
+            ["report this with the command that produced it", MORE_DEVICES], memory=True)
     overflow, layout = _leanest_kept(layers, cluster, training, costs, limits, space, stages)
     if overflow:
-        message = (f"No plan fits in device memory under the constraints given ({flags}). "
+        message = (f"No plan fits in device memory under the constraints given "
+                   f"({', '.join(flags)}). "
                    f"Without them, {leanest}. With them, the leanest recipe ({overflow}).")
     else:
-        message = (f"No plan satisfies the constraints given ({flags})"
+        message = (f"No plan satisfies the constraints given ({', '.join(flags)})"
                    + (f": {layout.rstrip('.')}" if layout else "")
                    + f". Without them, {leanest}.")
-    return PlannerError("infeasible", message, [remedy for _, remedy in given])
+    return Infeasible(message, [remedy for _, remedy in given], constraints=flags,
+                      memory=bool(overflow))
 
 
 def _constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, str]]:
