@@ -432,7 +432,10 @@ def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarra
     by their largest beta, each step the least fill below it; the caps stop once no
     split with a larger phi can come below the limit or the period of one at the least
     fill, and a cap is skipped where every range whose phi it is has a beta that keeps
-    the splits holding it there too (those with a smaller phi were walked before)."""
+    the splits holding it there too (those with a smaller phi were walked before). A
+    walk steps only to splits lighter than every split found no slower than its step
+    so far (a split it passes over is beaten by one of those, or, its largest phi below
+    the cap, by one of an earlier cap's walk)."""
     floor = costs.cost(INF)
     least_beta, lowest = _least_max(beta), _least_max(phi)
     # per value a phi takes, the least beta of a range with that phi
@@ -458,8 +461,12 @@ def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarra
             if total <= floor + 1e-12:
                 done = min(done, points[-1].bottleneck)
                 break
+            # a later step, slower, must be lighter than every split found up to here
+            lightest = min((p.weights for p in points if p.bottleneck <= cap + bound),
+                           default=total)
             bound = _next_bound(lambda b, capped=capped: _least_sum(capped, fill, b)[0],
-                                steps[:bisect.bisect_left(steps, done - cap)], bound, total)
+                                steps[:bisect.bisect_left(steps, done - cap)], bound,
+                                min(total, lightest))
     return [points[i] for i in _unbeaten(np.array([p.bottleneck for p in points]),
                                          np.array([p.weights for p in points]), limit)]
 
