@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -227,11 +228,14 @@ class ClassCosts:
 
     def split(self, choices: list[np.ndarray]) -> Split:
         """The split the dynamic program's argmin tables describe."""
+        return self.split_at(self.bounds(choices))
+
+    def bounds(self, choices: list[np.ndarray]) -> tuple[int, ...]:
+        """The bounds of the split the dynamic program's argmin tables describe."""
         bounds = [self.busy[0].shape[0] - 1]
         for s in range(self.stages - 1, -1, -1):
             bounds.append(int(choices[s][bounds[-1]]))
-        bounds.reverse()
-        return self.split_at(bounds)
+        return tuple(reversed(bounds))
 
     def split_at(self, bounds: Sequence[int]) -> Split | None:
         """Any split given by its bounds (None if a stage does not fit in memory)."""
@@ -300,6 +304,19 @@ def _least_sum(h: Sequence[np.ndarray], w: Sequence[np.ndarray], bound: float
         if rows is None:
             return INF, choices
     return float(g[-1]), choices
+
+
+def _least_sum_value(h: Sequence[np.ndarray], w: Sequence[np.ndarray], bound: float
+                     ) -> float:
+    """`_least_sum`'s value alone (no argmin tables: cheaper)."""
+    g = _start(h[0].shape[0])
+    rows = slice(0, 1)
+    for hs, ws in zip(h, w, strict=True):
+        g = (g[rows, None] + np.where(hs[rows] <= bound, ws[rows], INF)).min(axis=0)
+        rows = _reached(g)
+        if rows is None:
+            return INF
+    return float(g[-1])
 
 
 def _least_max(h: Sequence[np.ndarray]) -> float:
@@ -444,7 +461,18 @@ def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarra
     pairs = pairs[:, np.argsort(pairs[0], kind="stable")]
     caps, starts = np.unique(pairs[0], return_index=True)
     least_at = np.minimum.reduceat(pairs[1], starts)
-    points: list[Split] = []
+    points: list[tuple[float, float, tuple[int, ...]]] = []  # period, fill, bounds
+
+    def found(choices: list[np.ndarray]) -> tuple[float, float]:
+        """Record the split the argmin tables describe (priced as `_enumerated_front`)."""
+        bounds = costs.bounds(choices)
+        ranges = list(itertools.pairwise(bounds))
+        period = (max(float(p[a, b]) for p, (a, b) in zip(phi, ranges, strict=True))
+                  + max(float(x[a, b]) for x, (a, b) in zip(beta, ranges, strict=True)))
+        weight = sum(float(w[a, b]) for w, (a, b) in zip(fill, ranges, strict=True))
+        points.append((period, weight, bounds))
+        return period, weight
+
     done = limit  # the least period of a split at the least fill (or the limit)
     for cap, least in zip(caps, least_at, strict=True):
         check_time(deadline)
@@ -457,18 +485,18 @@ def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarra
         bound = _least_max(capped)
         while bound is not None and cap + bound < done:
             total, choices = _least_sum(capped, fill, bound)
-            points.append(costs.split(choices))
+            period, _ = found(choices)
             if total <= floor + 1e-12:
-                done = min(done, points[-1].bottleneck)
+                done = min(done, period)
                 break
             # a later step, slower, must be lighter than every split found up to here
-            lightest = min((p.weights for p in points if p.bottleneck <= cap + bound),
-                           default=total)
-            bound = _next_bound(lambda b, capped=capped: _least_sum(capped, fill, b)[0],
+            lightest = min((w for p, w, _ in points if p <= cap + bound), default=total)
+            bound = _next_bound(lambda b, capped=capped: _least_sum_value(capped, fill, b),
                                 steps[:bisect.bisect_left(steps, done - cap)], bound,
                                 min(total, lightest))
-    return [points[i] for i in _unbeaten(np.array([p.bottleneck for p in points]),
-                                         np.array([p.weights for p in points]), limit)]
+    kept = _unbeaten(np.array([p for p, _, _ in points]), np.array([w for _, w, _ in points]),
+                     limit)
+    return [costs.split_at(points[i][2]) for i in kept]
 
 
 def _prefixes(table: CostTable, kind: str, tp: int, mb: int) -> tuple:
