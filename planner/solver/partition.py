@@ -353,7 +353,8 @@ _ENUMERATED = 4_000_000  # GPipe fronts of at most this many splits are found by
 
 
 def _enumerated_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarray],
-                      fill: list[np.ndarray], limit: float) -> list[Split]:
+                      fill: list[np.ndarray], limit: float, deadline: float | None = None
+                      ) -> list[Split]:
     """`gpipe_front` by pricing every split (few stages: few splits), a first cut at a
     time, keeping of each batch only its own front (the whole front's splits are on
     their batch's)."""
@@ -361,6 +362,7 @@ def _enumerated_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.nd
     stage = np.arange(costs.stages)
     kept: list[np.ndarray] = []
     for bounds in _split_batches(layers, costs.stages):
+        check_time(deadline)
         a, b = bounds[:, :-1], bounds[:, 1:]
         period = (np.stack([phi[s][a[:, s], b[:, s]] for s in stage]).max(axis=0)
                   + np.stack([beta[s][a[:, s], b[:, s]] for s in stage]).max(axis=0))
@@ -431,14 +433,14 @@ def gpipe_front(costs: ClassCosts, limit: float = INF, deadline: float | None = 
     in both period and fill, by period. A split's period is max_s phi_s + max_s beta_s
     (phi_s: stage s's forward or its send, whichever is longer; beta_s: its backward
     or send; timing.py), which is not one term per stage: where the splits are few,
-    every one is priced (`_enumerated_front`), else `_walked_front` finds them (which
+    every one is priced (`_enumerated_front`), else `_walked_front` finds them (either
     raises `OutOfTime` past the deadline)."""
     phi, beta = costs.phi_beta()
     fill = [costs.h_w(s)[1] for s in range(costs.stages)]
     layers = phi[0].shape[0] - 1
-    if math.comb(layers - 1, costs.stages - 1) <= _ENUMERATED:
-        return _enumerated_front(costs, phi, beta, fill, limit)
-    return _walked_front(costs, phi, beta, fill, limit, deadline)
+    front = _enumerated_front if math.comb(layers - 1, costs.stages - 1) <= _ENUMERATED \
+        else _walked_front
+    return front(costs, phi, beta, fill, limit, deadline)
 
 
 def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarray],
