@@ -15,7 +15,6 @@ from planner.solver.evaluate import Space, price, refine
 from planner.solver.limits import Limits
 from planner.solver.partition import (
     _enumerated_front,
-    _split_batches,
     _walked_front,
     class_costs,
     gpipe_front,
@@ -123,14 +122,6 @@ def test_search_equals_brute_force_gpipe(seed):
     table, batch, limits = random_instance(random.Random(seed))
     assert_equals_brute_force(table, batch, dataclasses.replace(
         limits, schedule=Schedule.GPIPE, interleaves=(1,)))
-
-
-@pytest.mark.parametrize("layers", [1, 2, 5, 9])
-@pytest.mark.parametrize("stages", [1, 2, 3, 5])
-def test_split_batches_are_every_split_once_in_order(layers, stages):
-    got = [tuple(row) for batch in _split_batches(layers, stages) for row in batch.tolist()]
-    assert got == [(0, *cuts, layers)
-                   for cuts in itertools.combinations(range(1, layers), stages - 1)]
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -54,7 +54,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -349,55 +349,43 @@ def _next_bound(least: Callable[[float], float], steps: np.ndarray, bound: float
     return float(steps[lo])
 
 
-_ENUMERATED = 4_000_000  # GPipe fronts of at most this many splits are found by enumeration
+_ENUMERATED = 4_000_000  # GPipe fronts of at most this many splits are found by enumeration,
+_SPLITS_PER_CAP = 2000  # where fewer than this per stage for each cap a walk would take
 
 
 def _enumerated_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarray],
                       fill: list[np.ndarray], limit: float, deadline: float | None = None
                       ) -> list[Split]:
     """`gpipe_front` by pricing every split (few stages: few splits), a first cut at a
-    time, keeping of each batch only its own front (the whole front's splits are on
+    time, stage by stage, dropping those whose stages so far already reach the limit
+    in period; each batch keeps only its own front (the whole front's splits are on
     their batch's)."""
-    layers = phi[0].shape[0] - 1
-    stage = np.arange(costs.stages)
-    kept: list[np.ndarray] = []
-    for bounds in _split_batches(layers, costs.stages):
+    layers, stages = phi[0].shape[0] - 1, costs.stages
+    kept = [np.zeros((0, stages + 3))]
+    for first in range(1, layers - stages + 2) if stages > 1 else [layers]:
         check_time(deadline)
-        a, b = bounds[:, :-1], bounds[:, 1:]
-        period = (np.stack([phi[s][a[:, s], b[:, s]] for s in stage]).max(axis=0)
-                  + np.stack([beta[s][a[:, s], b[:, s]] for s in stage]).max(axis=0))
-        weights = np.stack([fill[s][a[:, s], b[:, s]] for s in stage]).sum(axis=0)
-        below = np.flatnonzero(period < limit)
-        front = _unbeaten(period[below], weights[below], limit)
-        kept.append(np.column_stack([period[below][front], weights[below][front],
-                                     bounds[below][front]]))
-    found = np.concatenate(kept) if kept else np.zeros((0, costs.stages + 3))
+        cuts = np.array([[0, first]])
+        top_phi, top_beta, weight = (x[0][0, [first]] for x in (phi, beta, fill))
+        for s in range(1, stages):  # stage s takes [last, new); the last ends the model
+            last = cuts[:, -1]
+            low = last + 1 if s < stages - 1 else np.full_like(last, layers)
+            counts = layers - (stages - 1 - s) - low + 1
+            row = np.repeat(np.arange(len(last)), counts)
+            new = np.repeat(low - (np.cumsum(counts) - counts), counts) + np.arange(
+                int(counts.sum()))
+            start = last[row]
+            most_phi = np.maximum(top_phi[row], phi[s][start, new])
+            most_beta = np.maximum(top_beta[row], beta[s][start, new])
+            ok = most_phi + most_beta < limit
+            cuts = np.column_stack([cuts[row[ok]], new[ok]])
+            top_phi, top_beta = most_phi[ok], most_beta[ok]
+            weight = weight[row[ok]] + fill[s][start[ok], new[ok]]
+        period = top_phi + top_beta
+        front = _unbeaten(period, weight, limit)
+        kept.append(np.column_stack([period[front], weight[front], cuts[front]]))
+    found = np.concatenate(kept)
     return [costs.split_at(tuple(int(x) for x in found[i, 2:]))
             for i in _unbeaten(found[:, 0], found[:, 1], limit)]
-
-
-def _split_batches(layers: int, stages: int) -> Iterator[np.ndarray]:
-    """Every split of `layers` into `stages` non-empty ranges, as rows of bounds
-    (0, b_1, ..., layers), in batches of one first cut each (all at once for one or
-    two stages)."""
-    if stages < 3:
-        yield _bounded(np.arange(1, layers)[:, None] if stages == 2
-                       else np.zeros((1, 0), dtype=int), layers)
-        return
-    for first in range(1, layers - stages + 2):
-        cuts = np.array([[first]])
-        for k in range(2, stages):  # the k-th cut: after the last, leaving a layer a stage
-            last = cuts[:, -1]
-            counts = layers - (stages - k) - last
-            starts = np.repeat(last + 1 - (np.cumsum(counts) - counts), counts)
-            cuts = np.column_stack([np.repeat(cuts, counts, axis=0),
-                                    starts + np.arange(int(counts.sum()))])
-        yield _bounded(cuts, layers)
-
-
-def _bounded(cuts: np.ndarray, layers: int) -> np.ndarray:
-    return np.concatenate([np.zeros((len(cuts), 1), dtype=int), cuts,
-                           np.full((len(cuts), 1), layers)], axis=1)
 
 
 def _unbeaten(periods: np.ndarray, weights: np.ndarray, limit: float) -> list[int]:
@@ -432,15 +420,24 @@ def gpipe_front(costs: ClassCosts, limit: float = INF, deadline: float | None = 
     """GPipe's staircase: every split with a period below `limit` that no other beats
     in both period and fill, by period. A split's period is max_s phi_s + max_s beta_s
     (phi_s: stage s's forward or its send, whichever is longer; beta_s: its backward
-    or send; timing.py), which is not one term per stage: where the splits are few,
-    every one is priced (`_enumerated_front`), else `_walked_front` finds them (either
-    raises `OutOfTime` past the deadline)."""
+    or send; timing.py), which is not one term per stage: where the splits are few
+    against the caps a walk would take (measured: pricing 2,000 splits takes about
+    as long as one stage of one cap's walk), every one is priced (`_enumerated_front`),
+    else `_walked_front` finds them (either raises `OutOfTime` past the deadline)."""
     phi, beta = costs.phi_beta()
     fill = [costs.h_w(s)[1] for s in range(costs.stages)]
-    layers = phi[0].shape[0] - 1
-    front = _enumerated_front if math.comb(layers - 1, costs.stages - 1) <= _ENUMERATED \
-        else _walked_front
-    return front(costs, phi, beta, fill, limit, deadline)
+    splits = math.comb(phi[0].shape[0] - 2, costs.stages - 1)
+    walk = splits > _ENUMERATED or splits > _SPLITS_PER_CAP * costs.stages * _caps(
+        phi, beta, limit)
+    return (_walked_front if walk else _enumerated_front)(costs, phi, beta, fill, limit,
+                                                          deadline)
+
+
+def _caps(phi: list[np.ndarray], beta: list[np.ndarray], limit: float) -> int:
+    """How many forward caps a walk of `_walked_front` may take below `limit` at most."""
+    caps = np.unique(np.concatenate([p[np.isfinite(p)] for p in phi]))
+    return int(np.searchsorted(caps, limit - _least_max(beta))) - int(
+        np.searchsorted(caps, _least_max(phi)))
 
 
 def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarray],
