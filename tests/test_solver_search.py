@@ -151,7 +151,7 @@ def test_gpipe_front_is_every_split_no_other_beats(seed):
                                   for y in splits)})
     phi, beta = costs.phi_beta()
     fill = [costs.h_w(s)[1] for s in range(costs.stages)]
-    for front in (_walked_front, _enumerated_front):  # (gpipe_front picks one by size)
+    for front in (_walked_front, _enumerated_front):  # (gpipe_front picks one by size and limit)
         got = [(round(x.bottleneck, 12), round(x.weights, 12))
                for x in front(costs, phi, beta, fill, float("inf"))]
         assert got == expected, front.__name__

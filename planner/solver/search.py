@@ -26,7 +26,8 @@ best bound reaches the k-th best plan found, no unexplored structure can beat it
 the search is optimal. Before that, a greedy plan (one homogeneous class per
 type, fastest first), dives down the tree and the best structure so far tried in
 every other configuration give it a good plan to prune with. A time limit stops
-the search early and reports the queue's best bound.
+the search early, inside the pricing of one structure too, and reports the queue's
+best bound (and the structure's, for what its pricing left out).
 
 The space is searched in two parts, each a tree of its own whose nodes share one
 queue (`_parts`): structures of several classes run without ZeRO (the runtime
