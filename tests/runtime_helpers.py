@@ -33,16 +33,17 @@ def _traced(overrides: tuple = ()) -> Any:
 
 
 def tiny_plan(cluster: str, *, tp: int = 1, pp: int = 1, dp: int = 1, micro_batch: int = 2,
-              batch: int = 8, shares: Sequence[int] | None = None, **kw: Any) -> Plan:
-    """A uniform plan for gpt-tiny (fp32, sequence 32), with uneven micro-batch counts
-    per pipeline if `shares` is given."""
+              batch: int = 8, shares: Sequence[int] | None = None, shape: tuple = (),
+              **kw: Any) -> Plan:
+    """A uniform plan for gpt-tiny (fp32, sequence 32; `shape`: (key, value) overrides
+    of its shape), with uneven micro-batch counts per pipeline if `shares` is given."""
     from cost_models.cluster import load_cluster
     from cost_models.model import AnalyticalCostModel
     from planner.solver.uniform import uniform_plan
     from planner.types import TrainingSpec
 
     spec = load_cluster(cluster)
-    graph = _traced()
+    graph = _traced(shape)
     training = TrainingSpec(global_batch=batch, seq_len=SEQ, dtype="fp32")
     plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=spec, training=training,
                         costs=AnalyticalCostModel(spec), tp=tp, pp=pp, dp=dp,

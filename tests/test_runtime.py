@@ -73,6 +73,18 @@ def test_tensor_parallel_stages(tmp_path):
     assert per_rank[0] == per_rank[1] and per_rank[0] + per_rank[2] < full
 
 
+def test_tensor_parallel_experts_with_zero(tmp_path):
+    """Mixture-of-experts blocks split every expert over the tp ranks (the router runs
+    whole on each), with ZeRO-3 sharding them further over two replicas. Capacity for
+    every token (factor experts / top-k), so micro-batches route as the whole batch."""
+    plan = tiny_plan("1x4xcpu", tp=2, dp=2, zero=3,
+                     shape=(("experts", 4), ("top_k", 2), ("capacity_factor", 2.0)))
+    summary = _check_against_reference(plan, _run(tmp_path, plan))
+    notes = summary["notes"]
+    assert not any("Block" in note or "ran as ZeRO-2" in note for note in notes)
+    assert all("embed.tokens.weight" in note for note in notes if "ZeRO" in note)
+
+
 def test_zero3_tensor_parallel_and_full_recompute(tmp_path):
     plan = tiny_plan("1x4xcpu", tp=2, dp=2, zero=3, recompute=Recompute.FULL, shares=[3, 1])
     summary = _check_against_reference(plan, _run(tmp_path, plan))

@@ -213,16 +213,26 @@ def test_an_existing_run_is_not_restarted_from_scratch(tmp_path):
     assert complete_steps(Path(tmp_path)) == [2, 4]
 
 
-def test_tensor_parallelism_leaves_mixture_of_experts_blocks_whole():
-    """Its experts are not sharded, so a mixture-of-experts block stays whole on every
-    tensor-parallel rank, as the cost model prices it; a dense block is sharded."""
+def test_tensor_parallelism_splits_the_experts_of_a_mixture_of_experts_block():
+    """A mixture-of-experts block is sharded like a dense one, its experts along their
+    MLP width (which tp must divide, as the trace's tp_divisor says); the router stays
+    whole."""
     from planner.models import load_model, model_spec
-    from planner.runtime.parallel import _transformer_block
+    from planner.runtime.parallel import _ShardedExperts, _transformer_block
+    from planner.trace import trace_loaded
 
-    shape = {"layers": 1, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 100}
-    moe = load_model(model_spec("mixtral-8x7b", shape), seq_len=16, device="meta").module
-    dense = load_model(model_spec("llama3-8b", shape), seq_len=16, device="meta").module
-    (moe_block,) = [m for m in moe.modules() if type(m).__name__ == "Block"]
-    (dense_block,) = [m for m in dense.modules() if type(m).__name__ == "Block"]
-    assert _transformer_block(moe_block, 2, "layer 1") is None
-    assert _transformer_block(dense_block, 2, "layer 1") is not None
+    def block(ffn: int, flavor: str = "mixtral-8x7b") -> tuple:
+        shape = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4, "ffn": ffn,
+                 "vocab": 100}
+        loaded = load_model(model_spec(flavor, shape), seq_len=16, device="meta")
+        return loaded, next(m for m in loaded.module.modules() if type(m).__name__ == "Block")
+
+    loaded, moe = block(96)
+    assert trace_loaded(loaded).layers[1].tp_divisor == 4  # heads 4, experts' width 96
+    styles = _transformer_block(moe, 2, "layer 1")
+    assert isinstance(styles.pop("mlp.experts"), _ShardedExperts)
+    assert sorted(styles) == ["attn.k", "attn.o", "attn.q", "attn.v"]
+    with pytest.raises(PlannerError, match="MLP width 66"):
+        _transformer_block(block(66)[1], 4, "layer 1")
+    _, dense = block(96, "llama3-8b")
+    assert "mlp.down" in _transformer_block(dense, 2, "layer 1")

@@ -1,5 +1,7 @@
 """FLOPs, bytes and saved activations of traced ops against closed-form formulas."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -233,17 +235,30 @@ def test_tensor_parallelism_covers_the_layers_the_runtime_shards():
         check_tp_divides(resnet.layers, 2, (1, 2))
 
 
-def test_mixture_of_experts_blocks_are_priced_whole_on_every_tp_rank():
-    """The runtime shards no expert, so it replicates a mixture-of-experts block on its
-    tensor-parallel group; the trace says so, and the cost model charges every rank
-    the whole block (it halved the experts at tp 2: a Mixtral plan at tp 2 needed
-    nearly twice the memory it predicted)."""
+def test_mixture_of_experts_blocks_are_split_over_tp_ranks_with_their_experts():
+    """The runtime splits a mixture-of-experts block's attention and every expert over
+    its tensor-parallel group: the trace prices the attention's all-reduce and the
+    experts' rows (every expert's capacity, all-reduced at once), and tp must divide
+    the heads and the experts' width, not the number of experts (the router stays
+    whole)."""
+    from cost_models.memory import stage_memory
     from planner.errors import PlannerError
     from planner.solver.table import check_tp_divides
+    from planner.types import TrainingSpec
+    from tests.test_cost_formulas import GPU
 
-    moe = trace_model(model_spec("mixtral-8x7b", {"layers": 2, "hidden": 64, "heads": 4,
-                                                  "kv_heads": 2, "ffn": 128, "vocab": 100}),
-                      seq_len=32)
-    assert not any(layer.tp_sharded or layer.tp_comm_bytes for layer in moe.layers)
-    with pytest.raises(PlannerError, match="transformer blocks without experts"):
-        check_tp_divides(moe.layers, 2, (1, 2))
+    s, h, experts = 32, 64, 6
+    moe = trace_model(model_spec("mixtral-8x7b", {"layers": 2, "hidden": h, "heads": 4,
+                                                  "kv_heads": 4, "ffn": 128, "vocab": 100,
+                                                  "experts": experts}), seq_len=s)
+    block = moe.layers[1]
+    assert [layer.tp_sharded for layer in moe.layers] == [False, True, True, False]
+    rows = experts * math.ceil(1.0 * s * 2 / experts)  # capacity factor 1, top-2
+    assert block.tp_comm_bytes == (s + rows) * h * 2  # bf16
+    assert block.tp_divisor == 4
+    check_tp_divides(moe.layers, 4, (1, 2, 4))
+    with pytest.raises(PlannerError, match="divide by 4"):
+        check_tp_divides(moe.layers, 8, (1, 2, 4, 8))
+    training = TrainingSpec(global_batch=8, seq_len=s)
+    assert stage_memory([block], device=GPU, training=training, tp=2).weights == \
+        stage_memory([block], device=GPU, training=training, tp=1).weights / 2

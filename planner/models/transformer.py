@@ -174,6 +174,27 @@ class MLP(nn.Module):
         return self.down(act(self.up(x)))
 
 
+class Experts(nn.Module):
+    """SwiGLU experts, each on its own rows: [experts, rows, hidden] in and out. A
+    module of its own so tensor parallelism can shard its weights along the MLP width
+    (`planner.runtime.parallel`)."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.w_up = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.w_down = nn.Parameter(torch.empty(experts, ffn, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w in (self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(w, std=w.shape[1] ** -0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(F.silu(torch.bmm(tokens, self.w_gate)) * torch.bmm(tokens, self.w_up),
+                         self.w_down)
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts with a fixed capacity per expert (tokens over
     capacity are dropped, as in Switch/GShard). Static shapes, so it runs on meta."""
@@ -185,21 +206,18 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.capacity_factor = (cfg.experts, cfg.top_k,
                                                               cfg.capacity_factor)
         self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
-        shape = (cfg.experts, cfg.hidden, cfg.ffn_dim)
-        self.w_gate = nn.Parameter(torch.empty(shape))
-        self.w_up = nn.Parameter(torch.empty(shape))
-        self.w_down = nn.Parameter(torch.empty(cfg.experts, cfg.ffn_dim, cfg.hidden))
-        self.reset_parameters()
+        self.experts = Experts(cfg.experts, cfg.hidden, cfg.ffn_dim)
 
-    def reset_parameters(self) -> None:
-        for w in (self.w_gate, self.w_up, self.w_down):
-            nn.init.normal_(w, std=w.shape[1] ** -0.5)
+    def capacity(self, tokens: int) -> int:
+        """Rows each expert runs for `tokens` tokens (its share of their top-k picks,
+        times the capacity factor)."""
+        return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, hidden = x.shape, x.shape[-1]
         flat = x.reshape(-1, hidden)
         n, e, k = flat.shape[0], self.num_experts, self.top_k
-        capacity = max(1, math.ceil(self.capacity_factor * n * k / e))
+        capacity = self.capacity(n)
         probs = self.router(flat).float().softmax(dim=-1)
         weight, expert = probs.topk(k, dim=-1)  # [n, k]
         weight = (weight / weight.sum(dim=-1, keepdim=True)).to(x.dtype)
@@ -209,9 +227,7 @@ class MoE(nn.Module):
         kept = slot < capacity
         dest = torch.where(kept, expert * capacity + slot, e * capacity)
         buffer = flat.new_zeros(e * capacity + 1, hidden).index_add(0, dest, flat.repeat(k, 1))
-        tokens = buffer[:-1].view(e, capacity, hidden)
-        out = torch.bmm(F.silu(torch.bmm(tokens, self.w_gate)) * torch.bmm(tokens, self.w_up),
-                        self.w_down)
+        out = self.experts(buffer[:-1].view(e, capacity, hidden))
         out = torch.cat((out.reshape(e * capacity, hidden), flat.new_zeros(1, hidden)))[dest]
         out = out * (weight * kept.to(x.dtype)).unsqueeze(-1)
         return out.view(k, n, hidden).sum(dim=0).view(shape)

@@ -39,8 +39,11 @@ Tensor parallelism (tp > 1): Megatron-style DTensor plans for the zoo's
 transformer blocks (q, k, v, MLP up/gate column-parallel; attention output and
 MLP down row-parallel; heads divided among the shards) and MLP blocks; the
 embedding, head and other layers are replicated on the tp group (correct, not
-sharded), and so are mixture-of-experts blocks: their experts are not sharded, and
-the cost model prices such a block whole on every rank (`trace.layers._tp_sharded`).
+sharded). In a mixture-of-experts block every expert is split along its MLP width
+the same way (`_ShardedExperts`): the routing runs whole on every rank, each rank
+runs its slice of every expert on the dispatched rows, and the experts' output
+is all-reduced (forward) as their input's gradient is (backward), rows of all
+experts at once (`trace.layers` prices these all-reduces).
 A user's layer may define `tensor_parallel_plan() -> {submodule: "colwise" |
 "rowwise"}`.
 """
@@ -55,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from planner.errors import PlannerError
 from planner.runtime.layout import Layout
@@ -224,11 +228,42 @@ def _styles(plan: dict[str, str]) -> dict:
             for path, style in plan.items()}
 
 
+class _ShardedExperts(ParallelStyle):
+    """Tensor parallelism for `Experts` (a ParallelStyle): gate and up weights split
+    along the MLP width (column-parallel), down weights along it too (row-parallel);
+    the rows come in replicated and go out summed over the ranks."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import (
+            DTensor,
+            Replicate,
+            Shard,
+            distribute_module,
+            distribute_tensor,
+        )
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for weight, dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1)):
+                if hasattr(mod, weight):
+                    sharded = distribute_tensor(getattr(mod, weight), mesh, [Shard(dim)],
+                                                src_data_rank=self.src_data_rank)
+                    mod.register_parameter(weight, nn.Parameter(sharded))
+
+        def rows_in(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            # replicated rows; backward all-reduces their gradient's partial sums
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                         for x in inputs)
+
+        def rows_out(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            return output.redistribute(mesh, [Replicate()]).to_local()  # all-reduce
+
+        return distribute_module(module, mesh, partition, rows_in, rows_out)
+
+
 def _transformer_block(unit: nn.Module, tp: int, where: str) -> dict | None:
     from planner.models.transformer import MLP, Attention, Block, MoE
 
-    if (not isinstance(unit, Block) or not isinstance(unit.attn, Attention)
-            or isinstance(unit.mlp, MoE)):  # (its experts are not sharded: see the docstring)
+    if not isinstance(unit, Block) or not isinstance(unit.attn, Attention):
         return None
     cfg = unit.attn.cfg
     kv = cfg.kv_heads_
@@ -236,11 +271,12 @@ def _transformer_block(unit: nn.Module, tp: int, where: str) -> dict | None:
         raise PlannerError("unsupported-plan", f"{where}: tp {tp} must divide the attention "
                            f"heads ({cfg.heads}) and key/value heads ({kv}).",
                            ["solve with a smaller --tp"])
-    plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise"}
+    if isinstance(unit.mlp, MLP | MoE) and cfg.ffn_dim % tp:
+        raise PlannerError("unsupported-plan", f"{where}: tp {tp} must divide the MLP "
+                           f"width {cfg.ffn_dim}.", ["solve with a smaller --tp"])
+    plan: dict = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise",
+                  "attn.o": "rowwise"}
     if isinstance(unit.mlp, MLP):
-        if cfg.ffn_dim % tp:
-            raise PlannerError("unsupported-plan", f"{where}: tp {tp} must divide the MLP "
-                               f"width {cfg.ffn_dim}.", ["solve with a smaller --tp"])
         plan.update({"mlp.up": "colwise", "mlp.down": "rowwise"})
         if unit.mlp.gate is not None:
             plan["mlp.gate"] = "colwise"
@@ -248,7 +284,10 @@ def _transformer_block(unit: nn.Module, tp: int, where: str) -> dict | None:
     unit.attn.cfg = dataclasses.replace(cfg, hidden=cfg.hidden // tp, heads=cfg.heads // tp,
                                         kv_heads=kv // tp if cfg.kv_heads else None)
     unit.attn.num_heads, unit.attn.num_kv_heads = cfg.heads // tp, kv // tp
-    return _styles(plan)
+    styles = _styles(plan)
+    if isinstance(unit.mlp, MoE):
+        styles["mlp.experts"] = _ShardedExperts()
+    return styles
 
 
 def apply_tensor_parallel(units: Iterable[tuple[str, nn.Module]], mesh: DeviceMesh

@@ -155,8 +155,9 @@ def check_tp_divides(layers: Sequence[Layer], tp: int, choices: Sequence[int]) -
     (tensor parallelism shards them evenly); `choices` are the degrees to suggest from."""
     if tp > 1 and not any(layer.tp_sharded for layer in layers):
         raise PlannerError("bad-option", f"--tp {tp}: tensor parallelism shards none of this "
-                           "model's layers (the runtime shards transformer blocks without "
-                           "experts, MLP blocks and layers with a tensor_parallel_plan), so "
+                           "model's layers (the runtime shards transformer blocks, their "
+                           "experts included, MLP blocks and layers with a "
+                           "tensor_parallel_plan), so "
                            "every rank would run the whole model.", ["use --tp 1"])
     split = next((x for x in layers if x.tp_divisor and x.tp_divisor % tp), None)
     if split is not None:

@@ -127,37 +127,50 @@ def _kernels(records: list[NodeRecord], batch: int) -> tuple[Kernel, ...]:
         for (cls, gemm), v in acc.items() if cls is not OpClass.RESHAPE or v[3])
 
 
-def _tp_comm_bytes(group: _Group, fixed_or_input: set[str]) -> float:
+def _tp_comm_bytes(group: _Group, fixed_or_input: set[str],
+                   modules: dict[str, nn.Module]) -> float:
     """Bytes a Megatron-style tensor-parallel forward all-reduces: one output per
     residual add fed by a matmul branch (row-parallel projection), plus the
-    vocabulary-parallel embedding lookup."""
-    names = {r.name for r in group.records}
+    vocabulary-parallel embedding lookup. A branch from a mixture-of-experts block
+    all-reduces its experts' rows instead (`_expert_rows_bytes`)."""
+    by_name = {r.name: r for r in group.records}
     residual: dict[str, bool] = {}
     total = 0.0
     for r in group.records:
         data_inputs = [i for i in r.inputs if i not in fixed_or_input]
-        from_residual = [i not in names or residual.get(i, False) for i in data_inputs]
+        from_residual = [i not in by_name or residual.get(i, False) for i in data_inputs]
         residual[r.name] = r.op_class not in _HEAVY and any(from_residual)
         if r.is_add and any(from_residual) and not all(from_residual):
-            total += r.out_bytes
+            branches = [by_name[i] for i, res in zip(data_inputs, from_residual, strict=True)
+                        if not res]
+            total += sum(_expert_rows_bytes(b, modules) for b in branches) or r.out_bytes
         if r.op_class is OpClass.EMBEDDING and not r.fixed and group.kind is LayerKind.EMBEDDING:
             total += r.out_bytes
     return total
 
 
+def _expert_rows_bytes(record: NodeRecord, modules: dict[str, nn.Module]) -> float:
+    """Bytes of the rows a mixture-of-experts block's experts run on, for its output
+    `record` (0 for any other record): every expert's capacity for the tokens."""
+    from planner.models.transformer import MoE
+
+    moe = modules.get(record.module)
+    if not isinstance(moe, MoE) or not record.shape:
+        return 0.0
+    tokens = math.prod(record.shape[:-1])
+    return record.out_bytes * moe.num_experts * moe.capacity(tokens) / tokens
+
+
 def _tp_sharded(unit: nn.Module | None) -> bool:
     """Whether the runtime shards this layer's unit over a tensor-parallel group
-    (`planner.runtime.parallel.apply_tensor_parallel`): zoo transformer blocks without
-    experts, MLP blocks and modules with a `tensor_parallel_plan`; everything else,
-    mixture-of-experts blocks included, is replicated."""
+    (`planner.runtime.parallel.apply_tensor_parallel`): zoo transformer blocks (their
+    experts too), MLP blocks and modules with a `tensor_parallel_plan`; everything
+    else is replicated."""
     from planner.models.mlp import MLPBlock
-    from planner.models.transformer import Block, MoE
+    from planner.models.transformer import Block
 
-    if unit is None:
-        return False
     return (callable(getattr(unit, "tensor_parallel_plan", None))
-            or isinstance(unit, MLPBlock)
-            or (isinstance(unit, Block) and not isinstance(unit.mlp, MoE)))
+            or isinstance(unit, MLPBlock | Block))
 
 
 def _selective_bytes(group: _Group, input_bytes: float) -> float:
@@ -170,6 +183,8 @@ def _selective_bytes(group: _Group, input_bytes: float) -> float:
 
 
 def _tp_divisor(group: _Group, capture: Capture, vocab_sizes: set[int]) -> int:
+    from planner.models.transformer import MoE
+
     divisor = 0
     modules = {r.module for r in group.records}
     for path in modules:
@@ -180,6 +195,10 @@ def _tp_divisor(group: _Group, capture: Capture, vocab_sizes: set[int]) -> int:
                 if isinstance(value, int) and value > 0:
                     divisor = math.gcd(divisor, value)
     for r in group.records:
+        module = capture.modules.get(r.module)
+        if isinstance(module, MoE):  # its experts split along their width, its router not
+            divisor = math.gcd(divisor, module.experts.w_up.shape[-1])
+            continue
         for c in r.costs:
             if c.gemm and c.bytes_fixed and c.gemm[2] not in vocab_sizes:
                 divisor = math.gcd(divisor, c.gemm[2])
@@ -247,7 +266,8 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
         input_bytes = (crossing[i - 1] if i else first_inputs) / batch
         saved = sum(saved_by_class.values())
         sharded = _tp_sharded(capture.modules.get(group.unit))
-        tp_bytes = _tp_comm_bytes(group, fixed_or_input) / batch if sharded else 0.0
+        tp_bytes = (_tp_comm_bytes(group, fixed_or_input, capture.modules) / batch
+                    if sharded else 0.0)
         if sharded and not tp_bytes:  # column-parallel with a gathered output (MLP blocks)
             tp_bytes = crossing[i] / batch if i < len(groups) - 1 else 0.0
         layers.append(Layer(
