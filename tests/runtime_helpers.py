@@ -116,3 +116,57 @@ def run_ranks(plan_path: Path, **options: Any) -> None:
     options.setdefault("timeout", 120.0)
     mp.start_processes(_rank, args=(str(plan_path), nodes, free_port(), options),
                        nprocs=layout.world_size, start_method="forkserver")
+
+
+def tp_all_reduce_bytes(flavor: str, shape: dict, *, seq: int, batch: int, out: Path) -> float:
+    """Bytes rank 0 of a 2-way tensor-parallel group all-reduces in one forward and
+    backward of the first block of `flavor` (fp32), as the runtime shards it."""
+    mp.start_processes(_tp_block_rank, args=(flavor, shape, seq, batch, str(out), free_port()),
+                       nprocs=2, start_method="forkserver")
+    return float(out.read_text())
+
+
+def _tp_block_rank(rank: int, flavor: str, shape: dict, seq: int, batch: int, out: str,
+                   port: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from planner.models import load_model, model_spec
+    from planner.runtime.parallel import _transformer_block
+    from planner.runtime.stage import materialize
+
+    class AllReduces(TorchDispatchMode):
+        """Sums the bytes of the all-reduces DTensor's collectives issue."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t is DTensor for t in types):
+                return NotImplemented  # let DTensor turn it into plain ops and collectives
+            if "all_reduce" in str(func):
+                self.bytes += args[0].numel() * args[0].element_size()
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        loaded = load_model(model_spec(flavor, shape), seq_len=seq, device="meta")
+        block = next(m for m in materialize(loaded.module, 0).modules()
+                     if type(m).__name__ == "Block")
+        parallelize_module(block, init_device_mesh("cpu", (2,)),
+                           _transformer_block(block, 2, "block"))
+        torch.manual_seed(0)
+        x = torch.randn(batch, seq, shape["hidden"], requires_grad=True)
+        counter = AllReduces()
+        with counter:
+            block(x).sum().backward()
+        if rank == 0:
+            Path(out).write_text(str(counter.bytes))
+    finally:
+        dist.destroy_process_group()

@@ -295,3 +295,25 @@ def test_a_local_run_on_a_taken_port_says_so(tmp_path):
                              env={**os.environ, "PLANNER_MASTER_PORT": str(port)})
     assert run.returncode == 1
     assert f"port {port} is in use" in run.stderr and "PLANNER_MASTER_PORT" in run.stderr
+
+
+@pytest.mark.parametrize("flavor", ["llama3-8b", "mixtral-8x7b"])
+def test_the_trace_prices_the_all_reduces_tensor_parallelism_runs(tmp_path, flavor):
+    """The trace's tp_comm_bytes (per sample, each way) is what a block sharded as the
+    runtime shards it all-reduces in a forward and a backward: a dense block's two
+    row-parallel outputs, a mixture-of-experts block's attention output and its
+    experts' dispatched rows."""
+    from planner.models import model_spec
+    from planner.trace import trace_model
+    from tests.runtime_helpers import tp_all_reduce_bytes
+
+    shape = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 64,
+             "experts": 4}
+    if flavor != "mixtral-8x7b":
+        shape.pop("experts")
+    seq, batch = 16, 3
+    block = trace_model(model_spec(flavor, shape), batch=batch, seq_len=seq,
+                        dtype="fp32").layers[1]
+    measured = tp_all_reduce_bytes(flavor, shape, seq=seq, batch=batch,
+                                   out=tmp_path / "bytes")
+    assert measured == pytest.approx(2 * block.tp_comm_bytes * batch)

@@ -231,7 +231,7 @@ def test_tensor_parallelism_splits_the_experts_of_a_mixture_of_experts_block():
     assert trace_loaded(loaded).layers[1].tp_divisor == 4  # heads 4, experts' width 96
     styles = _transformer_block(moe, 2, "layer 1")
     assert isinstance(styles.pop("mlp.experts"), _ShardedExperts)
-    assert sorted(styles) == ["attn.k", "attn.o", "attn.q", "attn.v"]
+    assert sorted(styles) == ["attn", "attn.k", "attn.o", "attn.q", "attn.v"]
     with pytest.raises(PlannerError, match="MLP width 66"):
         _transformer_block(block(66)[1], 4, "layer 1")
     _, dense = block(96, "llama3-8b")

@@ -37,7 +37,9 @@ the other.
 
 Tensor parallelism (tp > 1): Megatron-style DTensor plans for the zoo's
 transformer blocks (q, k, v, MLP up/gate column-parallel; attention output and
-MLP down row-parallel; heads divided among the shards) and MLP blocks; the
+MLP down row-parallel; heads divided among the shards; each branch's input
+replicated once, so its backward all-reduces one gradient, as Megatron's fused
+projections do and as the trace prices it) and MLP blocks; the
 embedding, head and other layers are replicated on the tp group (correct, not
 sharded). In a mixture-of-experts block every expert is split along its MLP width
 the same way (`_ShardedExperts`): the routing runs whole on every rank, each rank
@@ -285,9 +287,22 @@ def _transformer_block(unit: nn.Module, tp: int, where: str) -> dict | None:
                                         kv_heads=kv // tp if cfg.kv_heads else None)
     unit.attn.num_heads, unit.attn.num_kv_heads = cfg.heads // tp, kv // tp
     styles = _styles(plan)
-    if isinstance(unit.mlp, MoE):
+    # one replicated input per branch, so the backward sums the column-parallel
+    # projections' partial gradients (q, k, v; gate, up) in one all-reduce, not one each
+    styles["attn"] = _replicated_input()
+    if isinstance(unit.mlp, MLP):
+        styles["mlp"] = _replicated_input()
+    else:
         styles["mlp.experts"] = _ShardedExperts()
     return styles
+
+
+def _replicated_input() -> ParallelStyle:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    return PrepareModuleInput(input_layouts=(Replicate(),),
+                              desired_input_layouts=(Replicate(),))
 
 
 def apply_tensor_parallel(units: Iterable[tuple[str, nn.Module]], mesh: DeviceMesh
