@@ -14,8 +14,11 @@ For P parameters in the stage, on one device of a tensor-parallel group of
                   selective  the layer input plus outputs of matmuls and attention
                   full       only each layer's input, plus one layer's full
                              activations while its backward runs
-                tensor parallelism shards them except norm inputs (replicated
-                without sequence parallelism)
+                tensor parallelism shards them except the residual stream's
+                (norms' inputs and outputs, the column-parallel projections'
+                inputs, the layer input and the row-parallel outputs under
+                selective recompute), which every rank keeps whole without
+                sequence parallelism (`Layer.replicated_bytes`)
     reserve     framework and allocator overhead: 1 GiB on GPUs (CUDA context,
                 NCCL buffers, fragmentation), 0.25 GiB on CPUs
 
@@ -29,12 +32,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.dtypes import dtype_bytes
-from planner.types import DeviceSpec, Layer, MemoryBreakdown, OpClass, TrainingSpec
+from planner.types import DeviceSpec, Layer, MemoryBreakdown, TrainingSpec
 from planner.types.model import params_per_rank
 from planner.types.training import Recompute
 
 GIB = 2.0**30
-_NORM = OpClass.NORM.value  # read once: an enum member's value is a slow descriptor
 
 
 def optimizer_state_bytes(training: TrainingSpec) -> float:
@@ -52,9 +54,10 @@ def activation_bytes(layer: Layer, *, recompute: Recompute, tp: int) -> float:
     if recompute is Recompute.FULL:
         return layer.input_bytes
     if recompute is Recompute.SELECTIVE:
-        return layer.selective_bytes / tp
-    replicated = layer.saved_by_class.get(_NORM, 0.0)
-    return replicated + (layer.activation_bytes - replicated) / tp
+        kept, whole = layer.selective_bytes, layer.replicated_selective_bytes
+    else:
+        kept, whole = layer.activation_bytes, layer.replicated_bytes
+    return whole + (kept - whole) / tp  # (every tp rank keeps the residual stream whole)
 
 
 def stage_memory(layers: Sequence[Layer], *, device: DeviceSpec, training: TrainingSpec,

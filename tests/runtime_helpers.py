@@ -8,6 +8,7 @@ session, so each run costs process start-up, not a torch import per rank.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 from collections.abc import Sequence
@@ -118,12 +119,37 @@ def run_ranks(plan_path: Path, **options: Any) -> None:
                        nprocs=layout.world_size, start_method="forkserver")
 
 
-def tp_all_reduce_bytes(flavor: str, shape: dict, *, seq: int, batch: int, out: Path) -> float:
-    """Bytes rank 0 of a 2-way tensor-parallel group all-reduces in one forward and
-    backward of the first block of `flavor` (fp32), as the runtime shards it."""
+def tp_block_bytes(flavor: str, shape: dict, *, seq: int, batch: int, out: Path
+                   ) -> dict[str, float]:
+    """What rank 0 of a 2-way tensor-parallel group moves and keeps in one forward and
+    backward of the first block of `flavor` (fp32), as the runtime shards it: the
+    bytes it all-reduces ("all-reduced") and the bytes of the activations autograd
+    saves for the backward ("saved": each storage once, parameters left out; "saved
+    whole": the same without tensor parallelism)."""
     mp.start_processes(_tp_block_rank, args=(flavor, shape, seq, batch, str(out), free_port()),
                        nprocs=2, start_method="forkserver")
-    return float(out.read_text())
+    return json.loads(out.read_text())
+
+
+def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The block's output and the bytes of what autograd saves in its forward."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    weights = {local(p).untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = local(t).untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(x)
+    return y, sum(seen.values())
 
 
 def _tp_block_rank(rank: int, flavor: str, shape: dict, seq: int, batch: int, out: str,
@@ -152,21 +178,27 @@ def _tp_block_rank(rank: int, flavor: str, shape: dict, seq: int, batch: int, ou
                 self.bytes += args[0].numel() * args[0].element_size()
             return func(*args, **(kwargs or {}))
 
+    def block() -> torch.nn.Module:
+        loaded = load_model(model_spec(flavor, shape), seq_len=seq, device="meta")
+        return next(m for m in materialize(loaded.module, 0).modules()
+                    if type(m).__name__ == "Block")
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
-        loaded = load_model(model_spec(flavor, shape), seq_len=seq, device="meta")
-        block = next(m for m in materialize(loaded.module, 0).modules()
-                     if type(m).__name__ == "Block")
-        parallelize_module(block, init_device_mesh("cpu", (2,)),
-                           _transformer_block(block, 2, "block"))
         torch.manual_seed(0)
         x = torch.randn(batch, seq, shape["hidden"], requires_grad=True)
+        _, whole = _saved_bytes(block(), x)
+        sharded = block()
+        parallelize_module(sharded, init_device_mesh("cpu", (2,)),
+                           _transformer_block(sharded, 2, "block"))
         counter = AllReduces()
         with counter:
-            block(x).sum().backward()
+            y, saved = _saved_bytes(sharded, x)
+            y.sum().backward()
         if rank == 0:
-            Path(out).write_text(str(counter.bytes))
+            Path(out).write_text(json.dumps({"all-reduced": counter.bytes, "saved": saved,
+                                             "saved whole": whole}))
     finally:
         dist.destroy_process_group()

@@ -111,6 +111,7 @@ def dense_layer(m_per_sample=4096, k=8192, n=8192, elementwise_bytes=0.0) -> Lay
                  param_bytes=2 * k * n, buffer_bytes=0, fwd_flops=2 * m_per_sample * k * n,
                  bwd_flops=4 * m_per_sample * k * n, activation_bytes=100.0,
                  saved_by_class={"matmul": 60.0, "norm": 40.0}, selective_bytes=70.0,
+                 replicated_bytes=40.0, replicated_selective_bytes=10.0,
                  input_bytes=10.0, output_bytes=10.0, tp_comm_bytes=0.0, tp_divisor=8,
                  kernels=tuple(kernels), signature="sig")
 
@@ -203,8 +204,9 @@ def test_recompute_costs():
 def test_activation_terms_by_policy():
     layer = dense_layer()
     assert activation_bytes(layer, recompute=Recompute.NONE, tp=1) == 100
-    assert activation_bytes(layer, recompute=Recompute.NONE, tp=2) == 40 + 30  # norms replicate
+    assert activation_bytes(layer, recompute=Recompute.NONE, tp=2) == 40 + 30  # stream whole
     assert activation_bytes(layer, recompute=Recompute.SELECTIVE, tp=1) == 70
+    assert activation_bytes(layer, recompute=Recompute.SELECTIVE, tp=2) == 10 + 30
     assert activation_bytes(layer, recompute=Recompute.FULL, tp=1) == 10
 
 

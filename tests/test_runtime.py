@@ -298,14 +298,18 @@ def test_a_local_run_on_a_taken_port_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("flavor", ["llama3-8b", "mixtral-8x7b"])
-def test_the_trace_prices_the_all_reduces_tensor_parallelism_runs(tmp_path, flavor):
-    """The trace's tp_comm_bytes (per sample, each way) is what a block sharded as the
-    runtime shards it all-reduces in a forward and a backward: a dense block's two
+def test_the_trace_prices_what_tensor_parallelism_moves_and_keeps(tmp_path, flavor):
+    """A block sharded as the runtime shards it all-reduces, in a forward and a backward,
+    what the trace's tp_comm_bytes says (per sample, each way): a dense block's two
     row-parallel outputs, a mixture-of-experts block's attention output and its
-    experts' dispatched rows."""
+    experts' dispatched rows. The activations it saves shrink as the memory model says
+    at tp 2: the residual stream's (norms' inputs and outputs, which the column-parallel
+    projections save) stay whole on every rank."""
+    from cost_models.memory import activation_bytes
     from planner.models import model_spec
     from planner.trace import trace_model
-    from tests.runtime_helpers import tp_all_reduce_bytes
+    from planner.types import Recompute
+    from tests.runtime_helpers import tp_block_bytes
 
     shape = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 64,
              "experts": 4}
@@ -314,6 +318,9 @@ def test_the_trace_prices_the_all_reduces_tensor_parallelism_runs(tmp_path, flav
     seq, batch = 16, 3
     block = trace_model(model_spec(flavor, shape), batch=batch, seq_len=seq,
                         dtype="fp32").layers[1]
-    measured = tp_all_reduce_bytes(flavor, shape, seq=seq, batch=batch,
-                                   out=tmp_path / "bytes")
-    assert measured == pytest.approx(2 * block.tp_comm_bytes * batch)
+    measured = tp_block_bytes(flavor, shape, seq=seq, batch=batch, out=tmp_path / "bytes")
+    assert measured["all-reduced"] == pytest.approx(2 * block.tp_comm_bytes * batch)
+    split = 2 * (measured["saved whole"] - measured["saved"])  # what tp 2 halves
+    predicted = 2 * (activation_bytes(block, recompute=Recompute.NONE, tp=1)
+                     - activation_bytes(block, recompute=Recompute.NONE, tp=2))
+    assert split == pytest.approx(predicted * batch)

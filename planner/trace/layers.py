@@ -127,26 +127,70 @@ def _kernels(records: list[NodeRecord], batch: int) -> tuple[Kernel, ...]:
         for (cls, gemm), v in acc.items() if cls is not OpClass.RESHAPE or v[3])
 
 
+def _stream(group: _Group, fixed_or_input: set[str]
+            ) -> tuple[set[str], list[tuple[NodeRecord, list[NodeRecord]]]]:
+    """Under Megatron-style tensor parallelism: the records whose outputs every rank of
+    the group holds whole (the residual stream: the layer's inputs and the cheap ops on
+    them, norms included, and the row-parallel outputs that join it, all-reduced), and
+    each residual add with the branches it joins."""
+    by_name = {r.name: r for r in group.records}
+    residual: dict[str, bool] = {}
+    adds = []
+    for r in group.records:  # (tensors only: a view's sizes read from the stream are not)
+        data_inputs = [i for i in r.inputs if i not in fixed_or_input
+                       and (i not in by_name or by_name[i].out_bytes > 0)]
+        from_residual = [i not in by_name or residual.get(i, False) for i in data_inputs]
+        residual[r.name] = r.op_class not in _HEAVY and any(from_residual)
+        if r.is_add and any(from_residual) and not all(from_residual):
+            adds.append((r, [by_name[i] for i, res in zip(data_inputs, from_residual,
+                                                          strict=True) if not res]))
+    whole = {name for name, res in residual.items() if res}
+    return whole | {b.name for _, branches in adds for b in branches}, adds
+
+
 def _tp_comm_bytes(group: _Group, fixed_or_input: set[str],
                    modules: dict[str, nn.Module]) -> float:
     """Bytes a Megatron-style tensor-parallel forward all-reduces: one output per
     residual add fed by a matmul branch (row-parallel projection), plus the
     vocabulary-parallel embedding lookup. A branch from a mixture-of-experts block
     all-reduces its experts' rows instead (`_expert_rows_bytes`)."""
-    by_name = {r.name: r for r in group.records}
-    residual: dict[str, bool] = {}
-    total = 0.0
-    for r in group.records:
-        data_inputs = [i for i in r.inputs if i not in fixed_or_input]
-        from_residual = [i not in by_name or residual.get(i, False) for i in data_inputs]
-        residual[r.name] = r.op_class not in _HEAVY and any(from_residual)
-        if r.is_add and any(from_residual) and not all(from_residual):
-            branches = [by_name[i] for i, res in zip(data_inputs, from_residual, strict=True)
-                        if not res]
-            total += sum(_expert_rows_bytes(b, modules) for b in branches) or r.out_bytes
-        if r.op_class is OpClass.EMBEDDING and not r.fixed and group.kind is LayerKind.EMBEDDING:
-            total += r.out_bytes
+    _, adds = _stream(group, fixed_or_input)
+    total = sum(sum(_expert_rows_bytes(b, modules) for b in branches) or add.out_bytes
+                for add, branches in adds)
+    if group.kind is LayerKind.EMBEDDING:
+        total += sum(r.out_bytes for r in group.records
+                     if r.op_class is OpClass.EMBEDDING and not r.fixed)
     return total
+
+
+def _replicated_saved(group: _Group, fixed_or_input: set[str],
+                      producers: dict[int, NodeRecord], modules: dict[str, nn.Module],
+                      input_bytes: float) -> tuple[float, float]:
+    """Bytes of what the layer saves for its backward that tensor parallelism keeps
+    whole on every rank, without recompute and under selective recompute (of
+    `_selective_bytes`): tensors of the residual stream (`_stream`; the layer's inputs
+    among them, which the norms and the column-parallel projections after them save)
+    and the norms' statistics. Tensors made inside an opaque module (a leaf) count as
+    split, but for a mixture-of-experts block's: only its experts' are."""
+    whole, _ = _stream(group, fixed_or_input)
+    inside = {r.name for r in group.records}
+    saved, kept = 0.0, input_bytes
+    for r in group.records:
+        internal = 0.0
+        for key, size in r.saved.items():
+            made = producers.get(key)
+            if made is None:
+                internal += size
+            elif made.name not in inside or made.name in whole:
+                saved += size
+        split = _expert_split_bytes(r, modules)
+        if split:  # a mixture-of-experts block: all but its experts' own stay whole
+            saved += max(0.0, internal - split)
+        if r.op_class is OpClass.NORM:
+            saved += r.stats_saved
+        if r.op_class in _HEAVY and r.name in whole:
+            kept += sum(r.out_keys.values())
+    return saved, kept
 
 
 def _expert_rows_bytes(record: NodeRecord, modules: dict[str, nn.Module]) -> float:
@@ -159,6 +203,22 @@ def _expert_rows_bytes(record: NodeRecord, modules: dict[str, nn.Module]) -> flo
         return 0.0
     tokens = math.prod(record.shape[:-1])
     return record.out_bytes * moe.num_experts * moe.capacity(tokens) / tokens
+
+
+def _expert_split_bytes(record: NodeRecord, modules: dict[str, nn.Module]) -> float:
+    """Bytes a mixture-of-experts block's experts save that tensor parallelism splits,
+    for its output `record` (0 for any other record): the gate and up projections'
+    outputs, the activation's and the product fed to the down projection, each a row
+    per expert's capacity by the experts' width."""
+    from planner.models.transformer import MoE
+
+    moe = modules.get(record.module)
+    if not isinstance(moe, MoE) or not record.shape:
+        return 0.0
+    tokens = math.prod(record.shape[:-1])
+    per_value = record.out_bytes / (tokens * record.shape[-1])
+    rows = moe.num_experts * moe.capacity(tokens)
+    return 4 * rows * moe.experts.w_up.shape[-1] * per_value
 
 
 def _tp_sharded(unit: nn.Module | None) -> bool:
@@ -243,6 +303,10 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             unit = unit_of(name.rpartition(".")[0], set(units))
             owner[name] = units[unit] if unit else len(groups) - 1
     fixed_or_input = {r.name for r in capture.records if r.fixed or r.op == "placeholder"}
+    producers: dict[int, NodeRecord] = {}
+    for r in capture.records:
+        for key in r.out_keys:
+            producers.setdefault(key, r)
     vocab = {m.num_embeddings for m in capture.modules.values() if isinstance(m, nn.Embedding)}
     glue_count = sum(g.kind is LayerKind.GLUE for g in groups)
     layers, node_layer, glue_seen = [], {}, 0
@@ -265,9 +329,12 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
         kernels = _kernels(group.records, batch)
         input_bytes = (crossing[i - 1] if i else first_inputs) / batch
         saved = sum(saved_by_class.values())
+        selective = min(saved, _selective_bytes(group, input_bytes * batch) / batch)
         sharded = _tp_sharded(capture.modules.get(group.unit))
         tp_bytes = (_tp_comm_bytes(group, fixed_or_input, capture.modules) / batch
                     if sharded else 0.0)
+        replicated, replicated_selective = _replicated_saved(
+            group, fixed_or_input, producers, capture.modules, input_bytes * batch)
         if sharded and not tp_bytes:  # column-parallel with a gathered output (MLP blocks)
             tp_bytes = crossing[i] / batch if i < len(groups) - 1 else 0.0
         layers.append(Layer(
@@ -280,7 +347,9 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             bwd_flops=sum(k.bwd_flops for k in kernels),
             activation_bytes=saved,
             saved_by_class=dict(saved_by_class),
-            selective_bytes=min(saved, _selective_bytes(group, input_bytes * batch) / batch),
+            selective_bytes=selective,
+            replicated_bytes=min(saved, replicated / batch),
+            replicated_selective_bytes=min(selective, replicated_selective / batch),
             input_bytes=input_bytes,
             output_bytes=crossing[i] / batch if i < len(groups) - 1 else 0.0,
             tp_comm_bytes=tp_bytes,

@@ -98,6 +98,11 @@ class Layer:
     selective_bytes:       what op-level selective recompute keeps instead: the
                            layer input and the outputs of matmuls, convolutions
                            and attention (recomputing the cheap ops between them).
+    replicated_bytes:      the part of activation_bytes that tensor parallelism keeps
+                           whole on every rank (the residual stream: norms' inputs
+                           and outputs, the column-parallel projections' inputs).
+    replicated_selective_bytes: the same part of selective_bytes (the layer input,
+                           the row-parallel projections' outputs).
     input_bytes:           per-sample bytes of the tensors entering this layer
                            from earlier layers (kept under full recompute).
     output_bytes:          per-sample bytes of the tensors crossing the boundary
@@ -134,6 +139,8 @@ class Layer:
     signature: str
     tied: tuple[tuple[int, int], ...] = ()
     tp_sharded: bool = True
+    replicated_bytes: float = 0.0
+    replicated_selective_bytes: float = 0.0
 
     def tp_share(self, tp: int) -> int:
         """The tensor-parallel degree this layer is split by: tp, or 1 if replicated."""
