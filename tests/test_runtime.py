@@ -302,9 +302,9 @@ def test_the_trace_prices_what_tensor_parallelism_moves_and_keeps(tmp_path, flav
     """A block sharded as the runtime shards it all-reduces, in a forward and a backward,
     what the trace's tp_comm_bytes says (per sample, each way): a dense block's two
     row-parallel outputs, a mixture-of-experts block's attention output and its
-    experts' dispatched rows. The activations it saves shrink as the memory model says
-    at tp 2: the residual stream's (norms' inputs and outputs, which the column-parallel
-    projections save) stay whole on every rank."""
+    experts' dispatched rows. Of the activations it saves, tp 2 halves the part the
+    memory model splits: the residual stream's (norms' inputs and outputs, which the
+    column-parallel projections save) stay whole on every rank."""
     from cost_models.memory import activation_bytes
     from planner.models import model_spec
     from planner.trace import trace_model
