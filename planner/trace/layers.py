@@ -148,14 +148,13 @@ def _stream(group: _Group, fixed_or_input: set[str]
     return whole | {b.name for _, branches in adds for b in branches}, adds
 
 
-def _tp_comm_bytes(group: _Group, fixed_or_input: set[str],
+def _tp_comm_bytes(group: _Group, adds: list[tuple[NodeRecord, list[NodeRecord]]],
                    modules: dict[str, nn.Module]) -> float:
     """Bytes a Megatron-style tensor-parallel forward all-reduces: one output per
-    residual add fed by a matmul branch (row-parallel projection), plus the
-    vocabulary-parallel embedding lookup. A branch from a mixture-of-experts block
-    all-reduces its experts' rows instead (`_expert_rows_bytes`)."""
-    _, adds = _stream(group, fixed_or_input)
-    total = sum(sum(_expert_rows_bytes(b, modules) for b in branches) or add.out_bytes
+    residual add fed by a matmul branch (row-parallel projection; `adds` of `_stream`),
+    plus the vocabulary-parallel embedding lookup. A branch from a mixture-of-experts
+    block all-reduces its experts' rows instead (`_experts`)."""
+    total = sum(sum(_experts(b, modules)[0] for b in branches) or add.out_bytes
                 for add, branches in adds)
     if group.kind is LayerKind.EMBEDDING:
         total += sum(r.out_bytes for r in group.records
@@ -163,16 +162,16 @@ def _tp_comm_bytes(group: _Group, fixed_or_input: set[str],
     return total
 
 
-def _replicated_saved(group: _Group, fixed_or_input: set[str],
-                      producers: dict[int, NodeRecord], modules: dict[str, nn.Module],
-                      input_bytes: float) -> tuple[float, float]:
+def _replicated_saved(group: _Group, whole: set[str], producers: dict[int, NodeRecord],
+                      modules: dict[str, nn.Module], input_bytes: float
+                      ) -> tuple[float, float]:
     """Bytes of what the layer saves for its backward that tensor parallelism keeps
     whole on every rank, without recompute and under selective recompute (of
-    `_selective_bytes`): tensors of the residual stream (`_stream`; the layer's inputs
-    among them, which the norms and the column-parallel projections after them save)
-    and the norms' statistics. Tensors made inside an opaque module (a leaf) count as
-    split, but for a mixture-of-experts block's: only its experts' are."""
-    whole, _ = _stream(group, fixed_or_input)
+    `_selective_bytes`): tensors of the residual stream (`whole` of `_stream`; the
+    layer's inputs among them, which the norms and the column-parallel projections
+    after them save) and the norms' statistics. Tensors made inside an opaque module
+    (a leaf) count as split, but for a mixture-of-experts block's: only its experts'
+    are."""
     inside = {r.name for r in group.records}
     saved, kept = 0.0, input_bytes
     for r in group.records:
@@ -183,7 +182,7 @@ def _replicated_saved(group: _Group, fixed_or_input: set[str],
                 internal += size
             elif made.name not in inside or made.name in whole:
                 saved += size
-        split = _expert_split_bytes(r, modules)
+        split = _experts(r, modules)[1]
         if split:  # a mixture-of-experts block: all but its experts' own stay whole
             saved += max(0.0, internal - split)
         if r.op_class is OpClass.NORM:
@@ -193,32 +192,22 @@ def _replicated_saved(group: _Group, fixed_or_input: set[str],
     return saved, kept
 
 
-def _expert_rows_bytes(record: NodeRecord, modules: dict[str, nn.Module]) -> float:
-    """Bytes of the rows a mixture-of-experts block's experts run on, for its output
-    `record` (0 for any other record): every expert's capacity for the tokens."""
+def _experts(record: NodeRecord, modules: dict[str, nn.Module]) -> tuple[float, float]:
+    """For the output `record` of a mixture-of-experts block, bytes of the rows its
+    experts run on (every expert's capacity for the tokens) and of what its experts
+    save that tensor parallelism splits (the gate and up projections' outputs, the
+    activation's and the product fed to the down projection: a row each by the
+    experts' width); (0, 0) for any other record."""
     from planner.models.transformer import MoE
 
     moe = modules.get(record.module)
     if not isinstance(moe, MoE) or not record.shape:
-        return 0.0
-    tokens = math.prod(record.shape[:-1])
-    return record.out_bytes * moe.num_experts * moe.capacity(tokens) / tokens
-
-
-def _expert_split_bytes(record: NodeRecord, modules: dict[str, nn.Module]) -> float:
-    """Bytes a mixture-of-experts block's experts save that tensor parallelism splits,
-    for its output `record` (0 for any other record): the gate and up projections'
-    outputs, the activation's and the product fed to the down projection, each a row
-    per expert's capacity by the experts' width."""
-    from planner.models.transformer import MoE
-
-    moe = modules.get(record.module)
-    if not isinstance(moe, MoE) or not record.shape:
-        return 0.0
+        return 0.0, 0.0
     tokens = math.prod(record.shape[:-1])
     per_value = record.out_bytes / (tokens * record.shape[-1])
     rows = moe.num_experts * moe.capacity(tokens)
-    return 4 * rows * moe.experts.w_up.shape[-1] * per_value
+    return (rows * record.shape[-1] * per_value,
+            4 * rows * moe.experts.w_up.shape[-1] * per_value)
 
 
 def _tp_sharded(unit: nn.Module | None) -> bool:
@@ -331,10 +320,10 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
         saved = sum(saved_by_class.values())
         selective = min(saved, _selective_bytes(group, input_bytes * batch) / batch)
         sharded = _tp_sharded(capture.modules.get(group.unit))
-        tp_bytes = (_tp_comm_bytes(group, fixed_or_input, capture.modules) / batch
-                    if sharded else 0.0)
+        whole, adds = _stream(group, fixed_or_input)
+        tp_bytes = _tp_comm_bytes(group, adds, capture.modules) / batch if sharded else 0.0
         replicated, replicated_selective = _replicated_saved(
-            group, fixed_or_input, producers, capture.modules, input_bytes * batch)
+            group, whole, producers, capture.modules, input_bytes * batch)
         if sharded and not tp_bytes:  # column-parallel with a gathered output (MLP blocks)
             tp_bytes = crossing[i] / batch if i < len(groups) - 1 else 0.0
         layers.append(Layer(
