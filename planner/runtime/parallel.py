@@ -263,7 +263,7 @@ class _ShardedExperts(ParallelStyle):
 
 
 def _transformer_block(unit: nn.Module, tp: int, where: str) -> dict | None:
-    from planner.models.transformer import MLP, Attention, Block, MoE
+    from planner.models.transformer import MLP, Attention, Block
 
     if not isinstance(unit, Block) or not isinstance(unit.attn, Attention):
         return None
@@ -273,7 +273,7 @@ def _transformer_block(unit: nn.Module, tp: int, where: str) -> dict | None:
         raise PlannerError("unsupported-plan", f"{where}: tp {tp} must divide the attention "
                            f"heads ({cfg.heads}) and key/value heads ({kv}).",
                            ["solve with a smaller --tp"])
-    if isinstance(unit.mlp, MLP | MoE) and cfg.ffn_dim % tp:
+    if cfg.ffn_dim % tp:  # (the MLP's or every expert's width)
         raise PlannerError("unsupported-plan", f"{where}: tp {tp} must divide the MLP "
                            f"width {cfg.ffn_dim}.", ["solve with a smaller --tp"])
     plan: dict = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise",
