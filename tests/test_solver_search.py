@@ -5,6 +5,7 @@ import importlib
 import itertools
 import random
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -464,6 +465,39 @@ def test_least_largest_parts_are_those_of_every_cut(seed):
 
 
 @settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**9), st.sampled_from([
+    (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL), (Recompute.NONE, Recompute.FULL),
+    (Recompute.SELECTIVE, Recompute.FULL)]))
+def test_recompute_curve_is_below_every_choice_of_policies(seed, policies):
+    """`bound.RecomputeCurve`: no choice of a policy per layer frees y bytes in fewer
+    seconds than the curve gives for y, it frees no more than the leanest policies
+    do, and it is the cheapest choice where that frees as much (the hulls' ends);
+    without keeping everything allowed, freeing is free."""
+    from planner.solver.bound import RecomputeCurve
+
+    rng = random.Random(seed)
+    layers = rng.randint(1, 5)
+    table = random_table(seed, layers=layers, types=[("t0", [2])])
+    curve = RecomputeCurve(table, "t0", 1, 2, policies)
+    costs = table.costs("t0", 1, 2)
+    kept = table.activations(Recompute.NONE, 1) * 2
+    leanest = sum(kept - np.min([table.activations(p, 1) * 2 for p in policies], axis=0))
+    at_end = float("inf")  # the cheapest choice that frees as much as the leanest
+    for choice in itertools.product(policies, repeat=layers):
+        freed = sum(kept[i] - table.activations(p, 1)[i] * 2 for i, p in enumerate(choice))
+        seconds = sum(costs.recompute[p][i] for i, p in enumerate(choice))
+        if Recompute.NONE not in policies:
+            seconds = 0.0
+        assert float(curve(np.array(freed))) <= seconds * (1 + 1e-9) + 1e-12
+        if freed >= leanest * (1 - 1e-12):
+            at_end = min(at_end, seconds)
+    assert curve.bytes[-1] == pytest.approx(leanest, rel=1e-9)
+    assert float(curve(np.array(leanest))) == pytest.approx(at_end, rel=1e-9, abs=1e-12)
+    assert float(curve(np.array(leanest * 1.01 + 2))) == float("inf")
+    assert np.all(np.diff(curve.rates) >= 0)
+
+
+@settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10**9))
 def test_tails_in_memory_are_those_of_every_cut(seed):
     """`bound._tails_in_memory`: for every stage count c and layer boundary j, the least
@@ -502,9 +536,10 @@ def test_tails_in_memory_are_those_of_every_cut(seed):
                 assert got <= want
 
 
-def _sampled_families(rng, seed, *, layers, memory, max_stages, count):
+def _sampled_families(rng, seed, *, layers, memory, max_stages, count, zero3=False):
     """A random table of two types (1-4 devices each), a configuration with or without
-    interleaving, and a sample of its runnable families (from `bound.families`)."""
+    interleaving, and a sample of its runnable families (from `bound.families`); with
+    `zero3`, GPipe's schedule too and every ZeRO stage or ZeRO-3 alone."""
     from planner.solver.bound import families
     from planner.solver.evaluate import Config
     from planner.solver.interleave import fold
@@ -513,6 +548,9 @@ def _sampled_families(rng, seed, *, layers, memory, max_stages, count):
                          types=[("t0", [rng.randint(1, 4)]), ("t1", [rng.randint(1, 4)])],
                          link_speed=rng.choice([0.1, 1.0]), memory=memory)
     config, space = Config(1, interleave=rng.choice([1, 2])), Space(zeros=(0,))
+    if zero3:
+        config = rng.choice([config, Config(1, gpipe=True)])
+        space = Space(zeros=rng.choice([(0, 1, 2, 3), (0, 3), (3,)]))
     view = fold(table, config.interleave)
     options = [f for level in families(view, config, Limits(max_stages=max_stages), space, 8,
                                        [1]) for f in level if f.min_busy < float("inf")]
@@ -520,18 +558,20 @@ def _sampled_families(rng, seed, *, layers, memory, max_stages, count):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 10**9))
-def test_every_split_is_within_its_familys_first_bounds(seed):
+@given(st.integers(0, 10**9), st.booleans())
+@example(673, True)  # the least time shards part of the states (`memory`)
+def test_every_split_is_within_its_familys_first_bounds(seed, zero3):
     """A family's bounds from per-layer times alone (before `tighten`) hold for every
     split of its pipelines on the terms `tighten` prices them (no placement does
     better): no split has a shorter bottleneck or a smaller fill, homogeneous or mixed,
-    interleaved or not, with memory tight enough to need recompute."""
+    interleaved or not, with memory tight enough to need recompute, with ZeRO-3 (its
+    gathers) and GPipe (its stages holding all their micro-batches) too."""
     from planner.solver.bound import tight_result
 
     rng = random.Random(seed)
     table, config, space, view, sample = _sampled_families(
         rng, seed, layers=rng.choice([4, 6, 8]), memory=rng.choice([2, 8]) * GIB,
-        max_stages=4, count=6)
+        max_stages=4, count=6, zero3=zero3)
     for family in sample:
         result = tight_result(table, config, space, family, 8)
         if result is None:

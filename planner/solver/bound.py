@@ -33,7 +33,7 @@ from planner.types import LinkSpec
 from planner.types.training import Recompute
 
 
-@dataclass
+@dataclass(slots=True)
 class Family:
     """Pipelines of one stage pattern, before choosing how many.
 
@@ -134,35 +134,80 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     rooms = {t.name: t.memory - t.reserve for t in table.types}
     kept_acts = np.concatenate([[0.0], np.cumsum(table.activations(Recompute.NONE, tp))]
                                ) * config.mb
-    per_byte = {t.name: _recompute_per_byte(table, t.name, tp, config, space)
-                for t in table.types}
+    least_acts = np.concatenate([[0.0], np.cumsum(np.min(
+        [table.activations(p, tp) for p in space.policies], axis=0))]) * config.mb
+    curves = {t.name: recompute_curve(table, t.name, tp, config.mb, space.policies)
+              for t in table.types}
 
-    def recompute(kind: str, states: np.ndarray, acts: np.ndarray, stages: np.ndarray,
-                  flight: np.ndarray) -> np.ndarray:
-        """Recompute time a block must add at least where its parameter states and the
+    # weight bytes ZeRO-3 gathers (tied weights stay whole), and per type the seconds
+    # three gathers of a byte take at least per micro-batch (`cheapest_gather`)
+    sharded = np.concatenate([[0.0], np.cumsum(table.params)]) * table.weight_bytes
+    for owner, weights in table.tied_weights:
+        sharded[owner + 1:] -= weights * table.weight_bytes
+    gather_rate = {}
+    for info in table.types:
+        one, ref = cheapest_gather(table, info.name)
+        gather_rate[info.name] = 3 * (ref - one) / ZERO_GATHER_REF
+
+    def memory(kind: str, states: tuple[np.ndarray, np.ndarray], gathered: np.ndarray,
+               acts: tuple[np.ndarray, np.ndarray], stages: np.ndarray, flight: np.ndarray
+               ) -> np.ndarray:
+        """Time a block must add at least where its parameter states and the
         activations it keeps, at least `flight` micro-batches per stage, overflow its
-        memory: summed over its stages, the bytes over are what recompute must free."""
-        over = states + flight * acts - stages * rooms[kind]
-        with np.errstate(invalid="ignore"):  # 0 * inf where nothing can free any bytes
-            return np.where(over > 0, over / flight * per_byte[kind], 0.0)
+        memory: summed over its stages, the bytes over are what recompute must free
+        (`RecomputeCurve`), unless ZeRO-3 shards the states of some of its parameters,
+        for three gathers of their weights (`gathered` bytes for all) per micro-batch.
+        Any share x of the parameters may be sharded: the time is convex in x, least
+        where recomputing more would cost more per byte than sharding more, or where
+        the block first fits (or at 0 or 1).
+        states: the bytes of the states without ZeRO-3 and with it (`bytes_per_param`);
+        acts: the activations without recompute, and the fewest any allowed policy
+        keeps of each layer; infinite where even those overflow."""
+        plain, zero3 = states
+        room, curve = stages * rooms[kind], curves[kind]
+        gather = gathered * gather_rate[kind]
+        with np.errstate(invalid="ignore", divide="ignore"):  # (0 / 0, 0 * inf)
+            def at(x: np.ndarray | float) -> np.ndarray:
+                kept = plain - x * (plain - zero3)
+                over = np.maximum(kept + flight * acts[0] - room, 0.0)
+                return np.where(kept + flight * acts[1] > room + 1.0, INF,  # (rounding)
+                                x * gather + curve(over / flight))
+
+            if 3 not in space.zeros or not any(z < 3 for z in space.zeros):
+                return at(float(3 in space.zeros))
+            # sharding pays where it costs less than recomputing the same bytes: down to
+            # the bytes recompute frees for less (`worth`), and at least as far as fits
+            shrink = plain - zero3
+            freed = curve.worth(np.where(shrink > 0, gather * flight / shrink, INF))
+            fits, pays = (np.where(shrink > 0, (plain + flight * a - room) / shrink, 0.0)
+                          for a in (acts[1], acts[0] - freed))
+            return at(np.clip(np.maximum(fits, pays), 0.0, 1.0))
 
     @functools.cache
-    def state_bytes(n: int) -> float:
-        """Fewest bytes per parameter a device can keep, with ZeRO over n pipelines."""
+    def bytes_per_param(n: int) -> tuple[float, float]:
+        """Fewest bytes per parameter a device can keep, with ZeRO over n pipelines:
+        without ZeRO-3 (unless only it is allowed) and with any allowed stage."""
         shard = n if n > 1 else 1
-        return min(table.weight_bytes / (shard if z >= 3 else 1)
-                   + table.grad_bytes / (shard if z >= 2 else 1)
-                   + table.state_bytes / (shard if z >= 1 else 1) for z in space.zeros)
+
+        def kept(z: int) -> float:
+            return (table.weight_bytes / (shard if z >= 3 else 1)
+                    + table.grad_bytes / (shard if z >= 2 else 1)
+                    + table.state_bytes / (shard if z >= 1 else 1))
+
+        plain = min((kept(z) for z in space.zeros if z < 3), default=kept(3))
+        return plain, min(kept(z) for z in space.zeros)
 
     def tails(kind: str) -> tuple[np.ndarray, np.ndarray]:
         """[c - 1, j]: no stage of the last c stages of a pipeline holding layers
         [j, L) is busy for less, and they are not busy for less in all (the states as
-        ZeRO over the most pipelines the type holds keeps them)."""
+        ZeRO over the most pipelines the type holds keeps them); c up to the stages
+        the type's slots hold."""
+        most = max(1, min(longest, slots[kind]))
         if config.gpipe:
-            plain = _least_largest_parts(table, kind, tp, config.mb, longest, from_end=True)
+            plain = _least_largest_parts(table, kind, tp, config.mb, most, from_end=True)
             return plain, np.zeros_like(plain)
-        return _tails_in_memory(table, kind, tp, config, space, longest,
-                                state_bytes(slots[kind]))
+        return _tails_in_memory(table, kind, tp, config, space, most,
+                                bytes_per_param(slots[kind])[1])
 
     def runs(n: int) -> int:
         """Micro-batches a pipeline of n side by side runs at least (for in_flight)."""
@@ -176,7 +221,8 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         """The family's stage types and most pipelines, or None if the stage pins rule
         it out or its devices cannot hold the states however the layers are split."""
         n_max = min(most(k, c) for k, c in blocks)
-        if n_max < 1 or sum(c * rooms[k] for k, c in blocks) < held[-1] * state_bytes(n_max):
+        least = held[-1] * bytes_per_param(n_max)[1] if n_max >= 1 else INF
+        if sum(c * rooms[k] for k, c in blocks) < least:
             return None
         types = tuple(k for k, c in blocks for _ in range(c))
         return (types, n_max) if limits.allows(types) else None
@@ -187,23 +233,26 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         return (*what, tp, lengths, limits.first_stage, limits.last_stage, space.zeros)
 
     def homogeneous(kind: str) -> list[Family]:
+        """All families of one block of type `kind` at once (an entry per length)."""
         key = cached("homogeneous shapes", kind)
         if key not in table.cache:  # (the same at every micro-batch size)
-            table.cache[key] = [(s, found) for s in lengths
-                                if s <= slots[kind] and (found := fits([(kind, s)]))]
-        out = []
-        largest, least = tails(kind)
-        for s, found in table.cache[key]:
-            total = work[kind] + float(recompute(
-                kind, held[-1] * state_bytes(found[1]), kept_acts[-1], np.array(s),
-                np.array(in_flight(s - 1, s, runs(found[1]), config.schedule,
-                                   config.interleave))))
-            total = max(total, least[s - 1, 0])
-            period = max(total / s, largest_layer[kind, kind], heads[kind][s - 1, -1],
-                         largest[s - 1, 0])
-            out.append(Family(types=found[0], tp=tp, n_max=found[1], min_busy=period,
-                              total=fill(total, period)))
-        return out
+            found = [(s, found) for s in lengths
+                     if s <= slots[kind] and (found := fits([(kind, s)]))]
+            per = np.array([bytes_per_param(n) for _, (_, n) in found]).reshape(-1, 2)
+            table.cache[key] = found, np.array([s for s, _ in found]), held[-1] * per.T
+        found, counts, states = table.cache[key]
+        if not found:
+            return []
+        largest, least = (x[counts - 1, 0] for x in tails(kind))
+        flights = np.array([float(in_flight(s - 1, s, runs(n), config.schedule,
+                                            config.interleave)) for s, (_, n) in found])
+        total = np.maximum(work[kind] + memory(kind, tuple(states), sharded[-1], (
+            kept_acts[-1], least_acts[-1]), counts, flights), least)
+        period = np.maximum.reduce([total / counts, np.full(len(counts), largest_layer[
+            kind, kind]), heads[kind][counts - 1, -1], largest])
+        return [Family(types=types, tp=tp, n_max=n, min_busy=m, total=t)
+                for (_, (types, n)), t, m in zip(found, fill(total, period).tolist(),
+                                                 period.tolist(), strict=True)]
 
     def shapes(a: str, b: str) -> tuple:
         """The families of a block of type a then one of type b that fit, with their
@@ -218,12 +267,12 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
                     and (found := fits([(a, ca), (b, total - ca)]))]
             ca = np.array([float(ca) for _, ca, _ in kept])[:, None]
             cb = np.array([float(cb) for _, _, cb in kept])[:, None]
-            need = held[None, :] * np.array([state_bytes(found[1])
-                                             for found, _, _ in kept])[:, None]
+            per = np.array([bytes_per_param(found[1]) for found, _, _ in kept]).reshape(-1, 2)
+            need = held[None, :] * per[:, 1:]
             j = np.arange(table.num_layers + 1)[None, :]
             ok = ((j >= ca) & (j <= table.num_layers - cb) & (need <= ca * rooms[a])
                   & (need[:, -1:] - need <= cb * rooms[b]))
-            table.cache[key] = kept, ca, cb, need, ok
+            table.cache[key] = kept, ca, cb, (held[None, :] * per[:, :1], need), ok
         return table.cache[key]
 
     def flights(a: str, b: str, kept: list, ca: np.ndarray, cb: np.ndarray
@@ -251,10 +300,14 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         if not len(live):
             return []
         first, last = flights(a, b, kept, ca, cb)
-        ca, cb, need, ok, first, last = (x[live] for x in (ca, cb, need, ok, first, last))
-        head = prefix[a][None, :] + recompute(a, need, kept_acts[None, :], ca, first)
-        tail = (work[b] - prefix[b])[None, :] + recompute(
-            b, need[:, -1:] - need, kept_acts[-1] - kept_acts[None, :], cb, last)
+        ca, cb, ok, first, last = (x[live] for x in (ca, cb, ok, first, last))
+        need = tuple(x[live] for x in need)
+        head = prefix[a][None, :] + memory(
+            a, need, sharded[None, :], (kept_acts[None, :], least_acts[None, :]), ca, first)
+        tail = (work[b] - prefix[b])[None, :] + memory(
+            b, tuple(x[:, -1:] - x for x in need), sharded[-1] - sharded[None, :],
+            (kept_acts[-1] - kept_acts[None, :], least_acts[-1] - least_acts[None, :]),
+            cb, last)
         largest, least = (x[cb[:, 0].astype(int) - 1] for x in tails(b))
         tail = np.maximum(tail, least)
         total = np.where(ok, head + tail, INF).min(axis=1)
@@ -368,22 +421,58 @@ def _tails_in_memory(table: CostTable, kind: str, tp: int, config: Config, space
     return table.cache[key]
 
 
-def _recompute_per_byte(table: CostTable, kind: str, tp: int, config: Config, space: Space
-                        ) -> float:
-    """Fewest seconds of recompute per byte of activations it frees (per micro-batch
-    in flight), over every layer and allowed policy on this type; 0 if keeping all
-    activations is not allowed (then the policies' times are not extra)."""
-    if Recompute.NONE not in space.policies:
-        return 0.0
-    costs = table.costs(kind, tp, config.mb)
-    kept = table.activations(Recompute.NONE, tp) * config.mb
-    best = INF
-    for policy in space.policies:
-        freed = kept - table.activations(policy, tp) * config.mb
-        useful = freed > 0
-        if useful.any():
-            best = min(best, float((costs.recompute[policy][useful] / freed[useful]).min()))
-    return best
+def recompute_curve(table: CostTable, kind: str, tp: int, mb: int,
+                    policies: Sequence[Recompute]) -> RecomputeCurve:
+    """`RecomputeCurve` (cached)."""
+    key = ("recompute curve", kind, tp, mb, tuple(policies))
+    if key not in table.cache:
+        table.cache[key] = RecomputeCurve(table, kind, tp, mb, policies)
+    return table.cache[key]
+
+
+class RecomputeCurve:
+    """The fewest seconds of recompute that free y bytes of activations (per
+    micro-batch in flight) from any layers of a type: each layer's allowed policies
+    as steps along its lower convex hull (freed bytes, seconds), all layers' steps in
+    order of seconds per byte (a fractional choice, so no block of layers does
+    better); infinite past what all of them free. Free where keeping all activations
+    is not allowed (then the policies' times are not extra)."""
+
+    def __init__(self, table: CostTable, kind: str, tp: int, mb: int,
+                 policies: Sequence[Recompute]) -> None:
+        costs = table.costs(kind, tp, mb)
+        kept = table.activations(Recompute.NONE, tp) * mb
+        freed = np.array([kept - table.activations(p, tp) * mb for p in policies]).T
+        seconds = np.array([costs.recompute[p] if Recompute.NONE in policies
+                            else np.zeros_like(kept) for p in policies]).T
+        at = np.zeros((2, len(kept)))  # per layer, where its hull is: (bytes, seconds)
+        rates, sizes = [], []
+        for _ in policies:  # a hull step per round, each layer's cheapest rate onwards
+            ahead = freed > at[0][:, None]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                slope = np.where(ahead, (seconds - at[1][:, None]) / (freed - at[0][:, None]),
+                                 INF)
+            rate = slope.min(axis=1)
+            rows = np.flatnonzero(rate < INF)
+            if not len(rows):
+                break
+            far = np.where(ahead & (slope <= rate[:, None]), freed, -INF).argmax(axis=1)[rows]
+            rates.append(rate[rows])
+            sizes.append(freed[rows, far] - at[0][rows])
+            at[:, rows] = freed[rows, far], seconds[rows, far]
+        rate, size = (np.concatenate(x) if x else np.zeros(0) for x in (rates, sizes))
+        order = np.argsort(rate, kind="stable")
+        self.rates = rate[order]
+        self.bytes = np.concatenate([[0.0], np.cumsum(size[order])])
+        self.seconds = np.concatenate([[0.0], np.cumsum((rate * size)[order])])
+
+    def __call__(self, freed: np.ndarray) -> np.ndarray:
+        return np.where(freed > self.bytes[-1] + 1.0, INF,  # (a byte against rounding)
+                        np.interp(freed, self.bytes, self.seconds))
+
+    def worth(self, rate: np.ndarray) -> np.ndarray:
+        """The bytes worth freeing where another way costs `rate` seconds per byte."""
+        return self.bytes[np.searchsorted(self.rates, rate)]
 
 
 def _best_link(table: CostTable, a: str, b: str, across: bool = False) -> LinkSpec:
