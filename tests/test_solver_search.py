@@ -266,6 +266,37 @@ def test_time_limit_returns_a_feasible_plan_and_a_bound():
     assert result.status in ("feasible", "optimal")
 
 
+def test_configurations_past_the_deadline_wait_at_the_floor_until_taken():
+    """Past its deadline the search stops setting configurations up (their families are
+    much of a big search's set-up): the seeds' are set up first, the others wait in the
+    queue at `bounds.lower_bound`, which no plan beats, and are set up when the search
+    takes them; without a deadline none waits. A search with a time limit of 0 returns
+    its seed's plan with a bound that holds."""
+    from planner.solver.bounds import lower_bound
+    from planner.solver.search import _WAITING, _Search, configs
+
+    table = random_table(5, layers=5, types=[("a", [3, 3]), ("b", [3, 3]), ("c", [2])])
+    limits = Limits(max_stages=4)
+    exact = search(table, 6, limits=limits)
+    seed = exact.best[0]
+    every = [c for c in configs(table, 6, limits) if not c.gpipe]
+    run = _Search(table, 6, limits, Space(), 1, 0.0, False, [], itertools.count(),
+                  deadline=0.0, first=[seed.config])
+    assert list(run.state) == [seed.config]
+    waiting = [n for n in run.heap if n.level == _WAITING]
+    assert sorted(n.config.mb for n in waiting) == sorted(
+        c.mb for c in every if c != seed.config)
+    assert all(n.bound == lower_bound(table, 6) for n in waiting)
+    while any(n.level == _WAITING for n in run.heap):
+        run.step()
+    assert set(run.state) == set(every)
+    unlimited = _Search(table, 6, limits, Space(), 1, 0.0, False, [], itertools.count())
+    assert set(unlimited.state) == set(every)
+    cut = search(table, 6, limits=limits, time_limit=0.0, seeds=[(seed.config, seed.shapes)])
+    assert cut.best[0].step_time == seed.step_time
+    assert cut.bound <= seed.step_time * (1 + 1e-12)
+
+
 @pytest.mark.parametrize("cut", [{"gap": 0.05}, {"time_limit": 0.0}])
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))

@@ -61,6 +61,7 @@ from planner.solver.bound import (
     tight_result,
     tighten,
 )
+from planner.solver.bounds import lower_bound
 from planner.solver.evaluate import Config, Evaluation, Space, price, refine
 from planner.solver.interleave import choices, fold
 from planner.solver.limits import Limits
@@ -85,6 +86,7 @@ SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class
 
 
 _DIVE_TRIES = 16  # times a dive prices a child's families at each level before it picks one
+_WAITING = -1  # the level of a configuration's root before it is set up (`_Search.set_up`)
 
 
 @dataclass(frozen=True)
@@ -161,15 +163,18 @@ class _Search:
 
     def __init__(self, table: CostTable, batch: int, limits: Limits, space: Space,
                  top_k: int, gap: float, single: bool, best: list[Evaluation],
-                 counter: Iterator[int], deadline: float | None = None) -> None:
+                 counter: Iterator[int], deadline: float | None = None,
+                 first: Sequence[Config] = ()) -> None:
         """single: search only structures of one class, else bound every structure
         as if ZeRO-free (as those of several classes are; see `_parts`); best: the
         plans found so far, shared with the other part's search; counter: node
         numbers, shared too; deadline: the `time.perf_counter` value at which
-        pricing one structure stops with what it found (`evaluate.refine`)."""
+        pricing one structure stops with what it found (`evaluate.refine`), and past
+        which configurations are set up only when the search takes their root (its
+        bound till then `bounds.lower_bound`, which no plan beats) but for those of
+        `first` (the seeds'), set up first."""
         self.table, self.batch, self.limits, self.pricing = table, batch, limits, space
         self.space = space if single else dataclasses.replace(space, zeros=(0,))
-        space = self.space
         self.top_k, self.gap, self.single, self.deadline = top_k, gap, single, deadline
         self.heap: list[_Node] = []
         self.counter = counter
@@ -177,23 +182,34 @@ class _Search:
         self.best = best
         self.explored = self.pruned = 0
         self.given_up = float("inf")  # smallest bound pruned only because of `gap`
-        params = float(table.params.sum())
-        gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
-        devices = {t.name: sum(t.node_devices) for t in table.types}
-        for config in configs(table, batch, limits):
+        self.floor: float | None = None  # `lower_bound`, once a configuration waits
+        every = configs(table, batch, limits)
+        for config in [c for c in first if c in every] + [c for c in every if c not in first]:
             if config.gpipe and not single:
                 continue  # GPipe runs structures of one class (`evaluate.zero_space`)
-            tps = degrees(table, limits) if config.tp is None else [config.tp]
-            folded = self.view(config)
-            levels = families(folded, config, limits, space, batch // config.mb, tps)
-            bound = Bound(levels, batch // config.mb, devices, device_work(folded, config, tps),
-                          optimizer_bound(folded, params, space),
-                          SyncFloor(folded, config, space, sorted(devices), gathers, tps,
-                                    _least_degrees(levels)), single)
-            self.state[config] = (levels, bound, {f.key: f for lv in levels for f in lv})
-            root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
-            root.bound, root.base = bound([], range(len(levels)))
-            heapq.heappush(self.heap, root)
+            if config in first or deadline is None or time.perf_counter() < deadline:
+                heapq.heappush(self.heap, self.set_up(config))
+                continue
+            if self.floor is None:
+                self.floor = lower_bound(table, batch)
+            heapq.heappush(self.heap, _Node(self.floor, next(self.counter), config, 0.0,
+                                            _WAITING, (), ()))
+
+    def set_up(self, config: Config) -> _Node:
+        """The configuration's families and bound, and its root node."""
+        tps = degrees(self.table, self.limits) if config.tp is None else [config.tp]
+        folded, space, table = self.view(config), self.space, self.table
+        devices = {t.name: sum(t.node_devices) for t in table.types}
+        gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
+        levels = families(folded, config, self.limits, space, self.batch // config.mb, tps)
+        bound = Bound(levels, self.batch // config.mb, devices, device_work(folded, config, tps),
+                      optimizer_bound(folded, float(table.params.sum()), space),
+                      SyncFloor(folded, config, space, sorted(devices), gathers, tps,
+                                _least_degrees(levels)), self.single)
+        self.state[config] = (levels, bound, {f.key: f for lv in levels for f in lv})
+        root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
+        root.bound, root.base = bound([], range(len(levels)))
+        return root
 
     def view(self, config: Config) -> CostTable:
         """The table the configuration's structures are priced on (`interleave.fold`)."""
@@ -456,7 +472,9 @@ class _Search:
         if not self.best or (self.single and len(self.best[0].shapes) > 1):
             return
         model = self.best[0]
-        for config, (levels, bound, index) in self.state.items():
+        for config, (levels, bound, index) in list(self.state.items()):
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                return
             keys = [(s.types, s.tp if config.tp is None else config.tp) for s in model.shapes]
             if config == model.config or not all(k in index for k in keys):
                 continue
@@ -486,6 +504,10 @@ class _Search:
                 self.keep(rest.bound)
             self.heap.clear()
             return False
+        if node.level == _WAITING:
+            if self.keep((root := self.set_up(node.config)).bound):
+                heapq.heappush(self.heap, root)
+            return True
         if not self.settle(node):
             if self.keep(node.bound):
                 heapq.heappush(self.heap, node)
@@ -530,7 +552,8 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
     counter = itertools.count()
     limits = limits or Limits()
     deadline = None if time_limit is None else start + time_limit
-    runs = [_Search(table, batch, limits, space, top_k, gap, single, best, counter, deadline)
+    runs = [_Search(table, batch, limits, space, top_k, gap, single, best, counter, deadline,
+                    [config for config, _ in seeds])
             for single in _parts(space, limits)]
     status, taken = "optimal", float("inf")  # taken: the bound of a node mid-step
     try:
@@ -578,7 +601,8 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
             node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
                          tuple((s.types, s.tp) for s in shapes), tuple(s.n for s in shapes))
             run.given_up = min(run.given_up, run.price(node))
-    for part, root in [(p, root) for p in runs for root in sorted(p.heap)[:dives]]:
+    for part, root in [(p, root) for p in runs
+                       for root in sorted(n for n in p.heap if n.level != _WAITING)[:dives]]:
         if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
             break
         if len(table.types) > 1 and not part.single:
