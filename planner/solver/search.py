@@ -472,7 +472,7 @@ class _Search:
         if not self.best or (self.single and len(self.best[0].shapes) > 1):
             return
         model = self.best[0]
-        for config, (levels, bound, index) in list(self.state.items()):
+        for config, (levels, bound, index) in self.state.items():
             if self.deadline is not None and time.perf_counter() > self.deadline:
                 return
             keys = [(s.types, s.tp if config.tp is None else config.tp) for s in model.shapes]
