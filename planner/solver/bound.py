@@ -33,7 +33,7 @@ from planner.types import LinkSpec
 from planner.types.training import Recompute
 
 
-@dataclass(slots=True)
+@dataclass
 class Family:
     """Pipelines of one stage pattern, before choosing how many.
 
@@ -115,10 +115,12 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     (Layer times are not proportional across types, so the plain fluid bound
     1 / sum_k c_k / W_k is not one.) Where a block's states and kept activations
     (at least the fewest micro-batches any of its stages holds) overflow its
-    devices, the recompute that frees the bytes over, at the cheapest rate any layer
-    and policy frees them, is added to its time (GPipe's stages hold all their
-    micro-batches: at least their even share over the most pipelines). A family whose
-    devices cannot hold the states however the layers are split is dropped."""
+    devices, the least time that frees the bytes over is added to its time:
+    recompute at the layers' convex rates (`RecomputeCurve`), or ZeRO-3 sharding a
+    share of the states for its gathers (`memory`; GPipe's stages hold all their
+    micro-batches: at least their even share over the most pipelines); infinite where
+    even the leanest policies' activations overflow. A family whose devices cannot
+    hold the states however the layers are split is dropped."""
     busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, tp, config.mb))
             for t in table.types}
     work = {k: float(v.sum()) for k, v in busy.items()}
@@ -166,22 +168,28 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         plain, zero3 = states
         room, curve = stages * rooms[kind], curves[kind]
         gather = gathered * gather_rate[kind]
-        with np.errstate(invalid="ignore", divide="ignore"):  # (0 / 0, 0 * inf)
-            def at(x: np.ndarray | float) -> np.ndarray:
-                kept = plain - x * (plain - zero3)
-                over = np.maximum(kept + flight * acts[0] - room, 0.0)
-                return np.where(kept + flight * acts[1] > room + 1.0, INF,  # (rounding)
-                                x * gather + curve(over / flight))
 
-            if 3 not in space.zeros or not any(z < 3 for z in space.zeros):
-                return at(float(3 in space.zeros))
-            # sharding pays where it costs less than recomputing the same bytes: down to
-            # the bytes recompute frees for less (`worth`), and at least as far as fits
-            shrink = plain - zero3
+        def at(x: np.ndarray | float) -> np.ndarray:
+            kept = plain - x * (plain - zero3)
+            over = kept + flight * acts[0] - room
+            seconds = x * gather
+            if np.any(over > 0):
+                seconds = seconds + curve(np.maximum(over, 0.0) / flight)
+            return np.where(kept + flight * acts[1] > room + 1.0, INF,  # (a byte: rounding)
+                            seconds)
+
+        if 3 not in space.zeros or not any(z < 3 for z in space.zeros):
+            return at(float(3 in space.zeros))
+        if not np.any(plain + flight * acts[0] > room):
+            return at(0.0)  # (everything fits without ZeRO-3)
+        # sharding pays where it costs less than recomputing the same bytes: down to the
+        # bytes recompute frees for less (`worth`), and at least as far as fits
+        shrink = plain - zero3
+        with np.errstate(divide="ignore", invalid="ignore"):  # (where ZeRO-3 frees nothing)
             freed = curve.worth(np.where(shrink > 0, gather * flight / shrink, INF))
             fits, pays = (np.where(shrink > 0, (plain + flight * a - room) / shrink, 0.0)
                           for a in (acts[1], acts[0] - freed))
-            return at(np.clip(np.maximum(fits, pays), 0.0, 1.0))
+        return at(np.clip(np.maximum(fits, pays), 0.0, 1.0))
 
     @functools.cache
     def bytes_per_param(n: int) -> tuple[float, float]:
