@@ -141,11 +141,23 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     curves = {t.name: recompute_curve(table, t.name, tp, config.mb, space.policies)
               for t in table.types}
 
-    # weight bytes ZeRO-3 gathers (tied weights stay whole), and per type the seconds
-    # three gathers of a byte take at least per micro-batch (`cheapest_gather`)
-    sharded = np.concatenate([[0.0], np.cumsum(table.params)]) * table.weight_bytes
+    # ZeRO-3 gathers each layer's weights whole (less tied weights, kept whole), so no
+    # share of a block's states it shards gathers fewer weight bytes per parameter a
+    # rank holds than the block's fewest: those of [0, j) and of [j, L); and per type
+    # the seconds three gathers of a byte take at least per micro-batch
+    gatherable = table.params.copy()
     for owner, weights in table.tied_weights:
-        sharded[owner + 1:] -= weights * table.weight_bytes
+        gatherable[owner] -= weights
+    rank = table.rank_params(tp)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(rank > 0, np.maximum(gatherable, 0.0) / rank, INF) * table.weight_bytes
+    fewest = (np.concatenate([[INF], np.minimum.accumulate(ratio)]),
+              np.concatenate([np.minimum.accumulate(ratio[::-1])[::-1], [INF]]))
+
+    def gather_bytes(params: np.ndarray, per_param: np.ndarray) -> np.ndarray:
+        """The weight bytes ZeRO-3 gathers at least for states of `params` per rank."""
+        return np.where(params > 0, params * np.minimum(per_param, 1e300), 0.0)
+
     gather_rate = {}
     for info in table.types:
         one, ref = cheapest_gather(table, info.name)
@@ -158,7 +170,8 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         activations it keeps, at least `flight` micro-batches per stage, overflow its
         memory: summed over its stages, the bytes over are what recompute must free
         (`RecomputeCurve`), unless ZeRO-3 shards the states of some of its parameters,
-        for three gathers of their weights (`gathered` bytes for all) per micro-batch.
+        for three gathers of their weights (`gathered` bytes for all, `gather_bytes`)
+        per micro-batch.
         Any share x of the parameters may be sharded: the time is convex in x, least
         where recomputing more would cost more per byte than sharding more, or where
         the block first fits (or at 0 or 1).
@@ -254,7 +267,8 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         largest, least = (x[counts - 1, 0] for x in tails(kind))
         flights = np.array([float(in_flight(s - 1, s, runs(n), config.schedule,
                                             config.interleave)) for s, (_, n) in found])
-        total = np.maximum(work[kind] + memory(kind, tuple(states), sharded[-1], (
+        total = np.maximum(work[kind] + memory(kind, tuple(states), gather_bytes(
+            held[-1], fewest[0][-1]), (
             kept_acts[-1], least_acts[-1]), counts, flights), least)
         period = np.maximum.reduce([total / counts, np.full(len(counts), largest_layer[
             kind, kind]), heads[kind][counts - 1, -1], largest])
@@ -311,9 +325,11 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         ca, cb, ok, first, last = (x[live] for x in (ca, cb, ok, first, last))
         need = tuple(x[live] for x in need)
         head = prefix[a][None, :] + memory(
-            a, need, sharded[None, :], (kept_acts[None, :], least_acts[None, :]), ca, first)
+            a, need, gather_bytes(held, fewest[0])[None, :],
+            (kept_acts[None, :], least_acts[None, :]), ca, first)
         tail = (work[b] - prefix[b])[None, :] + memory(
-            b, tuple(x[:, -1:] - x for x in need), sharded[-1] - sharded[None, :],
+            b, tuple(x[:, -1:] - x for x in need),
+            gather_bytes(held[-1] - held, fewest[1])[None, :],
             (kept_acts[-1] - kept_acts[None, :], least_acts[-1] - least_acts[None, :]),
             cb, last)
         largest, least = (x[cb[:, 0].astype(int) - 1] for x in tails(b))
