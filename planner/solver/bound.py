@@ -267,9 +267,9 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         largest, least = (x[counts - 1, 0] for x in tails(kind))
         flights = np.array([float(in_flight(s - 1, s, runs(n), config.schedule,
                                             config.interleave)) for s, (_, n) in found])
-        total = np.maximum(work[kind] + memory(kind, tuple(states), gather_bytes(
-            held[-1], fewest[0][-1]), (
-            kept_acts[-1], least_acts[-1]), counts, flights), least)
+        extra = memory(kind, tuple(states), gather_bytes(held[-1], fewest[0][-1]),
+                       (kept_acts[-1], least_acts[-1]), counts, flights)
+        total = np.maximum(work[kind] + extra, least)
         period = np.maximum.reduce([total / counts, np.full(len(counts), largest_layer[
             kind, kind]), heads[kind][counts - 1, -1], largest])
         return [Family(types=types, tp=tp, n_max=n, min_busy=m, total=t)
