@@ -183,6 +183,8 @@ class _Search:
         self.explored = self.pruned = 0
         self.given_up = float("inf")  # smallest bound pruned only because of `gap`
         self.floor: float | None = None  # `lower_bound`, once a configuration waits
+        self.devices = {t.name: sum(t.node_devices) for t in table.types}
+        self.gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
         every = configs(table, batch, limits)
         for config in [c for c in first if c in every] + [c for c in every if c not in first]:
             if config.gpipe and not single:
@@ -199,12 +201,11 @@ class _Search:
         """The configuration's families and bound, and its root node."""
         tps = degrees(self.table, self.limits) if config.tp is None else [config.tp]
         folded, space, table = self.view(config), self.space, self.table
-        devices = {t.name: sum(t.node_devices) for t in table.types}
-        gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
+        devices = self.devices
         levels = families(folded, config, self.limits, space, self.batch // config.mb, tps)
         bound = Bound(levels, self.batch // config.mb, devices, device_work(folded, config, tps),
                       optimizer_bound(folded, float(table.params.sum()), space),
-                      SyncFloor(folded, config, space, sorted(devices), gathers, tps,
+                      SyncFloor(folded, config, space, sorted(devices), self.gathers, tps,
                                 _least_degrees(levels)), self.single)
         self.state[config] = (levels, bound, {f.key: f for lv in levels for f in lv})
         root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
