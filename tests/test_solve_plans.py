@@ -130,6 +130,36 @@ def test_ctrl_c_in_the_first_search_returns_the_plan_found_so_far(setup, monkeyp
     assert "before the search stopped" in fastest.description
 
 
+def test_a_solve_leaves_no_cycles_and_the_collector_as_it_found_it(setup):
+    """The solve keeps older objects out of the collector's passes while it runs
+    (`gc.freeze`), so whatever it leaves in cycles would only be freed by a full pass
+    after it: there must be none (its cost tables and caches, folded tables of
+    interleaved pipelines included, go when the last reference does)."""
+    import gc
+
+    from planner.solver.table import CostTable
+
+    graph, cluster, training, _ = setup
+    options = SolveOptions(limits=Limits(interleaves=(1, 2)))
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        solve(graph, cluster, training, options)
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, CostTable)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert not left
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's freeze is its own to undo
+    try:
+        solve(graph, cluster, training, options)
+        assert gc.get_freeze_count() > 0  # (unfrozen: 0; refcounts may free a few)
+    finally:
+        gc.unfreeze()
+
+
 def test_simulator_agrees_with_the_closed_form(setup):
     graph, cluster, _, plan = setup
     sim = replay(plan, graph.layers, AnalyticalCostModel(cluster))

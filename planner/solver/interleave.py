@@ -14,6 +14,7 @@ table with interleaved 1F1B's closed form (`timing.py`); `chunks` maps a split b
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -37,15 +38,20 @@ def fold(table: CostTable, v: int) -> CostTable:
         def add(values: np.ndarray) -> np.ndarray:
             return np.asarray(values, dtype=float).reshape(v, q).sum(axis=0)
 
+        # the table's cache holds the folded table: a reference back would be a cycle,
+        # which keeps both, and every array they cache, until a full garbage collection
+        parent, raw, acts = weakref.ref(table), table.layer_costs, table.activations
+
         def layer_costs(kind: str, tp: int, mb: int) -> LayerCosts:
-            c = table.costs(kind, tp, mb)
+            owner = parent()
+            c = raw(kind, tp, mb) if owner is None else owner.costs(kind, tp, mb)
             return LayerCosts(fwd=add(c.fwd), bwd=add(c.bwd), tp_fwd=add(c.tp_fwd),
                               tp_bwd=add(c.tp_bwd),
                               recompute={p: add(r) for p, r in c.recompute.items()})
 
         table.cache[key] = dataclasses.replace(
             table, num_layers=q, layer_costs=layer_costs, params=add(table.params),
-            activations=lambda policy, tp: add(table.activations(policy, tp)),
+            activations=lambda policy, tp: add(acts(policy, tp)),
             boundary=np.asarray(table.boundary, dtype=float).reshape(v, q).max(axis=0),
             layer_flops=add(table.layer_flops),
             tied=tuple((reader % q, owner % q, params) for reader, owner, params in table.tied),
