@@ -131,8 +131,8 @@ def test_ctrl_c_in_the_first_search_returns_the_plan_found_so_far(setup, monkeyp
 
 
 def test_a_solve_leaves_no_cycles_and_the_collector_as_it_found_it(setup):
-    """The solve keeps older objects out of the collector's passes while it runs
-    (`gc.freeze`), so whatever it leaves in cycles would only be freed by a full pass
+    """The solve runs with the collector's automatic passes paused
+    (`collector.paused`), so whatever it left in cycles would wait for a full pass
     after it: there must be none (its cost tables and caches, folded tables of
     interleaved pipelines included, go when the last reference does)."""
     import gc
@@ -151,13 +151,13 @@ def test_a_solve_leaves_no_cycles_and_the_collector_as_it_found_it(setup):
         gc.set_debug(0)
         gc.garbage.clear()
     assert not left
-    assert gc.get_freeze_count() == 0
-    gc.freeze()  # a caller's freeze is its own to undo
+    assert gc.isenabled()
+    gc.disable()  # a caller's pause is its own to end
     try:
         solve(graph, cluster, training, options)
-        assert gc.get_freeze_count() > 0  # (unfrozen: 0; refcounts may free a few)
+        assert not gc.isenabled()
     finally:
-        gc.unfreeze()
+        gc.enable()
 
 
 def test_simulator_agrees_with_the_closed_form(setup):

@@ -12,14 +12,13 @@ same job costs without heterogeneity-aware planning.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cost_models.model import AnalyticalCostModel, CostModel
+from planner.collector import paused
 from planner.errors import PlannerError, closest
 from planner.solver.baselines import baselines
 from planner.solver.bounds import lower_bound
@@ -330,24 +329,8 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     first: it is a baseline and a good first plan for the full search to beat.
     Ctrl-C stops the search with the best plans found so far (status "interrupted"):
     during the first search, the full one only prices what it found."""
-    with _older_objects_frozen():
+    with paused():  # (it makes no cyclic garbage)
         return _solve(model, cluster, training, options or SolveOptions(), costs, progress)
-
-
-@contextlib.contextmanager
-def _older_objects_frozen() -> Iterator[None]:
-    """Keep the objects that exist before the solve (the traced model, torch's own: some
-    400,000 for a 70B model) out of the garbage collector's passes while it runs. They
-    outlive it anyway, and one full pass over them took 0.3 s, most solves paying one:
-    a third of a 70B search. The solve makes no cyclic garbage of its own to miss."""
-    if gc.get_freeze_count():  # (frozen already, by an outer solve or the caller)
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,

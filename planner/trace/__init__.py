@@ -11,6 +11,7 @@ from __future__ import annotations
 import networkx as nx
 import torch
 
+from planner.collector import paused
 from planner.dtypes import canonical_dtype, torch_dtype
 from planner.errors import PlannerError
 from planner.models import LoadedModel, load_model
@@ -96,4 +97,5 @@ def trace_module(module: torch.nn.Module, inputs: tuple, *, targets: object = No
 def trace_model(spec: ModelSpec, *, batch: int = 1, seq_len: int | None = None,
                 dtype: str = "bf16") -> ModelGraph:
     """Build the model on meta and trace one training step's forward (and loss)."""
-    return trace_loaded(load_model(spec, seq_len=seq_len), batch=batch, dtype=dtype)
+    with paused():  # (it leaves a few thousand objects in cycles, at most)
+        return trace_loaded(load_model(spec, seq_len=seq_len), batch=batch, dtype=dtype)
