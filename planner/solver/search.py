@@ -333,6 +333,11 @@ class _Search:
                 self.fixed(node)[:-1],
                 [(self.crowded(node.config, family, k), k) for k in range(1, n + 1)],
                 range(node.level, len(levels)), False, (node.bound, node.base)), strict=True))
+            if self.is_leaf(node):  # each count's placement prices its first layer's sync
+                counted = tuple((self.sync_floor(dataclasses.replace(
+                    node, bound=float(b), base=float(base), counts=(*node.counts[:-1], k),
+                    fewer=frozenset())) if self.promising(b) else b, base)
+                    for k, (b, base) in enumerate(counted, 1))
         exact = dataclasses.replace(node, bound=float(counted[-1][0]),
                                     base=float(counted[-1][1]), fewer=frozenset(), counted=())
         rest = counted[:-1]
