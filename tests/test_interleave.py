@@ -23,6 +23,7 @@ from planner.solver.shares import grouped_shares
 from planner.solver.timing import in_flight
 from planner.trace import trace_model
 from planner.types import Schedule, TrainingSpec
+from planner.types.training import Recompute
 from tests.solver_tables import random_table
 
 
@@ -67,6 +68,24 @@ def test_a_folded_range_holds_what_its_chunks_hold():
     assert folded.boundary[1] == max(table.boundary[1], table.boundary[4])
     with pytest.raises(ValueError, match="equal rounds"):
         fold(random_table(4, layers=5, types=[("a", [2])]), 2)
+
+
+def test_a_folded_table_outlives_the_table_it_was_folded_from():
+    """The folded table refers back to its table weakly (its cache holds the folded
+    one: no cycle); once that table is gone it prices layers itself, alike."""
+    import gc
+
+    table = random_table(4, layers=6, types=[("a", [2])])
+    folded = fold(table, 2)
+    kept = folded.costs("a", 1, 1)
+    fresh = dataclasses.replace(folded, cache={})  # nothing cached, the same functions
+    del table
+    gc.collect()
+    alone = fresh.costs("a", 1, 1)
+    assert alone is not kept
+    for a, b in ((kept.fwd, alone.fwd), (kept.bwd, alone.bwd),
+                 (kept.recompute[Recompute.FULL], alone.recompute[Recompute.FULL])):
+        assert a == pytest.approx(b)
 
 
 @pytest.fixture(scope="module")

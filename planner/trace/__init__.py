@@ -57,6 +57,11 @@ def trace_loaded(loaded: LoadedModel, *, batch: int = 1, dtype: str = "bf16",
     instead of copying identical ones (same result, slower; for checking)."""
     if batch <= 0:
         raise PlannerError("bad-value", f"--batch must be positive (got {batch}).")
+    with paused():  # (it leaves a few thousand objects in cycles, at most)
+        return _trace(loaded, batch, dtype, reuse)
+
+
+def _trace(loaded: LoadedModel, batch: int, dtype: str, reuse: bool) -> ModelGraph:
     dtype = canonical_dtype(dtype)
     module = loaded.module.to(torch_dtype(dtype)).train()
     args, kwargs, targets = loaded.example(batch, "meta")
@@ -97,5 +102,5 @@ def trace_module(module: torch.nn.Module, inputs: tuple, *, targets: object = No
 def trace_model(spec: ModelSpec, *, batch: int = 1, seq_len: int | None = None,
                 dtype: str = "bf16") -> ModelGraph:
     """Build the model on meta and trace one training step's forward (and loss)."""
-    with paused():  # (it leaves a few thousand objects in cycles, at most)
+    with paused():  # (building the model too)
         return trace_loaded(load_model(spec, seq_len=seq_len), batch=batch, dtype=dtype)
