@@ -16,11 +16,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from cost_models.comm import Collective, CommGroup, group_links
+from cost_models.comm import Collective, CommGroup, group_links, shared_by
 from cost_models.model import AnalyticalCostModel, CostModel
 from planner.dtypes import dtype_bytes
 from planner.errors import PlannerError
-from planner.solver.predict import Holders, pipeline_times, stage_timings
+from planner.solver.predict import Holders, pipeline_times, plan_send_sharing, stage_timings
 from planner.solver.timing import in_flight
 from planner.timeline import Timeline, build_timeline, ranges, timeline_dict
 from planner.types import CostBreakdown, Layer, ModelGraph, Plan, Recompute, StagePlan
@@ -250,6 +250,7 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
     weight = float(dtype_bytes(plan.training.dtype))
     pp: dict[tuple[str, str], list[float]] = {}
     tp: dict[str, list[float]] = {}
+    flows = plan_send_sharing(plan)
     for pipe in plan.pipelines:
         mb, m, v = pipe.micro_batch, pipe.num_microbatches, max(1, pipe.interleave)
         for i, s in enumerate(pipe.stages):
@@ -260,7 +261,9 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
                 nbytes = layers[s.layers[1] - 1].output_bytes * mb
                 entry = pp.setdefault((node, nxt), [0.0, 0.0])
                 entry[0] += 2 * nbytes * m * v
-                entry[1] += 2 * costs.p2p_time(nbytes, node, nxt) * m * v
+                # the send's share of the cards it crosses, as `predict` prices it
+                shared = costs.p2p_time(nbytes * shared_by(flows, node, nxt), node, nxt)
+                entry[1] += 2 * shared * m * v
             if s.tp > 1:
                 group = CommGroup(((node, s.tp),))
                 per = sum(layer.tp_comm_bytes for layer in held) * mb
@@ -273,7 +276,9 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
                 entry[1] = max(entry[1], seconds)
     for (a, b), (nbytes, seconds) in pp.items():
         link = cluster.link_between(a, b)
-        rows.append(TrafficRow(kind="pp activations", where=f"{a} -> {b}", link=link.name,
+        ways = shared_by(flows, a, b)
+        rows.append(TrafficRow(kind="pp activations", where=f"{a} -> {b}" + (
+            f", {ways} sends per network card" if ways > 1 else ""), link=link.name,
                                bandwidth=link.bandwidth, bytes_per_step=nbytes,
                                seconds=seconds))
     for node, (nbytes, seconds) in tp.items():

@@ -687,6 +687,7 @@ def test_sends_between_nodes_share_the_nodes_network_cards(setup):
     sends its own copy of a stage's output, so two ranks crossing one card take twice
     as long per byte as one (and the search prices the same)."""
     from cost_models.comm import send_sharing, shared_by
+    from planner.explain import traffic
 
     assert send_sharing([("a", "b", 2), ("a", "a", 4), ("c", "b", 1)]) == {
         "a": 2, "b": 3, "c": 1}
@@ -701,6 +702,12 @@ def test_sends_between_nodes_share_the_nodes_network_cards(setup):
         assert plan.pipelines[0].stages[0].devices.node != plan.pipelines[0].stages[1].devices.node
         timing = stage_timings(plan, graph.layers, AnalyticalCostModel(cluster))[0][0]
         sends[tp] = timing.send - 10e-6
+        # `planner explain`'s traffic table prices the same sends
+        row, = (r for r in traffic(plan, graph.layers, AnalyticalCostModel(cluster))
+                if r.kind == "pp activations")
+        m = plan.pipelines[0].num_microbatches
+        assert row.seconds == pytest.approx(2 * m * timing.send, rel=1e-12)
+        assert ("2 sends per network card" in row.where) == (tp == 2)
     assert sends[2] == pytest.approx(2 * sends[1])
     plan = solve(graph, load_cluster("2x2xA100-80G@1Gbps/10us"), training,
                  SolveOptions(limits=Limits(tp=2, pp=2), gap=0.0, with_baselines=False))[0]

@@ -73,6 +73,12 @@ def _split_ties(layers: Sequence[Layer], groups: Holders
     return out
 
 
+def plan_send_sharing(plan: Plan) -> dict[str, int]:
+    """`send_sharing` of every stage boundary of the plan's pipelines."""
+    return send_sharing((a.devices.node, b.devices.node, a.tp) for p in plan.pipelines
+                        for a, b in itertools.pairwise(p.stages))
+
+
 def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
                   ) -> list[list[StageTiming]]:
     """Seconds per micro-batch of every stage of every pipeline."""
@@ -81,8 +87,7 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
     out = []
     compute: dict[tuple, tuple[float, float, float, float]] = {}  # stages repeat across replicas
     gathers: dict[tuple, float] = {}  # one ZeRO-3 group's gather
-    flows = send_sharing((a.devices.node, b.devices.node, a.tp) for p in plan.pipelines
-                         for a, b in itertools.pairwise(p.stages))
+    flows = plan_send_sharing(plan)
     for pipeline in plan.pipelines:
         mb, timings = pipeline.micro_batch, []
         for i, stage in enumerate(pipeline.stages):
