@@ -101,7 +101,7 @@ def _rates(device: DeviceSpec, dtype: str, eff: Efficiency) -> tuple[float, floa
 def _kernel_time(k: Kernel, *, mb: int, tp: int, backward: bool, device: DeviceSpec,
                  dtype: str, eff: Efficiency) -> float:
     matmul_rate, peak_equiv, bandwidth = _rates(device, dtype, eff)
-    share = tp if k.op_class in _SHARDED else 1
+    share = tp if k.op_class in _SHARDED and not k.whole else 1
     flops = (k.bwd_flops if backward else k.flops) * mb / share
     moved = (k.bytes * mb + k.bytes_fixed) / share
     if backward:

@@ -235,6 +235,33 @@ def test_tensor_parallelism_covers_the_layers_the_runtime_shards():
         check_tp_divides(resnet.layers, 2, (1, 2))
 
 
+def test_the_residual_streams_cheap_ops_run_whole_on_every_tp_rank():
+    """The runtime's tensor-parallel plans return replicated outputs (no sequence
+    parallelism), so every rank of a block's group adds the residual and runs the cheap
+    ops after it on the whole activations: those kernels (the two residual adds of a
+    GPT-2 block among them, none of its matmuls) take as long at tp 8 as alone, and
+    the block's time is the split kernels' eighth plus theirs."""
+    from cost_models.compute import DEFAULT_EFFICIENCY, _kernel_time, roofline_time
+    from tests.test_cost_formulas import GPU
+
+    gpt = trace_model(model_spec("gpt2-small", {"layers": 2}), seq_len=128)
+    block = gpt.layers[1]
+    whole = [k for k in block.kernels if k.whole]
+    adds = [k for k in whole if k.op_class is OpClass.ELEMENTWISE]
+    assert adds and sum(k.count for k in adds) >= 2
+    assert not any(k.op_class in (OpClass.MATMUL, OpClass.ATTENTION) for k in whole)
+
+    def seconds(kernels, tp):
+        return sum(_kernel_time(k, mb=4, tp=tp, backward=False, device=GPU, dtype="bf16",
+                                eff=DEFAULT_EFFICIENCY) for k in kernels)
+
+    assert seconds(whole, 8) == seconds(whole, 1) > 0
+    split = [k for k in block.kernels if not k.whole]
+    assert roofline_time(block, GPU, tp=8, micro_batch=4, dtype="bf16").fwd == \
+        pytest.approx(seconds(split, 8) + seconds(whole, 1))
+    assert seconds(split, 8) < seconds(split, 1)
+
+
 def test_mixture_of_experts_blocks_are_split_over_tp_ranks_with_their_experts():
     """The runtime splits a mixture-of-experts block's attention and every expert over
     its tensor-parallel group: the trace prices the attention's all-reduce and the

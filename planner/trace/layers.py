@@ -110,12 +110,15 @@ def _boundaries(groups: list[_Group]) -> tuple[list[float], float]:
     return crossing, first_inputs
 
 
-def _kernels(records: list[NodeRecord], batch: int) -> tuple[Kernel, ...]:
+def _kernels(records: list[NodeRecord], batch: int, whole: set[str]) -> tuple[Kernel, ...]:
+    """The records' costs aggregated by class and matmul shape, those of the cheap
+    records in `whole` (`_stream`: every tensor-parallel rank computes them) apart."""
     acc: dict[tuple, list[float]] = {}
     for r in records:
         for c in r.costs:
             gemm = (c.gemm[0] / batch, c.gemm[1], c.gemm[2]) if c.gemm else None
-            entry = acc.setdefault((c.op_class, gemm), [0, 0.0, 0.0, 0.0, 0.0])
+            replicated = r.name in whole and c.op_class not in _HEAVY
+            entry = acc.setdefault((c.op_class, gemm, replicated), [0, 0.0, 0.0, 0.0, 0.0])
             entry[0] += 1
             entry[1] += c.flops / batch
             entry[2] += c.bwd_flops / batch
@@ -123,8 +126,8 @@ def _kernels(records: list[NodeRecord], batch: int) -> tuple[Kernel, ...]:
             entry[4] += c.bytes_fixed
     return tuple(
         Kernel(op_class=cls, count=int(v[0]), flops=v[1], bwd_flops=v[2], bytes=v[3],
-               bytes_fixed=v[4], gemm=gemm)
-        for (cls, gemm), v in acc.items() if cls is not OpClass.RESHAPE or v[3])
+               bytes_fixed=v[4], gemm=gemm, whole=replicated)
+        for (cls, gemm, replicated), v in acc.items() if cls is not OpClass.RESHAPE or v[3])
 
 
 def _stream(group: _Group, fixed_or_input: set[str]
@@ -315,12 +318,12 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
         for n in sorted({n for r in group.records for n in r.params}):
             if owner[n] != i and n in capture.params:
                 borrowed[owner[n]] += capture.params[n][0]
-        kernels = _kernels(group.records, batch)
+        whole, adds = _stream(group, fixed_or_input)
+        kernels = _kernels(group.records, batch, whole)
         input_bytes = (crossing[i - 1] if i else first_inputs) / batch
         saved = sum(saved_by_class.values())
         selective = min(saved, _selective_bytes(group, input_bytes * batch) / batch)
         sharded = _tp_sharded(capture.modules.get(group.unit))
-        whole, adds = _stream(group, fixed_or_input)
         tp_bytes = _tp_comm_bytes(group, adds, capture.modules) / batch if sharded else 0.0
         replicated, replicated_selective = _replicated_saved(
             group, whole, producers, capture.modules, input_bytes * batch)

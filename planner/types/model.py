@@ -73,6 +73,9 @@ class Kernel:
     bytes_fixed:  bytes read once per micro-batch whatever its size (weights).
     gemm:         (m_per_sample, k, n) of one matmul-like op, so efficiency can
                   depend on problem size; None for other classes.
+    whole:        run whole on every rank of a tensor-parallel group: the cheap ops
+                  of the residual stream (residual adds, dropout), whose inputs and
+                  outputs every rank holds whole.
     """
 
     op_class: OpClass
@@ -82,6 +85,7 @@ class Kernel:
     bytes: float
     bytes_fixed: float
     gemm: tuple[int, int, int] | None = None
+    whole: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
