@@ -289,3 +289,13 @@ def test_mixture_of_experts_blocks_are_split_over_tp_ranks_with_their_experts():
     training = TrainingSpec(global_batch=8, seq_len=s)
     assert stage_memory([block], device=GPU, training=training, tp=2).weights == \
         stage_memory([block], device=GPU, training=training, tp=1).weights / 2
+    # every rank runs the router and the dispatch around the experts whole; the experts'
+    # projections, activation and product (rows x ffn each) are split
+    router, = (k for k in block.kernels if k.whole and k.op_class is OpClass.MATMUL)
+    assert router.gemm[2] == experts
+    inner = [k for k in block.kernels if not k.whole and k.op_class is OpClass.MATMUL
+             and k.gemm[0] == rows]
+    assert sorted(k.gemm[2] for k in inner) == [h, 128]  # down; gate and up (one kernel)
+    assert sum(k.bytes for k in block.kernels if not k.whole
+               and k.op_class is OpClass.ELEMENTWISE) >= 5 * rows * 128 * 2  # silu, mul
+    assert any(k.whole and k.op_class is OpClass.ELEMENTWISE for k in block.kernels)

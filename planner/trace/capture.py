@@ -219,6 +219,7 @@ class _Replay(TorchDispatchMode):
         self.fixed = fixed
         self.keep = keep
         self.current: NodeRecord | None = None
+        self.inside = {"moe": 0, "experts": 0}  # calls under way (`_expert_hooks`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -246,8 +247,30 @@ class _Replay(TorchDispatchMode):
             fixed_bytes = sum(nbytes(t) for t in fixed_inputs)
         record.costs.append(OpCost(
             op_class, flops, backward_flops(op_class, func, args, flops), data_bytes,
-            fixed_bytes, gemm_shape(func, args, out) if flops else None))
+            fixed_bytes, gemm_shape(func, args, out) if flops else None,
+            whole=self.inside["moe"] > 0 and not self.inside["experts"]))
         return out
+
+
+def _expert_hooks(root: nn.Module, mode: _Replay) -> list:
+    """Hooks that tell `mode` when a mixture-of-experts block, and its experts, run:
+    tensor parallelism splits the experts along their width, and every rank runs the
+    router and the dispatch around them whole (`planner.runtime.parallel`)."""
+    from planner.models.transformer import Experts, MoE
+
+    def count(kind: str, step: int) -> Callable:
+        def hook(*_: Any) -> None:
+            mode.inside[kind] += step
+        return hook
+
+    handles = []
+    for module in root.modules():
+        kind = "moe" if isinstance(module, MoE) else "experts" if isinstance(
+            module, Experts) else None
+        if kind:
+            handles += [module.register_forward_pre_hook(count(kind, 1)),
+                        module.register_forward_hook(count(kind, -1))]
+    return handles
 
 
 @dataclass
@@ -418,6 +441,7 @@ def replay(model: nn.Module, traced: Traced, args: tuple,
             if reuse else {})
     interp = _Interpreter(traced, mode, state, runs)
     flat_args = torch.utils._pytree.tree_leaves((args, kwargs))
+    hooks = _expert_hooks(root, mode)
     try:
         with mode:
             out = interp.run(*flat_args)
@@ -442,6 +466,9 @@ def replay(model: nn.Module, traced: Traced, args: tuple,
             f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
             ["check that every op in that module has a meta implementation (custom C++ "
              "or NumPy code does not)", "run again with --debug to see the traceback"]) from exc
+    finally:
+        for hook in hooks:
+            hook.remove()
     return Capture(records=interp.records, params=params, buffers=buffers,
                    modules=dict(model.named_modules()),
                    tracer=traced.tracer, batch=batch)

@@ -111,13 +111,14 @@ def _boundaries(groups: list[_Group]) -> tuple[list[float], float]:
 
 
 def _kernels(records: list[NodeRecord], batch: int, whole: set[str]) -> tuple[Kernel, ...]:
-    """The records' costs aggregated by class and matmul shape, those of the cheap
-    records in `whole` (`_stream`: every tensor-parallel rank computes them) apart."""
+    """The records' costs aggregated by class and matmul shape, those every tensor-
+    parallel rank computes whole apart: the cheap records in `whole` (`_stream`) and a
+    mixture-of-experts block's router and dispatch (`OpCost.whole`)."""
     acc: dict[tuple, list[float]] = {}
     for r in records:
         for c in r.costs:
             gemm = (c.gemm[0] / batch, c.gemm[1], c.gemm[2]) if c.gemm else None
-            replicated = r.name in whole and c.op_class not in _HEAVY
+            replicated = c.whole or (r.name in whole and c.op_class not in _HEAVY)
             entry = acc.setdefault((c.op_class, gemm, replicated), [0, 0.0, 0.0, 0.0, 0.0])
             entry[0] += 1
             entry[1] += c.flops / batch
@@ -128,6 +129,14 @@ def _kernels(records: list[NodeRecord], batch: int, whole: set[str]) -> tuple[Ke
         Kernel(op_class=cls, count=int(v[0]), flops=v[1], bwd_flops=v[2], bytes=v[3],
                bytes_fixed=v[4], gemm=gemm, whole=replicated)
         for (cls, gemm, replicated), v in acc.items() if cls is not OpClass.RESHAPE or v[3])
+
+
+def _moe_records(group: _Group, modules: dict[str, nn.Module]) -> set[str]:
+    """The group's mixture-of-experts blocks (each one record, whose ops say themselves
+    which run whole: `OpCost.whole`)."""
+    from planner.models.transformer import MoE
+
+    return {r.name for r in group.records if isinstance(modules.get(r.module), MoE)}
 
 
 def _stream(group: _Group, fixed_or_input: set[str]
@@ -319,7 +328,7 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             if owner[n] != i and n in capture.params:
                 borrowed[owner[n]] += capture.params[n][0]
         whole, adds = _stream(group, fixed_or_input)
-        kernels = _kernels(group.records, batch, whole)
+        kernels = _kernels(group.records, batch, whole - _moe_records(group, capture.modules))
         input_bytes = (crossing[i - 1] if i else first_inputs) / batch
         saved = sum(saved_by_class.values())
         selective = min(saved, _selective_bytes(group, input_bytes * batch) / batch)

@@ -49,6 +49,9 @@ class OpCost:
     bytes: float  # activation bytes read + written
     bytes_fixed: float  # parameter-derived bytes read
     gemm: tuple[int, int, int] | None  # (m, k, n) at the traced batch
+    # run whole on every tensor-parallel rank whatever splits its layer: a mixture-of-
+    # experts block's router and dispatch (tensor parallelism splits only its experts)
+    whole: bool = False
 
 
 def tensors(tree: object) -> list[torch.Tensor]:
