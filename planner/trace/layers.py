@@ -131,12 +131,12 @@ def _kernels(records: list[NodeRecord], batch: int, whole: set[str]) -> tuple[Ke
         for (cls, gemm, replicated), v in acc.items() if cls is not OpClass.RESHAPE or v[3])
 
 
-def _moe_records(group: _Group, modules: dict[str, nn.Module]) -> set[str]:
-    """The group's mixture-of-experts blocks (each one record, whose ops say themselves
-    which run whole: `OpCost.whole`)."""
-    from planner.models.transformer import MoE
-
-    return {r.name for r in group.records if isinstance(modules.get(r.module), MoE)}
+def _opaque(group: _Group, modules: dict[str, nn.Module]) -> set[str]:
+    """The group's records of modules marked `fx_leaf`: one record for a whole module,
+    whose ops say themselves which run whole (`OpCost.whole`: a mixture-of-experts
+    block's router and dispatch), not the stream they join."""
+    return {r.name for r in group.records
+            if getattr(modules.get(r.module), "fx_leaf", False)}
 
 
 def _stream(group: _Group, fixed_or_input: set[str]
@@ -328,7 +328,7 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             if owner[n] != i and n in capture.params:
                 borrowed[owner[n]] += capture.params[n][0]
         whole, adds = _stream(group, fixed_or_input)
-        kernels = _kernels(group.records, batch, whole - _moe_records(group, capture.modules))
+        kernels = _kernels(group.records, batch, whole - _opaque(group, capture.modules))
         input_bytes = (crossing[i - 1] if i else first_inputs) / batch
         saved = sum(saved_by_class.values())
         selective = min(saved, _selective_bytes(group, input_bytes * batch) / batch)
