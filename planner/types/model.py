@@ -75,7 +75,8 @@ class Kernel:
                   depend on problem size; None for other classes.
     whole:        run whole on every rank of a tensor-parallel group: the cheap ops
                   of the residual stream (residual adds, dropout), whose inputs and
-                  outputs every rank holds whole.
+                  outputs every rank holds whole, and a mixture-of-experts block's
+                  router and dispatch (only its experts are split).
     """
 
     op_class: OpClass
