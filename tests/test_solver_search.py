@@ -352,10 +352,10 @@ class _CtrlC:
 @pytest.mark.parametrize("at", [1, 2, 4])
 def test_ctrl_c_stops_with_the_best_plan_so_far_and_an_honest_bound(at):
     table = random_table(10, layers=6, types=[("a", [4, 4]), ("b", [4, 4]), ("c", [2])])
-    exact = search(table, 16, limits=Limits(max_stages=4))
+    exact = search(table, 24, limits=Limits(max_stages=4))
     assert exact.explored > 10 * at  # (so each press lands mid-search)
     press = _CtrlC(at)
-    stopped = search(table, 16, limits=Limits(max_stages=4), progress=press)
+    stopped = search(table, 24, limits=Limits(max_stages=4), progress=press)
     assert stopped.status == "interrupted" and press.calls == at
     assert stopped.explored < exact.explored
     optimum = exact.best[0].step_time
@@ -375,6 +375,44 @@ def test_ctrl_c_before_any_plan_stops_the_search():
         patch.setattr(importlib.import_module("planner.solver.search"), "_leaf", press)
         with pytest.raises(KeyboardInterrupt):
             search(table, 6, limits=Limits(max_stages=4))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_cross_class_sync_floors_hold_for_every_split(seed):
+    """With several classes, each class's largest stage is all-reduced with a stage of
+    every pipeline of the others (`evaluate.cross_class_floor`), and a split's own
+    stages are, whatever the other classes' splits (`_split_sync_floor`): no
+    combination of splits pays less sync than either floor."""
+    from planner.solver.evaluate import (
+        Config,
+        _split_sync_floor,
+        cross_class_floor,
+        sync_and_optimizer,
+    )
+
+    rng = random.Random(seed)
+    table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(1, 3)),
+                                                ("b", [rng.randint(1, 3)] * rng.randint(1, 3))],
+                         link_speed=rng.choice([0.1, 1.0]))
+    if rng.random() < 0.5:  # the last layer reads some of the first's weights
+        table = dataclasses.replace(table, tied=((3, 0, float(table.params[0]) / 2),),
+                                    cache={})
+    config, space, checked = Config(mb=1, tp=1), Space(zeros=(0,)), 0
+    for _, shapes in structures(table, 8, Limits(max_stages=3)):
+        if len(shapes) < 2 or (priced := price(table, config, space, shapes, 8)) is None:
+            continue
+        floor = cross_class_floor(table, shapes)
+        every = [[split for cuts in itertools.combinations(range(1, 4), shape.stages - 1)
+                  if (split := result.costs.split_at((0, *cuts, 4))) is not None]
+                 for shape, result in zip(shapes, priced.results, strict=True)]
+        for combo in itertools.product(*every):
+            sync, _ = sync_and_optimizer(table, config, shapes, priced.placement, combo)
+            assert priced.sync <= sync * (1 + 1e-9) and floor <= sync * (1 + 1e-9)
+            for c, split in enumerate(combo):
+                assert _split_sync_floor(table, priced, c, split) <= sync * (1 + 1e-9)
+            checked += 1
+    assert checked
 
 
 def test_zero3_shards_are_still_synchronised_across_classes():
@@ -831,12 +869,12 @@ def _check_subtree_bounds(table, batch, limits, single, values, rng):
         assert node.bound <= best * (1 + 1e-9)
         while not run.settle(node):
             pass
-        assert node.bound <= best * (1 + 1e-9)
+        assert max(node.bound, run.crossed(node)) <= best * (1 + 1e-9)
         exact = min((v for config, shapes, v in values if config == node.config
                      and _consistent(shapes, node, levels, False)), default=float("inf"))
         if (parts := run.split(node)) is not None:  # n alone, and a sibling of 1..n - 1
             node, sibling = parts
-            assert node.bound <= exact * (1 + 1e-9)
+            assert max(node.bound, run.crossed(node)) <= exact * (1 + 1e-9)
             stack.append(sibling)
         if run.is_leaf(node):  # what decides whether a leaf (its counts as they are) is priced
             assert run.sync_floor(node) <= exact * (1 + 1e-9)

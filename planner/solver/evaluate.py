@@ -25,7 +25,7 @@ import bisect
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -268,6 +268,11 @@ class Priced:
     upper: Evaluation
     lower: float  # no choice of splits makes this structure faster
     extra: float  # no choice of splits pays less for gradient sync and optimizer
+    sync: float  # ... for gradient sync alone
+    # per class, stage and partner class, the groups one of which a stage's all-reduce
+    # holds at least (`_stage_groups`); per stage range, the floor (`_split_sync_floor`)
+    groups: tuple = ()
+    floors: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config,
@@ -311,20 +316,24 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
         return None
     counts = shares([(shape.n, r.min_period, r.floor) for shape, r in zip(
         shapes, results, strict=True)], microbatches)
-    extra = _sync_and_optimizer_floor(table, config, space, shapes, placement)
+    sync, opt = _sync_and_optimizer_floor(table, config, space, shapes, placement)
     lower = max(r.lower(m) for r, m in zip(
         [r for shape, r in zip(shapes, results, strict=True) for _ in range(shape.n)],
-        counts, strict=True)) + extra
+        counts, strict=True)) + sync + opt
     return Priced(config=config, shapes=shapes, placement=placement, results=tuple(results),
-                  upper=upper, lower=lower, extra=extra)
+                  upper=upper, lower=lower, extra=sync + opt, sync=sync,
+                  groups=stage_groups(table, shapes, placement))
 
 
 def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
-                              shapes: Sequence[ClassShape], placement: Placement) -> float:
-    """What any splits of this structure pay at least for gradient sync and optimizer:
-    whichever stage holds the first (last) layer has at least its parameters, and the
-    largest stage of each class at least its mean (on one of its types, all-reduced
-    among at least the class's replicas of some stage, where ZeRO-3 is not allowed);
+                              shapes: tuple[ClassShape, ...], placement: Placement
+                              ) -> tuple[float, float]:
+    """What any splits of this structure pay at least for gradient sync and for the
+    optimizer: whichever stage holds the first (last) layer has at least its
+    parameters, and the largest stage of each class at least its mean (on one of its
+    types, all-reduced among at least the class's replicas of some stage, where ZeRO-3
+    is not allowed, and with several classes with those of the others too:
+    `cross_class_floor`);
     the first stages of all pipelines hold the first layer whatever the split, so they
     are its sync group."""
     sync = opt = 0.0
@@ -338,6 +347,7 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
             sync = max(sync, min(table.collective(
                 Collective.ALL_REDUCE, untied / shape.stages * table.grad_bytes,
                 CommGroup.of([p[s].node for p in slots])) for s in range(shape.stages)))
+    sync = max(sync, cross_class_floor(table, shapes, placement))
     for end, position in ((0, 0), (table.num_layers - 1, -1)):
         params = float(table.params[end])
         holders = [p[position].node for slots in placement for p in slots]
@@ -350,7 +360,108 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
                         shape.n if zero3 else 1), CommGroup.of(holders)))
             local = float(table.rank_params(shape.tp)[end]) / (shape.n if sharded else 1)
             opt = max(opt, table.optimizer_time(shape.types[position], local))
-    return sync + opt
+    return sync, opt
+
+
+def stage_groups(table: CostTable, shapes: tuple[ClassShape, ...], placement: Placement
+                 ) -> tuple[tuple[tuple[int, ...], tuple[tuple[tuple[CommGroup, ...], ...],
+                                                          ...]], ...]:
+    """Per class c: per stage, which of the class's node sets it sits on, and per set,
+    per other class d, the groups one of which its all-reduce holds. With several
+    classes (no ZeRO: `zero_space`), the all-reduce of c's stage s is among the holders
+    of its first layer: stage s of every pipeline of c and, for every other class d,
+    some stage s_d of each of d's pipelines (one split per class: the same s_d for all
+    of them), so its group holds stage s of c's pipelines with stage s_d of d's, for
+    some s_d. A collective costs at least what it costs among a subset of its members.
+    Empty for one class; cached per structure (its placement follows from it)."""
+    if len(shapes) < 2:
+        return ()
+    key = ("stage groups", shapes)
+    if key in table.cache:
+        return table.cache[key]
+    where, sets = [], []  # per class: per stage, its node set; the distinct sets' counts
+    for shape, slots in zip(shapes, placement, strict=True):
+        found: dict[tuple[str, ...], int] = {}
+        where.append(tuple(found.setdefault(tuple(p[s].node for p in slots), len(found))
+                           for s in range(shape.stages)))
+        sets.append([_counts(nodes) for nodes in found])
+    pairs: dict[tuple[int, int, int, int], CommGroup] = {}
+
+    def union(c: int, i: int, d: int, j: int) -> CommGroup:
+        if (c, i, d, j) not in pairs:
+            counts = dict(sets[c][i])
+            for node, n in sets[d][j].items():
+                counts[node] = counts.get(node, 0) + n
+            pairs[c, i, d, j] = pairs[d, j, c, i] = CommGroup(tuple(sorted(counts.items())))
+        return pairs[c, i, d, j]
+
+    table.cache[key] = out = tuple(
+        (where[c], tuple(tuple(tuple(union(c, i, d, j) for j in range(len(sets[d])))
+                               for d in range(len(shapes)) if d != c)
+                         for i in range(len(sets[c]))))
+        for c in range(len(shapes)))
+    return out
+
+
+def _counts(nodes: Sequence[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in nodes:
+        counts[node] = counts.get(node, 0) + 1
+    return counts
+
+
+def cross_class_floor(table: CostTable, shapes: tuple[ClassShape, ...],
+                      placement: Placement | None = None) -> float:
+    """The sync a structure of several classes pays at least whatever its splits: the
+    largest stage of each class holds at least 1/S of the untied parameters and is
+    all-reduced among one of its `stage_groups` per other class (0: one class, or one
+    that does not fit). Cached per structure."""
+    key = ("cross-class floor", shapes)
+    if key not in table.cache:
+        placement = placement or place(table, shapes)
+        groups = stage_groups(table, shapes, placement) if placement else ()
+        untied = float(table.params.sum()) - sum(w for _, w in table.tied_weights)
+        out = 0.0
+        for c, shape in enumerate(shapes[:len(groups)]):
+            least = INF  # (a node set's partners past `least` cannot lower it)
+            for partners in groups[c][1]:
+                least = min(least, _held(table, untied / shape.stages * table.grad_bytes,
+                                         partners, least))
+            out = max(out, least)
+        table.cache[key] = out
+    return table.cache[key]
+
+
+def _held(table: CostTable, volume: float, partners: tuple[tuple[CommGroup, ...], ...],
+          enough: float = INF) -> float:
+    """The least an all-reduce of `volume` bytes costs whose group holds one group of
+    each partner's (`stage_groups`), or some value from `enough` on if it is more."""
+    out = 0.0
+    for groups in partners:
+        out = max(out, min(table.collective(Collective.ALL_REDUCE, volume, g) for g in groups))
+        if out >= enough:
+            break
+    return out
+
+
+def _split_sync_floor(table: CostTable, priced: Priced, index: int, split: Split) -> float:
+    """What class `index`'s split pays at least for gradient sync beside the other
+    classes, whatever their splits (0 for a structure of one class): each stage's
+    parameters, less the tied weights it owns, all-reduced among one of its
+    `stage_groups` per partner class."""
+    if not priced.groups:
+        return 0.0
+    whole = _prefix(table)
+    where, options = priced.groups[index]
+    out = 0.0
+    for s, (a, b) in enumerate(itertools.pairwise(split.bounds)):
+        key = (index, where[s], a, b)
+        if key not in priced.floors:
+            owned = sum(w for owner, w in table.tied_weights if a <= owner < b)
+            volume = max(0.0, float(whole[b] - whole[a]) - owned) * table.grad_bytes
+            priced.floors[key] = _held(table, volume, options[where[s]])
+        out = max(out, priced.floors[key])
+    return out
 
 
 def refine(table: CostTable, priced: Priced, microbatches: int,
@@ -373,12 +484,16 @@ def refine(table: CostTable, priced: Priced, microbatches: int,
     try:
         for capped in (False, True) if sweeps else (False,):
             bar = best.step_time if best else beat
-            fronts = []
-            for c in range(len(priced.results)):
-                splits, least = _useful_steps(table, priced, c, microbatches, bar,
-                                              gap if capped else None, deadline)
-                fronts.append(splits)
+            fronts: list[list[Split]] = [[] for _ in priced.results]
+            # the classes whose splits are not swept first: none of theirs may beat the
+            # bar, no combination does, and the sweeps are not needed
+            for c in sorted(range(len(fronts)), key=lambda c: swept(
+                    priced.config, priced.shapes, c, microbatches)):
+                fronts[c], least = _useful_steps(table, priced, c, microbatches, bar,
+                                                 gap if capped else None, deadline)
                 skipped = min(skipped, least)
+                if not fronts[c]:
+                    break
             for combo in itertools.product(*fronts):
                 if (key := tuple(split.bounds for split in combo)) in tried:
                     continue
@@ -431,13 +546,30 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
         if not useful:
             break
         for split in useful:
-            found.setdefault(split.bounds, split)
+            if split.bounds not in found and _may_beat(table, priced, index, split,
+                                                       microbatches, bar):
+                found[split.bounds] = split
         if gap is None:
             break
         cap = max(float(params[a, b]) for split in useful
                   for a, b in itertools.pairwise(split.bounds))
         under = _capped(table, result, params, cap)
     return list(found.values()), skipped
+
+
+def _may_beat(table: CostTable, priced: Priced, index: int, split: Split, microbatches: int,
+              bar: float) -> bool:
+    """Whether a plan in which class `index` takes this split may beat `bar`: its
+    pipelines run on the split's period and fill, the other classes' at their bounds,
+    and its stages pay at least their own sync beside the other classes
+    (`_split_sync_floor`). A structure of one class: always."""
+    if not priced.groups:
+        return True
+    lines = [(shape.n, r.min_period, r.floor) for shape, r in zip(
+        priced.shapes, priced.results, strict=True)]
+    lines[index] = (lines[index][0], split.bottleneck, split.total)
+    sync = max(priced.sync, _split_sync_floor(table, priced, index, split))
+    return _fastest(lines, microbatches) + priced.extra - priced.sync + sync < bar
 
 
 def swept(config: Config, shapes: Sequence[ClassShape], index: int, microbatches: int

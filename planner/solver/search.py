@@ -21,7 +21,8 @@ global batch needs if the fixed classes ran at their lower bounds, in whole
 micro-batches, and the open levels' pipelines packed the devices left at the
 best per-device rates any of their families could reach (an LP dual: no assignment
 of slots does better), plus the gradient sync its fixed classes pay at least
-(`sync_floor`). Nodes are expanded in order of bound, so when the queue's
+(`sync_floor`, and where two are fixed, on the nodes placement gives them:
+`evaluate.cross_class_floor`). Nodes are expanded in order of bound, so when the queue's
 best bound reaches the k-th best plan found, no unexplored structure can beat it:
 the search is optimal. Before that, a greedy plan (one homogeneous class per
 type, fastest first), dives down the tree and the best structure so far tried in
@@ -62,7 +63,14 @@ from planner.solver.bound import (
     tighten,
 )
 from planner.solver.bounds import lower_bound
-from planner.solver.evaluate import Config, Evaluation, Space, price, refine
+from planner.solver.evaluate import (
+    Config,
+    Evaluation,
+    Space,
+    cross_class_floor,
+    price,
+    refine,
+)
 from planner.solver.interleave import choices, fold
 from planner.solver.limits import Limits
 from planner.solver.partition import INF, optimize, zero3_first
@@ -391,6 +399,18 @@ class _Search:
         if self.sync_floor(node) < self.threshold():
             self.given_up = min(self.given_up, self.price(node))
 
+    def crossed(self, node: _Node) -> float:
+        """The node's bound raised by the sync its fixed classes pay beside each other
+        (`evaluate.cross_class_floor`), whatever the open levels add (their stages only
+        join the groups) and whatever the splits: the classes' placement follows from
+        them alone (the mixed class first, each homogeneous one on its own type's nodes
+        left), a last class that stands for 1..n pipelines on its first one's."""
+        if self.single or len(node.chosen) < 2:
+            return node.bound
+        counts = (*node.counts[:-1], 1) if self.shrinks(node) else node.counts
+        shapes = _shapes(dataclasses.replace(node, counts=counts))
+        return max(node.bound, node.base + cross_class_floor(self.view(node.config), shapes))
+
     def sync_floor(self, node: _Node) -> float:
         """A bound on a (settled) leaf's whole step: the first stage of every pipeline
         holds the first layer, whose gradients are all-reduced over all of them unless
@@ -404,7 +424,8 @@ class _Search:
         holders = CommGroup.of([p[0].node for slots in placement for p in slots])
         grads = float(table.params[0]) * table.grad_bytes
         # sync is one term of the step: added to the base, the bound before sync floors
-        synced = node.base + table.collective(Collective.ALL_REDUCE, grads, holders)
+        synced = max(node.base + table.collective(Collective.ALL_REDUCE, grads, holders),
+                     self.crossed(node))
         if 3 not in self.space.zeros or len(shapes) > 1 or shapes[0].n == 1:
             return max(node.bound, synced)  # no ZeRO-3 (`evaluate.zero_space`)
         bound = self.state[config][1]
@@ -527,6 +548,11 @@ class _Search:
                     heapq.heappush(self.heap, exact)
                 return True
             node = exact
+        if (raised := self.crossed(node)) > node.bound * (1 + 1e-12):
+            node.bound = raised  # it may wait its turn again
+            if self.keep(node.bound):
+                heapq.heappush(self.heap, node)
+            return True
         self.explored += 1
         if self.is_leaf(node):
             self.leaf(node)
