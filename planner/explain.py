@@ -258,10 +258,12 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
             held = [layers[j] for j in s.held()]
             if i < len(pipe.stages) - 1:
                 nxt = pipe.stages[i + 1].devices.node
-                nbytes = layers[s.layers[1] - 1].output_bytes * mb
                 entry = pp.setdefault((node, nxt), [0.0, 0.0])
-                entry[0] += 2 * nbytes * m * v
-                # the send's share of the cards it crosses, as `predict` prices it
+                # each chunk's output goes on, forward and back (its gradient)
+                entry[0] += 2 * sum(layers[b - 1].output_bytes for _, b in s.chunks) * mb * m
+                # seconds as `predict` prices them: the largest chunk's output, its share
+                # of the cards it crosses, for each chunk
+                nbytes = max(layers[b - 1].output_bytes for _, b in s.chunks) * mb
                 shared = costs.p2p_time(nbytes * shared_by(flows, node, nxt), node, nxt)
                 entry[1] += 2 * shared * m * v
             if s.tp > 1:

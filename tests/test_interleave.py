@@ -184,3 +184,22 @@ def test_interleaving_holds_more_micro_batches_in_flight(interleaved):
     # (the states differ: ZeRO keeps the token table whole, the head reads it too)
     assert first.memory.activations == memory(2.5).activations
     assert memory(2.5).activations > memory(2.0).activations
+
+
+def test_explain_counts_each_chunks_own_sends(interleaved):
+    """An interleaved stage sends each chunk's output on (and its gradient back):
+    `planner explain`'s traffic table counts each chunk's bytes, not the span's last
+    layer's once per chunk."""
+    graph, cluster, plan = interleaved
+    layers = [dataclasses.replace(layer, output_bytes=1000.0 * (i + 1))
+              for i, layer in enumerate(graph.layers)]
+    expected: dict[str, float] = {}
+    for p in plan.pipelines:
+        for a, b in itertools.pairwise(p.stages):
+            assert len(a.chunks) == 2
+            where = f"{a.devices.node} -> {b.devices.node}"
+            expected[where] = expected.get(where, 0.0) + 2 * p.num_microbatches * (
+                p.micro_batch * sum(layers[end - 1].output_bytes for _, end in a.chunks))
+    rows = {r.where.split(",")[0]: r for r in traffic(plan, layers, AnalyticalCostModel(cluster))
+            if r.kind == "pp activations"}
+    assert {k: r.bytes_per_step for k, r in rows.items()} == pytest.approx(expected)
