@@ -299,3 +299,24 @@ def test_mixture_of_experts_blocks_are_split_over_tp_ranks_with_their_experts():
     assert sum(k.bytes for k in block.kernels if not k.whole
                and k.op_class is OpClass.ELEMENTWISE) >= 5 * rows * 128 * 2  # silu, mul
     assert any(k.whole and k.op_class is OpClass.ELEMENTWISE for k in block.kernels)
+
+
+def test_an_mlp_blocks_activation_runs_whole_after_its_gathered_matmul():
+    """The runtime's plan for an MLP block gathers its column-parallel linear's output
+    (`ColwiseParallel(output_layouts=Replicate())`), so every rank runs the GELU on the
+    whole output: its kernels take as long at tp 4 as alone, the matmul's a quarter,
+    and what the GELU saves stays whole."""
+    from cost_models.compute import DEFAULT_EFFICIENCY, _kernel_time
+    from tests.test_cost_formulas import GPU
+
+    block = trace_model(model_spec("mlp", {"layers": 2})).layers[1]
+    whole = [k for k in block.kernels if k.whole]
+    assert whole and not any(k.op_class is OpClass.MATMUL for k in whole)
+    assert any(k.op_class is OpClass.MATMUL and not k.whole for k in block.kernels)
+
+    def seconds(kernels, tp):
+        return sum(_kernel_time(k, mb=4, tp=tp, backward=False, device=GPU, dtype="bf16",
+                                eff=DEFAULT_EFFICIENCY) for k in kernels)
+
+    assert seconds(whole, 4) == seconds(whole, 1) > 0
+    assert block.replicated_bytes == pytest.approx(block.activation_bytes)

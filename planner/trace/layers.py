@@ -234,6 +234,15 @@ def _tp_sharded(unit: nn.Module | None) -> bool:
             or isinstance(unit, MLPBlock | Block))
 
 
+def _gathered(unit: nn.Module | None) -> bool:
+    """Whether the runtime gathers the output of this layer's column-parallel matmul
+    (an MLP block's), so every tensor-parallel rank runs the ops after it, and holds
+    what they save, whole."""
+    from planner.models.mlp import MLPBlock
+
+    return isinstance(unit, MLPBlock)
+
+
 def _selective_bytes(group: _Group, input_bytes: float) -> float:
     """Layer input plus outputs of heavy ops (and attention's log-sum-exp)."""
     kept = input_bytes
@@ -328,6 +337,8 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             if owner[n] != i and n in capture.params:
                 borrowed[owner[n]] += capture.params[n][0]
         whole, adds = _stream(group, fixed_or_input)
+        if _gathered(capture.modules.get(group.unit)):
+            whole = {r.name for r in group.records}
         kernels = _kernels(group.records, batch, whole - _opaque(group, capture.modules))
         input_bytes = (crossing[i - 1] if i else first_inputs) / batch
         saved = sum(saved_by_class.values())
