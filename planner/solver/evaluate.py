@@ -269,8 +269,8 @@ class Priced:
     lower: float  # no choice of splits makes this structure faster
     extra: float  # no choice of splits pays less for gradient sync and optimizer
     sync: float  # ... for gradient sync alone
-    # per class, stage and partner class, the groups one of which a stage's all-reduce
-    # holds at least (`_stage_groups`); per stage range, the floor (`_split_sync_floor`)
+    # with several classes, the groups each stage's all-reduce holds one of per other
+    # class (`stage_groups`); per stage and layer range, its floor (`_split_sync_floor`)
     groups: tuple = ()
     floors: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -384,7 +384,7 @@ def stage_groups(table: CostTable, shapes: tuple[ClassShape, ...], placement: Pl
         found: dict[tuple[str, ...], int] = {}
         where.append(tuple(found.setdefault(tuple(p[s].node for p in slots), len(found))
                            for s in range(shape.stages)))
-        sets.append([_counts(nodes) for nodes in found])
+        sets.append([dict(CommGroup.of(list(nodes)).members) for nodes in found])
     pairs: dict[tuple[int, int, int, int], CommGroup] = {}
 
     def union(c: int, i: int, d: int, j: int) -> CommGroup:
@@ -401,13 +401,6 @@ def stage_groups(table: CostTable, shapes: tuple[ClassShape, ...], placement: Pl
                          for i in range(len(sets[c]))))
         for c in range(len(shapes)))
     return out
-
-
-def _counts(nodes: Sequence[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for node in nodes:
-        counts[node] = counts.get(node, 0) + 1
-    return counts
 
 
 def cross_class_floor(table: CostTable, shapes: tuple[ClassShape, ...],
