@@ -42,9 +42,10 @@ def pipeline(rng: random.Random, spread: float, sends: float, alike: bool
              ) -> list[StageTiming]:
     count = rng.randint(2, 12)
     busy = [1.0 + rng.uniform(-spread, spread) for _ in range(count)]
-    send = [sends * (1.0 if alike else rng.random()) for _ in range(count - 1)]
-    return [StageTiming(fwd=b / 3, bwd=2 * b / 3, send=send[s] if s < count - 1 else 0.0)
-            for s, b in enumerate(busy)]
+    # the last stage's send: the interleaved wrap-around back to the first (the other
+    # schedules ignore it)
+    send = [sends * (1.0 if alike else rng.random()) for _ in range(count)]
+    return [StageTiming(fwd=b / 3, bwd=2 * b / 3, send=send[s]) for s, b in enumerate(busy)]
 
 
 def errors(schedule: Schedule, v: int, spread: float, sends: float, alike: bool
@@ -75,7 +76,8 @@ def main() -> None:
             f"Error: (closed form - simulated) / simulated step time of one pipeline, over "
             f"{DRAWS} random pipelines per row: 2-12 stages, S to 8S micro-batches (whole "
             "groups of S, as interleaving needs), each stage's backward twice its forward, "
-            "busy times within the spread around 1, sends (one way, each boundary) up to the "
+            "busy times within the spread around 1, sends (one way, each boundary, and "
+            "interleaved the wrap-around from the last stage back to the first) up to the "
             "fraction of a stage given, drawn per boundary unless every send is the same. "
             "Positive: the prediction is slower than the replayed schedule. The benchmark "
             "plans (`solve` section) are balanced by the search and agree within 0.1%.")

@@ -20,7 +20,13 @@ from cost_models.comm import Collective, CommGroup, group_links, shared_by
 from cost_models.model import AnalyticalCostModel, CostModel
 from planner.dtypes import dtype_bytes
 from planner.errors import PlannerError
-from planner.solver.predict import Holders, pipeline_times, plan_send_sharing, stage_timings
+from planner.solver.predict import (
+    Holders,
+    pipeline_sends,
+    pipeline_times,
+    plan_send_sharing,
+    stage_timings,
+)
 from planner.solver.timing import in_flight
 from planner.timeline import Timeline, build_timeline, ranges, timeline_dict
 from planner.types import CostBreakdown, Layer, ModelGraph, Plan, Recompute, StagePlan
@@ -252,20 +258,21 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
     tp: dict[str, list[float]] = {}
     flows = plan_send_sharing(plan)
     for pipe in plan.pipelines:
-        mb, m, v = pipe.micro_batch, pipe.num_microbatches, max(1, pipe.interleave)
-        for i, s in enumerate(pipe.stages):
+        mb, m = pipe.micro_batch, pipe.num_microbatches
+        for sender, receiver, outputs in pipeline_sends(pipe):
+            node, nxt = sender.devices.node, receiver.devices.node
+            entry = pp.setdefault((node, nxt), [0.0, 0.0])
+            # each chunk's output goes on (interleaved, the last stage's back to the
+            # first), forward and back (its gradient)
+            entry[0] += 2 * sum(layers[i].output_bytes for i in outputs) * mb * m
+            # seconds as `predict` prices them: the largest chunk's output, its share
+            # of the cards it crosses, for each chunk
+            nbytes = max(layers[i].output_bytes for i in outputs) * mb
+            shared = costs.p2p_time(nbytes * shared_by(flows, node, nxt), node, nxt)
+            entry[1] += 2 * shared * m * len(outputs)
+        for s in pipe.stages:
             node = s.devices.node
             held = [layers[j] for j in s.held()]
-            if i < len(pipe.stages) - 1:
-                nxt = pipe.stages[i + 1].devices.node
-                entry = pp.setdefault((node, nxt), [0.0, 0.0])
-                # each chunk's output goes on, forward and back (its gradient)
-                entry[0] += 2 * sum(layers[b - 1].output_bytes for _, b in s.chunks) * mb * m
-                # seconds as `predict` prices them: the largest chunk's output, its share
-                # of the cards it crosses, for each chunk
-                nbytes = max(layers[b - 1].output_bytes for _, b in s.chunks) * mb
-                shared = costs.p2p_time(nbytes * shared_by(flows, node, nxt), node, nxt)
-                entry[1] += 2 * shared * m * v
             if s.tp > 1:
                 group = CommGroup(((node, s.tp),))
                 per = sum(layer.tp_comm_bytes for layer in held) * mb

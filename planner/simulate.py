@@ -16,10 +16,8 @@ direction carries one transfer at a time, first come first served. Links are
 separate resources per (pipeline, boundary, direction): boundary b joins
 stage b and stage b+1; with the interleaved schedule boundary S-1 is the
 wrap-around link from the last device back to device 0 (next model chunk).
-Every transfer over boundary b takes `stages[b].send`, in both directions.
-The wrap-around link takes the last stage's `send` if it is positive, else the
-mean `send` of the other boundaries (what the closed form assumes for every
-hop).
+Every transfer over boundary b takes `stages[b].send`, in both directions:
+the wrap-around link takes the last stage's (which the other schedules ignore).
 
 Schedules (the per-device order of compute ops):
 
@@ -174,9 +172,7 @@ def _run_pipeline(p: int, stages: list[StageTiming], m: int, schedule: Schedule,
     """
     num = len(stages)
     last = num * v - 1  # last virtual stage
-    others = [st.send for st in stages[:-1]]
-    wrap = stages[-1].send if stages[-1].send > 0 else sum(others) / max(1, len(others))
-    cost = [st.send for st in stages[:-1]] + [wrap]
+    cost = [st.send for st in stages]
     orders = [_device_order(schedule, num, s, m, v) for s in range(num)]
     nxt = [0] * num  # index of each device's next op
     free = [0.0] * num  # when each device is free

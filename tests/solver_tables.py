@@ -153,10 +153,11 @@ def _structure(table: CostTable, config: Config, space: Space,
     if placement is None or pipelines > microbatches or space is None:
         return float("inf")
     options = []
-    flows = placement_sharing(placement)  # sends share the nodes' cards
+    interleaved = config.interleave > 1  # (the last stage sends back to the first)
+    flows = placement_sharing(placement, interleaved)  # sends share the nodes' cards
     for shape, slots in zip(shapes, placement, strict=True):
         costs = class_costs(table, shape.types, tp=shape.tp, mb=config.mb, n=shape.n,
-                            links=class_links(table, slots, flows),
+                            links=class_links(table, slots, flows, interleaved),
                             gathers=zero_gathers(table, slots), schedule=config.schedule,
                             policies=space.policies, zeros=space.zeros,
                             interleave=config.interleave,

@@ -187,19 +187,49 @@ def test_interleaving_holds_more_micro_batches_in_flight(interleaved):
 
 
 def test_explain_counts_each_chunks_own_sends(interleaved):
-    """An interleaved stage sends each chunk's output on (and its gradient back):
-    `planner explain`'s traffic table counts each chunk's bytes, not the span's last
-    layer's once per chunk."""
+    """An interleaved stage sends each chunk's output on (and its gradient back), the
+    last stage's first chunk back to the first stage (the wrap-around): `planner
+    explain`'s traffic table counts each chunk's bytes, not the span's last layer's
+    once per chunk."""
     graph, cluster, plan = interleaved
     layers = [dataclasses.replace(layer, output_bytes=1000.0 * (i + 1))
               for i, layer in enumerate(graph.layers)]
     expected: dict[str, float] = {}
     for p in plan.pipelines:
-        for a, b in itertools.pairwise(p.stages):
-            assert len(a.chunks) == 2
-            where = f"{a.devices.node} -> {b.devices.node}"
+        assert all(len(s.chunks) == 2 for s in p.stages)
+        # the model's chunks in order, each on its stage's node, hand on to the next
+        order = sorted((chunk, s.devices.node) for s in p.stages for chunk in s.chunks)
+        for ((_, end), a), (_, b) in itertools.pairwise(order):
+            where = f"{a} -> {b}"
             expected[where] = expected.get(where, 0.0) + 2 * p.num_microbatches * (
-                p.micro_batch * sum(layers[end - 1].output_bytes for _, end in a.chunks))
+                p.micro_batch * layers[end - 1].output_bytes)
+    assert len(expected) == 2  # both ways between the nodes
     rows = {r.where.split(",")[0]: r for r in traffic(plan, layers, AnalyticalCostModel(cluster))
             if r.kind == "pp activations"}
     assert {k: r.bytes_per_step for k, r in rows.items()} == pytest.approx(expected)
+
+
+def test_the_last_stage_sends_each_rounds_output_back_to_the_first(interleaved):
+    """Interleaved, the last stage hands each round's output but the final one's to the
+    first stage's next chunk: `stage_timings` prices that wrap-around as the last
+    stage's send, sharing the cards with the other sends, and the closed form pays it
+    v - 1 times each way in the fill."""
+    from cost_models.comm import shared_by
+    from planner.solver.predict import plan_send_sharing, stage_timings
+    from planner.solver.timing import pipeline_time
+
+    graph, cluster, plan = interleaved
+    costs = AnalyticalCostModel(cluster)
+    flows = plan_send_sharing(plan)
+    # two pipelines, each a send A100 -> V100 and one back, through each node's card
+    assert flows == {n.name: 4 for n in cluster.nodes}
+    for p, timings in zip(plan.pipelines, stage_timings(plan, graph.layers, costs), strict=True):
+        first, last = p.stages[0].devices.node, p.stages[-1].devices.node
+        (_, end), _ = p.stages[-1].chunks
+        nbytes = graph.layers[end - 1].output_bytes * p.micro_batch
+        wrap = costs.p2p_time(nbytes * shared_by(flows, last, first), last, first)
+        assert wrap > 0 and timings[-1].send == pytest.approx(wrap)
+        alone = pipeline_time([*timings[:-1], dataclasses.replace(timings[-1], send=0.0)],
+                              p.num_microbatches, schedule=p.schedule, interleave=2)
+        both = pipeline_time(timings, p.num_microbatches, schedule=p.schedule, interleave=2)
+        assert both.pp_comm - alone.pp_comm >= 2 * wrap * (1 - 1e-9)

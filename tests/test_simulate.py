@@ -17,18 +17,21 @@ GPIPE, ONE_F_ONE_B, INTERLEAVED = Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule
 
 def balanced(num_stages: int, f: float = 1.0, b: float = 2.0, send: float = 0.0
              ) -> list[StageTiming]:
-    return [StageTiming(fwd=f, bwd=b, send=send if s < num_stages - 1 else 0.0)
+    """Stages alike, every link's send alike (the last stage's: the interleaved
+    wrap-around, which the other schedules ignore)."""
+    return [StageTiming(fwd=f, bwd=b, send=send if num_stages > 1 else 0.0)
             for s in range(num_stages)]
 
 
 def random_stages(rng: random.Random, num_stages: int, spread: float, send_frac: float,
                   proportional: bool = False) -> list[StageTiming]:
-    """Stage times within ±spread of (1, 2), sends up to send_frac of the stage's time."""
+    """Stage times within ±spread of (1, 2), sends up to send_frac of the stage's time
+    (the last stage's: the interleaved wrap-around)."""
     stages = []
-    for s in range(num_stages):
+    for _ in range(num_stages):
         f = rng.uniform(1 - spread, 1 + spread)
         b = 2 * f if proportional else 2 * rng.uniform(1 - spread, 1 + spread)
-        send = rng.uniform(0, send_frac) * (f + b) if s < num_stages - 1 else 0.0
+        send = rng.uniform(0, send_frac) * (f + b) if num_stages > 1 else 0.0
         stages.append(StageTiming(fwd=f, bwd=b, send=send))
     return stages
 
@@ -89,7 +92,7 @@ def test_gpipe_send_slower_than_forward_paces_both_pipelines():
 
 def test_interleaved_balanced_is_megatron_bubble():
     # Megatron's interleaved 1F1B: bubble (S-1) * (f+b) / v, plus one hop per virtual stage
-    # each way in the fill (the wrap-around link takes the mean send when the last is 0)
+    # each way in the fill, the wrap-around's too
     for num_stages in (2, 3, 4, 8):
         for v in (2, 3, 4):
             for m in (num_stages, 2 * num_stages, 4 * num_stages):
@@ -192,7 +195,7 @@ def test_interleaved_closed_form_is_never_below_the_simulation():
             worst[proportional] = min(worst[proportional], rel_err(closed, sim.step_time))
     assert worst[True] > -1e-9
     assert -0.06 < worst[False] < -0.01
-    ring = [StageTiming(fwd=1 / 3, bwd=2 / 3, send=0.2 if s < 13 else 0.0) for s in range(14)]
+    ring = [StageTiming(fwd=1 / 3, bwd=2 / 3, send=0.2) for _ in range(14)]  # (wrap-around too)
     closed = pipeline_time(ring, 56, schedule=INTERLEAVED, interleave=4)
     assert closed.period == pytest.approx(2 / 3 + 4 * 0.2)
     assert 0 < rel_err(closed.total, simulate([ring], [56], schedule=INTERLEAVED,

@@ -514,23 +514,28 @@ def _best_link(table: CostTable, a: str, b: str, across: bool = False) -> LinkSp
     return table.cache[key]
 
 
-def _boundary_links(table: CostTable, types: tuple[str, ...], tp: int, crowd: int = 1
-                    ) -> list[LinkSpec]:
-    """The fastest link each stage boundary of a family could have. A boundary whose
-    stages `place` puts on different nodes (`structure.node_labels`) crosses them, so
-    its tp ranks' copies share the busier card with the pipeline's other sends through
-    it (`comm.send_sharing`; other pipelines' sends only add to them), and where the
-    types change with at least `crowd` sends (see `crowded`); the other boundaries
-    take the fastest link of their types."""
+def _boundary_links(table: CostTable, types: tuple[str, ...], tp: int, crowd: int = 1,
+                    interleaved: bool = False) -> list[LinkSpec]:
+    """The fastest link each send of a family's pipeline could have (`evaluate.hops`:
+    interleaved, the wrap-around too). A send whose stages `place` puts on different
+    nodes (`structure.node_labels`) crosses them, so its tp ranks' copies share the
+    busier card with the pipeline's other sends through it (`comm.send_sharing`;
+    other pipelines' sends only add to them), and where the types change with at
+    least `crowd` sends (see `crowded`); the other sends take the fastest link of
+    their types."""
     labels = node_labels(table, types, tp)
-    flows = send_sharing((x, y, tp) for x, y in itertools.pairwise(labels))
+    ends = list(itertools.pairwise(range(len(types))))
+    if interleaved and len(types) > 1:
+        ends.append((len(types) - 1, 0))
+    flows = send_sharing((labels[x], labels[y], tp) for x, y in ends)
     out = []
-    for s, (a, b) in enumerate(itertools.pairwise(types)):
-        if labels[s] == labels[s + 1]:
+    for x, y in ends:
+        a, b = types[x], types[y]
+        if labels[x] == labels[y]:
             out.append(_best_link(table, a, b))
             continue
         link = _best_link(table, a, b, across=True)
-        ways = max(shared_by(flows, labels[s], labels[s + 1]), crowd if a != b else 1)
+        ways = max(shared_by(flows, labels[x], labels[y]), crowd if a != b else 1)
         out.append(dataclasses.replace(link, bandwidth=link.bandwidth / ways))
     return out
 
@@ -558,7 +563,8 @@ def tight_result(table: CostTable, config: Config, space: Space, family: Family,
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
             table, family.types, tp=family.tp, mb=config.mb, n=family.n_max,
-            links=_boundary_links(table, family.types, family.tp, crowd),
+            links=_boundary_links(table, family.types, family.tp, crowd,
+                                  config.interleave > 1),
             gathers=[cheapest_gather(table, kind) for kind in family.types],
             schedule=config.schedule, policies=space.policies, zeros=space.zeros,
             interleave=config.interleave, microbatches=held))

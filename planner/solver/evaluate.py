@@ -95,22 +95,27 @@ class Evaluation:
         return max(max(times) for times in self.pipeline_times) + self.sync + self.optimizer
 
 
-def placement_sharing(placement: Placement) -> dict[str, int]:
-    """`send_sharing` of a whole structure: every boundary of every pipeline."""
+def hops(pipeline: Sequence[Slot], interleaved: bool) -> list[tuple[Slot, Slot]]:
+    """The (sender, receiver) of each send of a pipeline: each stage to the next, and
+    interleaved (S > 1) the last back to the first (the wrap-around)."""
+    out = list(itertools.pairwise(pipeline))
+    return [*out, (pipeline[-1], pipeline[0])] if interleaved and len(pipeline) > 1 else out
+
+
+def placement_sharing(placement: Placement, interleaved: bool = False) -> dict[str, int]:
+    """`send_sharing` of a whole structure: every send of every pipeline."""
     return send_sharing((a.node, b.node, a.tp) for slots in placement for p in slots
-                        for a, b in itertools.pairwise(p))
+                        for a, b in hops(p, interleaved))
 
 
 def class_links(table: CostTable, slots: Sequence[Sequence[Slot]],
-                flows: dict[str, int] | None = None) -> list[LinkSpec]:
-    """The slowest link at each stage boundary over a class's pipelines, its bandwidth
+                flows: dict[str, int] | None = None, interleaved: bool = False
+                ) -> list[LinkSpec]:
+    """The slowest link of each send (`hops`) over a class's pipelines, its bandwidth
     shared with the other sends its nodes' network cards carry (`flows`)."""
-    out = []
-    for s in range(len(slots[0]) - 1):
-        links = [_shared(table.link(p[s].node, p[s + 1].node),
-                         shared_by(flows or {}, p[s].node, p[s + 1].node)) for p in slots]
-        out.append(links[0].slowest(*links[1:]))
-    return out
+    every = [[_shared(table.link(a.node, b.node), shared_by(flows or {}, a.node, b.node))
+              for a, b in hops(p, interleaved)] for p in slots]
+    return [links[0].slowest(*links[1:]) for links in zip(*every, strict=True)]
 
 
 def _shared(link: LinkSpec, ways: int) -> LinkSpec:
@@ -135,7 +140,7 @@ def class_result(table: CostTable, shape: ClassShape, config: Config, space: Spa
     """The class's best split (cached by everything its prices depend on); GPipe's
     pipelines hold all their micro-batches, at most their even share of these."""
     table = fold(table, config.interleave)
-    links = tuple(class_links(table, slots, flows))
+    links = tuple(class_links(table, slots, flows, config.interleave > 1))
     gathers = tuple(zero_gathers(table, slots))
     most = -(-microbatches // shape.n) if config.gpipe else None
     key = ("class", shape, config, space, links, gathers, most)
@@ -304,7 +309,7 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
     if placement is None or space is None:
         return None
     results = []
-    flows = placement_sharing(placement)
+    flows = placement_sharing(placement, config.interleave > 1)
     for shape, slots in zip(shapes, placement, strict=True):
         result = class_result(table, shape, config, space, slots, microbatches, flows)
         if result is None:

@@ -7,8 +7,10 @@ uses the same cut points b_s in every round, so a split of the *folded* table (q
 layers, layer j standing for layers j, q + j, ..., (v - 1) q + j) is such a plan:
 its per-layer times, parameters and activations are sums over the rounds, a stage's
 range [b_s, b_s+1) of the folded table holds exactly what the device holds, and its
-send the largest of its v chunks' outputs. The rest of the solver prices the folded
-table with interleaved 1F1B's closed form (`timing.py`); `chunks` maps a split back.
+send the largest of its v chunks' outputs. The last stage's send is the wrap-around
+back to the first stage, of every round's output but the final round's (the folded
+table's last boundary). The rest of the solver prices the folded table with
+interleaved 1F1B's closed form (`timing.py`); `chunks` maps a split back.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def fold(table: CostTable, v: int) -> CostTable:
         # the table's cache holds the folded table: a reference back would be a cycle,
         # which keeps both, and every array they cache, until a full garbage collection
         parent, raw, acts = weakref.ref(table), table.layer_costs, table.activations
+        rounds = np.asarray(table.boundary, dtype=float).reshape(v, q)
+        boundary = rounds.max(axis=0)
+        boundary[-1] = rounds[:-1, -1].max()  # (the model's output goes nowhere)
 
         def layer_costs(kind: str, tp: int, mb: int) -> LayerCosts:
             owner = parent()
@@ -52,7 +57,7 @@ def fold(table: CostTable, v: int) -> CostTable:
         table.cache[key] = dataclasses.replace(
             table, num_layers=q, layer_costs=layer_costs, params=add(table.params),
             activations=lambda policy, tp: add(acts(policy, tp)),
-            boundary=np.asarray(table.boundary, dtype=float).reshape(v, q).max(axis=0),
+            boundary=boundary,
             layer_flops=add(table.layer_flops),
             tied=tuple((reader % q, owner % q, params) for reader, owner, params in table.tied),
             unsharded=None if table.unsharded is None else add(table.unsharded), interleave=v,

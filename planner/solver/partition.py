@@ -33,7 +33,8 @@ together; such pairs off these fronts are not searched.)
 
 With v chunks per device (interleaved 1F1B, on a folded table: `interleave.py`),
 h_s = max(t_s, b_s + v c_s) (b_s: the backward part of t_s) and
-w_s = t_s / v + 2 (S v - 1) c_s / (S - 1) (`ClassCosts.h_w`):
+w_s = t_s / v + 2 v c_s, the last stage's t_s / v + 2 (v - 1) c_s (its send is the
+wrap-around back to the first stage; `ClassCosts.h_w`):
 the period is exactly max_s h_s, with no round trips, and T(m) = (m - 1) P + sum_s w_s
 + (1 - 1/v) P, so the staircase holds every split that can be best.
 
@@ -105,7 +106,7 @@ class ClassCosts:
     send: list[np.ndarray]  # [s][b]: one-way send seconds after layer b - 1
     options: tuple[Option, ...]
     parts: dict  # per-stage sums for rebuilding StageTiming
-    links: tuple  # what each stage's send depends on (None for the last stage)
+    links: tuple  # what each stage's send depends on (the last's: None, or the wrap-around)
     interleave: int = 1  # model chunks per device (interleaved 1F1B; see `h_w`)
     gpipe: bool = False  # GPipe's schedule (see `h_w` and `gpipe_front`)
     _hw: dict = field(default_factory=dict, repr=False)  # shared between classes
@@ -115,22 +116,23 @@ class ClassCosts:
     def stages(self) -> int:
         return len(self.busy)
 
-    @property
-    def ways(self) -> float:
-        """How many times the fill pays each stage's send: both ways once (1F1B), or
-        2 (S v - 1) sends of the mean one (interleaved)."""
+    def ways(self, s: int) -> float:
+        """How many times the fill pays stage s's send: both ways once (1F1B), or
+        interleaved both ways v times, the last stage's wrap-around v - 1 times."""
         v = self.interleave
-        return 2.0 if v == 1 else 2 * (self.stages * v - 1) / max(1, self.stages - 1)
+        return 2.0 if v == 1 else 2.0 * (v if s < self.stages - 1 else v - 1)
 
     def h_w(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         """h = max(busy, send) and w = busy + 2 send, per layer range [a, b); with v
         chunks per device (v > 1), h = max(busy, bwd + v send) and w = busy / v
-        + 2 (S v - 1) send / (S - 1), interleaved 1F1B's period and fill (`timing.py`)
-        being (m - 1) max_s h_s + sum_s w_s + (1 - 1/v) max_s h_s; GPipe, h = max(busy,
-        2 send), which no split's period max(F, C) + max(B, C) is below."""
+        + 2 v send (the last stage's wrap-around: 2 (v - 1) send), interleaved 1F1B's
+        period and fill (`timing.py`) being (m - 1) max_s h_s + sum_s w_s + (1 - 1/v)
+        max_s h_s; GPipe, h = max(busy, 2 send), which no split's period max(F, C) +
+        max(B, C) is below."""
         if not self._stage_hw:
-            v, ways = self.interleave, self.ways
+            v = self.interleave
             for t in range(self.stages):
+                ways = self.ways(t)
                 key = (id(self.busy[t]), self.links[t], v, ways, self.gpipe)
                 if key not in self._hw:
                     send = self.send[t][None, :]
@@ -260,7 +262,7 @@ class ClassCosts:
                 send=send))
             options.append(option)
         v = self.interleave  # h and w as `h_w`
-        weights = sum(st.busy / v + self.ways * st.send for st in stages)
+        weights = sum(st.busy / v + self.ways(s) * st.send for s, st in enumerate(stages))
         if self.gpipe:  # a forward pipeline, then a backward one (timing.py)
             period = pipeline_time(stages, 1, schedule=Schedule.GPIPE).period
             return Split(bounds=tuple(bounds), options=tuple(options), stages=tuple(stages),
@@ -642,6 +644,10 @@ def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: 
     """Matrices of busy time, option choice and send time for every stage position
     (with `interleave` chunks per device, of a folded table: `interleave.py`).
 
+    links[s]: the link of stage s's send to s + 1; interleaved (S > 1), one more,
+    the last stage's wrap-around back to the first (the folded table's last boundary
+    is then the largest output of a round's last layer but the final round's).
+
     gathers[s]: seconds of a ZeRO-3 all-gather among the class's pipelines at stage s
     of 1 byte and of ZERO_GATHER_REF bytes (gathers are priced affinely between).
     microbatches: the most a pipeline runs, which GPipe holds all at once (needed
@@ -655,16 +661,18 @@ def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: 
             table, kind, tp=tp, mb=mb, n=n,
             flight=in_flight(s, len(types), microbatches or 10**9, schedule, interleave),
             gather=tuple(gathers[s]), policies=policies, zeros=zeros)
-        last = s == len(types) - 1
         busy_all.append(busy)
         option_all.append(choice)
-        send_all.append(np.zeros_like(boundary) if last else
+        send_all.append(np.zeros_like(boundary) if s >= len(links) else
                         links[s].latency + boundary / links[s].bandwidth)
         parts_all.append(parts)
+    if len(links) != len(types) - (1 if interleave == 1 or len(types) == 1 else 0):
+        raise ValueError(f"{len(types)} stages of {interleave} chunks need a link per send, "
+                         f"got {len(links)}")
     hw = table.cache.setdefault(("h_w", mb), {})
     return ClassCosts(busy=busy_all, option=option_all, send=send_all,
                       options=_options(n, policies, zeros), parts=parts_all,
-                      links=(*links, None), interleave=interleave,
+                      links=(*links, None)[:len(types)], interleave=interleave,
                       gpipe=schedule is Schedule.GPIPE, _hw=hw)
 
 

@@ -24,7 +24,15 @@ from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
 from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
-from planner.types import CostBreakdown, Layer, NodeSpec, Plan, StagePlan
+from planner.types import (
+    CostBreakdown,
+    Layer,
+    NodeSpec,
+    PipelinePlan,
+    Plan,
+    Schedule,
+    StagePlan,
+)
 from planner.types.model import params_per_rank, zero_kept
 
 if TYPE_CHECKING:
@@ -73,10 +81,23 @@ def _split_ties(layers: Sequence[Layer], groups: Holders
     return out
 
 
+def pipeline_sends(pipeline: PipelinePlan) -> list[tuple[StagePlan, StagePlan, list[int]]]:
+    """Each send of a micro-batch's activations: (sender, receiver, the layers whose
+    outputs it sends, one per chunk). A stage sends each chunk's output to the next
+    stage; interleaved, the last stage sends each round's output but the final one's
+    back to the first stage (the wrap-around, `timing.py`)."""
+    stages = pipeline.stages
+    out = [(a, b, [end - 1 for _, end in a.chunks]) for a, b in itertools.pairwise(stages)]
+    if pipeline.schedule is Schedule.INTERLEAVED and len(stages) > 1 and len(
+            stages[-1].chunks) > 1:
+        out.append((stages[-1], stages[0], [end - 1 for _, end in stages[-1].chunks[:-1]]))
+    return out
+
+
 def plan_send_sharing(plan: Plan) -> dict[str, int]:
-    """`send_sharing` of every stage boundary of the plan's pipelines."""
+    """`send_sharing` of every send of the plan's pipelines."""
     return send_sharing((a.devices.node, b.devices.node, a.tp) for p in plan.pipelines
-                        for a, b in itertools.pairwise(p.stages))
+                        for a, b, _ in pipeline_sends(p))
 
 
 def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
@@ -90,7 +111,8 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
     flows = plan_send_sharing(plan)
     for pipeline in plan.pipelines:
         mb, timings = pipeline.micro_batch, []
-        for i, stage in enumerate(pipeline.stages):
+        sends = {a.index: (b, outputs) for a, b, outputs in pipeline_sends(pipeline)}
+        for stage in pipeline.stages:
             node = cluster.node(stage.devices.node)
             # a stage's tensor-parallel group lies inside its node: nodes with the same
             # device and intra-node link price it alike
@@ -106,10 +128,11 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
                 fwd += gathers[zero]
                 bwd += 2 * gathers[zero]
             send = 0.0
-            if i < len(pipeline.stages) - 1:
+            if stage.index in sends:
                 # interleaved: each chunk's output goes on; the closed form takes the largest
-                sent = max(layers[b - 1].output_bytes for _, b in stage.chunks)
-                after = pipeline.stages[i + 1].devices.node
+                receiver, outputs = sends[stage.index]
+                sent = max(layers[i].output_bytes for i in outputs)
+                after = receiver.devices.node
                 send = costs.p2p_time(sent * mb * shared_by(flows, node.name, after),
                                       node.name, after)
             timings.append(StageTiming(fwd=fwd, bwd=bwd, tp_fwd=tp_fwd, tp_bwd=tp_fwd,

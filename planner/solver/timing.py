@@ -20,14 +20,19 @@ flight, so the steady-state period is bounded by the round trip over S:
                  T as 1F1B (all forwards run before all backwards: a forward
                  pipeline, then a backward one, each paced by its slowest compute or
                  send; no in-flight limit, so no round trips)
-    interleaved  v model chunks per device (Megatron):
+    interleaved  v model chunks per device (Megatron), c_S-1 the wrap-around send
+                 from the last device back to the first (a round's output on to the
+                 next round's first chunk; S > 1):
                  P = max_s max( f_s + b_s, b_s + v c_s )
-                 T = (m - 1) P + sum_s (f_s + b_s) / v + (1 - 1/v) P + 2 (S v - 1) mean_s c_s
-                 (each chunk's gradient crosses the link before the next backward of
-                 its sender: where a send is long against a chunk's compute, the
-                 period grows by about v per second of send, which b_s + v c_s bounds
-                 from above in the simulator; max_s v c_s, the link's load alone,
-                 came out up to a quarter too fast there: benchmarks/closed_form.py)
+                 T = (m - 1) P + sum_s (f_s + b_s) / v + (1 - 1/v) P
+                     + 2 (v sum_{s<S-1} c_s + (v - 1) c_S-1)
+                 (a micro-batch crosses each inner link v times and the wrap-around
+                 v - 1 times, each way; each chunk's gradient crosses the link before
+                 the next backward of its sender: where a send is long against a
+                 chunk's compute, the period grows by about v per second of send,
+                 which b_s + v c_s bounds from above in the simulator; max_s v c_s, the
+                 link's load alone, came out up to a quarter too fast there:
+                 benchmarks/closed_form.py)
 
 A training step: step = max over pipelines of T(m_p) + gradient sync + optimizer.
 These are exact for balanced stages without sends; tests measure the error
@@ -50,8 +55,9 @@ class StageTiming:
 
     fwd, bwd:  including tensor-parallel communication (tp_fwd, tp_bwd) and, in
                bwd, recomputation (recompute).
-    send:      one-way time of this stage's output to the next stage (0 for the
-               last stage); the gradient travels back the same way.
+    send:      one-way time of this stage's output to the next stage; the gradient
+               travels back the same way. The last stage's is the interleaved
+               schedule's wrap-around send to the first (the other schedules ignore it).
     """
 
     fwd: float
@@ -93,7 +99,7 @@ def pipeline_time(stages: Sequence[StageTiming], m: int, *,
         compute_period = busy[bottleneck]
     if v > 1:
         period = max(compute_period, *(stage_period(st, v) for st in stages))
-        comm_fill = 2 * (count * v - 1) * sum(sends) / max(1, len(sends))
+        comm_fill = 2 * (v * sum(sends) + (v - 1) * stages[-1].send) if count > 1 else 0.0
         fill = sum(busy) / v + (1 - 1 / v) * period + comm_fill
     else:
         comm_fill = 2 * sum(sends)
@@ -114,8 +120,8 @@ def pipeline_time(stages: Sequence[StageTiming], m: int, *,
 
 def stage_period(stage: StageTiming, interleave: int) -> float:
     """h_s, the period one stage allows on its own: max(busy, send) (1F1B, with the
-    round trips on top), or interleaved max(busy, bwd + v send) (see the module
-    docstring; the last stage sends nothing)."""
+    round trips on top; the last stage sends nothing), or interleaved max(busy, bwd +
+    v send) (see the module docstring; the last stage's send is the wrap-around)."""
     if interleave == 1:
         return max(stage.busy, stage.send)
     return max(stage.busy, stage.bwd + interleave * stage.send)
