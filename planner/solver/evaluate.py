@@ -272,12 +272,17 @@ class Priced:
     results: tuple[ClassResult, ...]
     upper: Evaluation
     lower: float  # no choice of splits makes this structure faster
-    extra: float  # no choice of splits pays less for gradient sync and optimizer
-    sync: float  # ... for gradient sync alone
+    sync: float  # no choice of splits pays less for gradient sync
+    optimizer: float  # ... for the optimizer step
     # with several classes, the groups each stage's all-reduce holds one of per other
     # class (`stage_groups`); per stage and layer range, its floor (`_split_sync_floor`)
     groups: tuple = ()
     floors: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def extra(self) -> float:
+        """No choice of splits pays less for gradient sync and optimizer."""
+        return self.sync + self.optimizer
 
 
 def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config,
@@ -326,7 +331,7 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
         [r for shape, r in zip(shapes, results, strict=True) for _ in range(shape.n)],
         counts, strict=True)) + sync + opt
     return Priced(config=config, shapes=shapes, placement=placement, results=tuple(results),
-                  upper=upper, lower=lower, extra=sync + opt, sync=sync,
+                  upper=upper, lower=lower, sync=sync, optimizer=opt,
                   groups=stage_groups(table, shapes, placement))
 
 
@@ -567,7 +572,7 @@ def _may_beat(table: CostTable, priced: Priced, index: int, split: Split, microb
         priced.shapes, priced.results, strict=True)]
     lines[index] = (lines[index][0], split.bottleneck, split.total)
     sync = max(priced.sync, _split_sync_floor(table, priced, index, split))
-    return _fastest(lines, microbatches) + priced.extra - priced.sync + sync < bar
+    return _fastest(lines, microbatches) + priced.optimizer + sync < bar
 
 
 def swept(config: Config, shapes: Sequence[ClassShape], index: int, microbatches: int
