@@ -52,16 +52,23 @@ class CostModel(Protocol):
                        training: TrainingSpec) -> float: ...
 
 
+COLLECTIVES_KEPT = 1 << 17  # memoised collectives (and groups' links) at most
+
+
 @dataclass(frozen=True)
 class AnalyticalCostModel:
     """Roofline compute, alpha-beta communication, memory by term (see the modules).
 
     Prices are memoised per instance (identical layers and replicas repeat a lot);
-    the inputs are immutable values, so the memo never goes stale."""
+    the inputs are immutable values, so the memo never goes stale. Collectives are
+    memoised apart, at most COLLECTIVES_KEPT of them at once (emptied when full): a
+    search prices all-reduces over ever new groups, and the groups in the keys would
+    otherwise stay alive as long as the model."""
 
     cluster: ClusterSpec
     efficiency: Efficiency = DEFAULT_EFFICIENCY
     memo: dict = field(default_factory=dict, compare=False, repr=False)
+    collectives: dict = field(default_factory=dict, compare=False, repr=False)
 
     def layer_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                    dtype: str) -> LayerTime:
@@ -85,13 +92,16 @@ class AnalyticalCostModel:
         return self.memo[key]
 
     def collective_time(self, kind: Collective, nbytes: float, group: CommGroup) -> float:
-        key = ("collective", kind, nbytes, group)
-        if key not in self.memo:
+        memo = self.collectives
+        key = (kind, nbytes, group)
+        if key not in memo:
+            if len(memo) + 2 > COLLECTIVES_KEPT:  # (room for the links and the price)
+                memo.clear()
             links = ("links", group)  # a group's links, whatever it moves
-            if links not in self.memo:
-                self.memo[links] = group_links(self.cluster, group)
-            self.memo[key] = collective_over(kind, nbytes, group, *self.memo[links])
-        return self.memo[key]
+            if links not in memo:
+                memo[links] = group_links(self.cluster, group)
+            memo[key] = collective_over(kind, nbytes, group, *memo[links])
+        return memo[key]
 
     def p2p_time(self, nbytes: float, src: str, dst: str) -> float:
         return p2p_time(nbytes, self.cluster.link_between(src, dst))

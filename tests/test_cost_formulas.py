@@ -326,3 +326,24 @@ def test_activations_scale_with_micro_batches_in_flight(llama7b):
 def test_optimizer_step_is_memory_bound():
     t = optimizer_time(1e9, GPU, dtype_bytes=2, optimizer=OptimizerSpec(), state_bytes=12)
     assert t == pytest.approx(1e9 * (2 + 4 + 24) / (2e12 * 0.8))
+
+
+def test_the_collective_memo_stays_within_its_size_and_prices_alike(monkeypatch):
+    """`AnalyticalCostModel` keeps at most COLLECTIVES_KEPT collectives (and groups'
+    links) memoised, emptying the memo when full: a search that prices ever new
+    groups does not hold them all, and every price equals the formula's."""
+    import cost_models.model as model
+    from cost_models.cluster import load_cluster
+
+    cluster = load_cluster("4x8xA100-80G,4x8xV100-32G@100Gbps")
+    monkeypatch.setattr(model, "COLLECTIVES_KEPT", 5)
+    costs = model.AnalyticalCostModel(cluster)
+    names = [node.name for node in cluster.nodes]
+    groups = [CommGroup(tuple((name, 1 + (i + j) % 4) for j, name in enumerate(names[:k])))
+              for i in range(4) for k in range(2, len(names) + 1)]
+    for _ in range(2):  # (the second time round, some are memoised and some not)
+        for group in groups:
+            expected = collective_time(Collective.ALL_REDUCE, 1e8, group, cluster)
+            assert costs.collective_time(Collective.ALL_REDUCE, 1e8, group) == expected
+            assert len(costs.collectives) <= 5
+    assert not costs.memo  # (layers, memory and the rest keep their own)

@@ -383,12 +383,10 @@ def stage_groups(table: CostTable, shapes: tuple[ClassShape, ...], placement: Pl
     some stage s_d of each of d's pipelines (one split per class: the same s_d for all
     of them), so its group holds stage s of c's pipelines with stage s_d of d's, for
     some s_d. A collective costs at least what it costs among a subset of its members.
-    Empty for one class; cached per structure (its placement follows from it)."""
+    Empty for one class. (Not cached: the groups of every structure searched would add
+    up to gigabytes on large clusters.)"""
     if len(shapes) < 2:
         return ()
-    key = ("stage groups", shapes)
-    if key in table.cache:
-        return table.cache[key]
     where, sets = [], []  # per class: per stage, its node set; the distinct sets' counts
     for shape, slots in zip(shapes, placement, strict=True):
         found: dict[tuple[str, ...], int] = {}
@@ -405,12 +403,10 @@ def stage_groups(table: CostTable, shapes: tuple[ClassShape, ...], placement: Pl
             pairs[c, i, d, j] = pairs[d, j, c, i] = CommGroup(tuple(sorted(counts.items())))
         return pairs[c, i, d, j]
 
-    table.cache[key] = out = tuple(
-        (where[c], tuple(tuple(tuple(union(c, i, d, j) for j in range(len(sets[d])))
-                               for d in range(len(shapes)) if d != c)
-                         for i in range(len(sets[c]))))
-        for c in range(len(shapes)))
-    return out
+    return tuple((where[c], tuple(tuple(tuple(union(c, i, d, j) for j in range(len(sets[d])))
+                                        for d in range(len(shapes)) if d != c)
+                                  for i in range(len(sets[c]))))
+                 for c in range(len(shapes)))
 
 
 def cross_class_floor(table: CostTable, shapes: tuple[ClassShape, ...],

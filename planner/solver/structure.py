@@ -60,13 +60,14 @@ def _free_devices(table: CostTable) -> dict[str, list[list]]:
 def place(table: CostTable, shapes: tuple[ClassShape, ...]) -> Placement | None:
     """Slots for every stage of every pipeline, or None if the structure does not fit."""
     free = _free_devices(table)
+    skip: dict[tuple, int] = {}  # see `_take`
     out = []
     for shape in shapes:
         pipelines = []
         for _ in range(shape.n):
             stages: list[Slot] = []
             for kind, count in shape.blocks():
-                taken = _take(free[kind], count, shape.tp)
+                taken = _take(free[kind], count, shape.tp, skip, kind)
                 if taken is None:
                     return None
                 stages.extend(taken)
@@ -75,19 +76,35 @@ def place(table: CostTable, shapes: tuple[ClassShape, ...]) -> Placement | None:
     return tuple(out)
 
 
-def _take(nodes: list[list], count: int, tp: int) -> list[Slot] | None:
-    for entry in nodes:  # first fit inside one node
-        node, start, total = entry
+def _take(nodes: list[list], count: int, tp: int, skip: dict[tuple, int], kind: str
+          ) -> list[Slot] | None:
+    """Slots for a block of `count` stages on these nodes (taken from them). Nodes only
+    fill up, so `skip` remembers, per block size, how many nodes at the front are
+    too full for it, and how many are no longer empty: placing many blocks stays
+    linear in the nodes."""
+    fits = (kind, count, tp)
+    for at in range(skip.get(fits, 0), len(nodes)):  # first fit inside one node
+        node, start, total = entry = nodes[at]
         if (total - start) // tp >= count:
             entry[1] = start + count * tp
+            skip[fits] = at
             return [Slot(node, start + i * tp, tp) for i in range(count)]
-    whole = [entry for entry in nodes if entry[1] == 0 and entry[2] >= tp]
-    if sum(entry[2] // tp for entry in whole) < count:
+    skip[fits] = len(nodes)
+    empty = (kind, "empty")
+    first = next((at for at in range(skip.get(empty, 0), len(nodes)) if nodes[at][1] == 0),
+                 len(nodes))
+    skip[empty] = first
+    whole, short = [], count
+    for entry in nodes[first:]:  # a longer block takes whole nodes
+        if short <= 0:
+            break
+        if entry[1] == 0 and entry[2] >= tp:
+            whole.append(entry)
+            short -= entry[2] // tp
+    if short > 0:
         return None
     out: list[Slot] = []
-    for entry in whole:  # a longer block takes whole nodes
-        if len(out) >= count:
-            break
+    for entry in whole:
         out.extend(Slot(entry[0], i * tp, tp) for i in range(entry[2] // tp))
         entry[1] = entry[2]
     return out[:count]
@@ -111,9 +128,9 @@ def capacity(table: CostTable, tp: int, kind: str, count: int) -> int:
     """How many blocks of `count` stages of type `kind` fit on an empty cluster."""
     key = ("capacity", tp, kind, count)
     if key not in table.cache:
-        free = _free_devices(table)[kind]
+        free, skip = _free_devices(table)[kind], {}
         n = 0
-        while _take(free, count, tp) is not None:
+        while _take(free, count, tp, skip, kind) is not None:
             n += 1
         table.cache[key] = n
     return table.cache[key]
