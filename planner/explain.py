@@ -123,7 +123,7 @@ class TrafficRow:
     where: str
     link: str
     bandwidth: float
-    bytes_per_step: float  # bytes a device (pp: a stage; dp: a node) sends per step
+    bytes_per_step: float  # bytes a device (pp: one pipeline's stages; dp: a node) sends
     seconds: float  # the cost model's time for that traffic, per step
 
 
@@ -254,14 +254,15 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
     rows: list[TrafficRow] = []
     grad = plan.training.optimizer.grad_bytes or float(dtype_bytes(plan.training.dtype))
     weight = float(dtype_bytes(plan.training.dtype))
-    pp: dict[tuple[str, str], list[float]] = {}
+    # per pair of nodes, per pipeline sending between them: its bytes and seconds
+    pp: dict[tuple[str, str], dict[int, list[float]]] = {}
     tp: dict[str, list[float]] = {}
     flows = plan_send_sharing(plan)
     for pipe in plan.pipelines:
         mb, m = pipe.micro_batch, pipe.num_microbatches
         for sender, receiver, outputs in pipeline_sends(pipe):
             node, nxt = sender.devices.node, receiver.devices.node
-            entry = pp.setdefault((node, nxt), [0.0, 0.0])
+            entry = pp.setdefault((node, nxt), {}).setdefault(pipe.index, [0.0, 0.0])
             # each chunk's output goes on (interleaved, the last stage's back to the
             # first), forward and back (its gradient)
             entry[0] += 2 * sum(layers[i].output_bytes for i in outputs) * mb * m
@@ -283,13 +284,17 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
                 entry = tp.setdefault(node, [0.0, 0.0])
                 entry[0] = max(entry[0], per * count * 2 * (s.tp - 1) / s.tp)
                 entry[1] = max(entry[1], seconds)
-    for (a, b), (nbytes, seconds) in pp.items():
+    for (a, b), pipes in pp.items():
         link = cluster.link_between(a, b)
         ways = shared_by(flows, a, b)
-        rows.append(TrafficRow(kind="pp activations", where=f"{a} -> {b}" + (
+        # the pipelines send side by side (sharing the cards): a row is one pipeline's,
+        # the most of any
+        where = f"{a} -> {b}" + (f", each of {len(pipes)} pipelines" if len(pipes) > 1 else "")
+        rows.append(TrafficRow(kind="pp activations", where=where + (
             f", {ways} sends per network card" if ways > 1 else ""), link=link.name,
-                               bandwidth=link.bandwidth, bytes_per_step=nbytes,
-                               seconds=seconds))
+                               bandwidth=link.bandwidth,
+                               bytes_per_step=max(e[0] for e in pipes.values()),
+                               seconds=max(e[1] for e in pipes.values())))
     for node, (nbytes, seconds) in tp.items():
         link = cluster.node(node).intra_link
         rows.append(TrafficRow(kind="tp all-reduce", where=f"inside {node}", link=link.name,
