@@ -957,3 +957,59 @@ def test_node_labels_tell_which_stages_placement_puts_together(seed):
                     assert pipeline[i].node != pipeline[j].node
                 elif uniform[shape.types[i]]:
                     assert pipeline[i].node == pipeline[j].node
+
+
+def _first_fit(table, shapes):
+    """Placement as `structure` documents it, scanning every node for every block: a
+    block that fits in one node's free devices takes the first such node, a longer
+    one the first whole free nodes it needs (None: the structure does not fit)."""
+    free = {t.name: [[n, 0, d] for n, d in zip(t.nodes, t.node_devices, strict=True)]
+            for t in table.types}
+    out = []
+    for shape in shapes:
+        pipelines = []
+        for _ in range(shape.n):
+            stages = []
+            for kind, count in shape.blocks():
+                nodes, tp = free[kind], shape.tp
+                room = next((e for e in nodes if (e[2] - e[1]) // tp >= count), None)
+                if room is not None:
+                    stages += [(room[0], room[1] + i * tp) for i in range(count)]
+                    room[1] += count * tp
+                    continue
+                whole = [e for e in nodes if e[1] == 0 and e[2] >= tp]
+                if sum(e[2] // tp for e in whole) < count:
+                    return None
+                taken = []
+                for e in whole:
+                    if len(taken) >= count:
+                        break
+                    taken += [(e[0], i * tp) for i in range(e[2] // tp)]
+                    e[1] = e[2]
+                stages += taken[:count]
+            pipelines.append(stages)
+        out.append(pipelines)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**9))
+def test_placement_is_first_fit_in_canonical_order(seed):
+    """`structure.place` (which skips the nodes too full for a block) puts every stage
+    where first fit over all nodes does, and fits exactly the same structures."""
+    from planner.solver.structure import ClassShape, place
+
+    rng = random.Random(seed)
+    types = [(k, [rng.choice([1, 2, 4, 8]) for _ in range(rng.randint(1, 12))])
+             for k in "ab"[:rng.randint(1, 2)]]
+    table = random_table(seed, layers=4, types=types)
+    shapes = tuple(ClassShape(tuple(sorted((rng.choice([k for k, _ in types])
+                                            for _ in range(rng.randint(1, 8))),
+                                           reverse=rng.random() < 0.5)),
+                              rng.randint(1, 6), rng.choice([1, 2, 4]))
+                   for _ in range(rng.randint(1, 3)))
+    placement = place(table, shapes)
+    expected = _first_fit(table, shapes)
+    assert (placement is None) == (expected is None)
+    if placement is not None:
+        assert [[[(s.node, s.first) for s in p] for p in c] for c in placement] == expected
