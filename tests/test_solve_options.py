@@ -2,13 +2,14 @@
 by the options at fault before any search, and what is asked for is what comes back."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
 from planner.solver import Limits, Space
-from planner.solver.diagnose import _constraints
+from planner.solver.diagnose import constraints
 
 CLUSTER = "1x4xA100-40G,1x4xV100-16G@100Gbps"  # gpt-tiny: 6 layers
 runner = CliRunner()
@@ -53,9 +54,9 @@ def test_interleaved_pipelines_that_share_the_batch_in_whole_rounds_are_solved()
 
 
 def test_diagnosis_names_a_fixed_chunk_count():
-    given = dict(_constraints(Limits(interleave=2), Space(), stages=8))
+    given = dict(constraints(Limits(interleave=2), Space(), stages=8))
     assert "--interleave 2" in given and "drop --interleave 2" in given["--interleave 2"]
-    assert not any(flag.startswith("--interleave") for flag, _ in _constraints(
+    assert not any(flag.startswith("--interleave") for flag, _ in constraints(
         Limits(interleave=1), Space(), stages=8))
 
 
@@ -120,6 +121,65 @@ def _baseline(args: list[str], name: str) -> dict:
 ])
 def test_fastest_type_baseline_says_what_ruled_it_out(args, reason):
     assert _baseline(args, "fastest-type")["reason"] == reason
+
+
+_RECIPE = re.compile(r"\(tp (\d+), pp (\d+), dp (\d+), micro-batch (\d+)(.*)\)$")
+
+
+@pytest.mark.parametrize("args, wanted, data_parallel", [
+    (["--tp", "2"], {"tp": 2}, "--tp 2"),
+    (["--pp", "2"], {"pp": 2}, "--pp 2"),
+    (["--dp", "2"], {"dp": 2}, "--dp 2"),
+    (["--max-dp", "2"], {"most dp": 2}, "--max-dp 2"),
+    (["--max-tp", "1", "--max-stages", "2"], {"tp": 1, "most pp": 2}, None),
+    (["--micro-batch", "2"], {"mb": 2}, None),
+    (["--recompute", "full"], {"savers": ", recompute full"}, None),
+    (["--schedule", "gpipe"], {"savers": ", schedule gpipe"}, "--schedule gpipe"),
+    (["--interleave", "2"], {"savers": ", interleave 2"}, "--interleave 2"),
+    (["--zero", "3"], {"savers": ", ZeRO 3"}, "--zero 3"),  # (mixed replicas shard none)
+])
+def test_baselines_follow_the_constraints_given(args, wanted, data_parallel):
+    """The uniform recipe takes the degrees, micro-batch size, schedule and memory
+    savers the constraints allow (its description says which, as `planner estimate`
+    takes them), and the data-parallel baseline is ruled out by a constraint that
+    forbids a replica on every device, which its reason names."""
+    result = runner.invoke(app, ["solve", "gpt-tiny", "-c", CLUSTER, "--json",
+                                 "--time-limit", "10", *args])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    plan_step = found["prediction"]["step_time"]
+    named = {b["name"]: b for b in found["baselines"]}
+    recipe = _RECIPE.search(named["uniform"]["description"])
+    tp, pp, dp, mb = (int(x) for x in recipe.groups()[:4])
+    got = {"tp": tp, "pp": pp, "dp": dp, "mb": mb, "savers": recipe[5]}
+    for key, value in wanted.items():
+        if key.startswith("most "):
+            assert got[key[5:]] <= value, (key, got)
+        else:
+            assert got[key] == value, (key, got)
+    dp_baseline = named["data-parallel"]
+    if data_parallel is None:
+        assert dp_baseline["prediction"] is not None
+    else:
+        assert dp_baseline["prediction"] is None
+        assert dp_baseline["reason"] == (f"the constraints given ({data_parallel}) rule out a "
+                                         "replica on every device")
+    for b in named.values():  # (each a plan the constraints allow, in the search space)
+        if b["prediction"] is not None:
+            assert b["prediction"]["step_time"] >= plan_step * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("args, given", [
+    # devices in file order put the A100s first: no recipe starts every pipeline on a V100
+    (["-c", CLUSTER, "--first-stage", "V100-16G"], "--first-stage V100-16G"),
+    # tp 2 x pp 4 in file order puts the pipeline on the A100 node and a V100 one
+    (["-c", "1x4xA100-40G,2x4xV100-16G@100Gbps", "--no-mixed", "--tp", "2", "--pp", "4"],
+     "--tp 2, --pp 4, --no-mixed"),
+])
+def test_uniform_baseline_says_when_the_constraints_rule_every_recipe_out(args, given):
+    got = _baseline(["gpt-tiny", *args], "uniform")
+    assert got["prediction"] is None
+    assert got["reason"] == f"the constraints given ({given}) rule out every uniform recipe"
 
 
 def test_data_parallel_baseline_says_the_batch_is_too_small():

@@ -374,5 +374,6 @@ def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
 
         plans[0] = dataclasses.replace(plans[0], baselines=baselines(
             layers=model.layers, model=model.spec, cluster=used, training=training,
-            costs=costs, fastest_alone=fastest_alone))
+            costs=costs, fastest_alone=fastest_alone, limits=options.limits,
+            space=options.space))
     return plans

@@ -64,7 +64,7 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
                f"micro-batches of 1 puts {count} layer(s) on one device of node {node.name} "
                f"({node.device.name}), needing {memory.total / GIB:.1f} GiB of its "
                f"{node.device.memory / GIB:.1f} GiB ({terms}; largest: {memory.largest()})")
-    given = _constraints(limits, space, stages)
+    given = constraints(limits, space, stages)
     # an even spread that overflows the devices with the most memory rules out every
     # plan; one that overflows smaller devices only may not, where constraints were given
     largest = node.device.memory >= max(n.device.memory for n in cluster.nodes)
@@ -97,7 +97,7 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
                       memory=bool(overflow))
 
 
-def _constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, str]]:
+def constraints(limits: Limits, space: Space, stages: int) -> list[tuple[str, str]]:
     """(flag as given, how to relax it) for every constraint that shrinks the search
     space; `stages`: how many the leanest pipeline needs."""
     out = []
