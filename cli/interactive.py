@@ -361,7 +361,7 @@ def interactive(
     if keep_going and not scripted:
         raise PlannerError("bad-option", "--keep-going applies to --replay FILE (or commands "
                            "on stdin); at a terminal a failed command never ends the session.")
-    if time_limit <= 0:
+    if not time_limit > 0:  # (NaN too)
         raise PlannerError("bad-option", f"--time-limit must be positive (got {time_limit}).")
     lines = read_transcript(replay if replay is not None else Path("-")) if scripted else []
     on_record, record_file = _recorder(record, force)

@@ -35,6 +35,9 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping
 def load_yaml(text: str, source: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)
+    except RecursionError:
+        raise PlannerError("bad-file", f"{source}: its YAML nests deeper than any cluster "
+                           "file does.", ["check the file's brackets"]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -46,7 +49,13 @@ def load_yaml(text: str, source: str) -> Any:
 def read_yaml(path: Path) -> Any:
     if not path.is_file():
         raise PlannerError("bad-file", f"File {str(path)!r} does not exist.", ["check the path"])
-    return load_yaml(path.read_text(), str(path))
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise PlannerError("bad-file", f"{str(path)!r} is not a text file: byte "
+                           f"{exc.start} is not UTF-8.",
+                           ["pass the cluster YAML file (plain UTF-8 text)"]) from None
+    return load_yaml(text, str(path))
 
 
 class Fields:

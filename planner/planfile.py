@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from enum import Enum
 from functools import lru_cache
@@ -84,6 +85,10 @@ def read_plan(path: Path) -> Plan:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PlannerError("bad-plan", f"{str(path)!r} is not a plan file: it is not JSON "
                            f"({exc}).", ["regenerate it with `planner solve`"]) from exc
+    except RecursionError:
+        raise PlannerError("bad-plan", f"{str(path)!r} is not a plan file: its JSON nests "
+                           "deeper than any plan does.",
+                           ["regenerate it with `planner solve`"]) from None
     if not isinstance(data, dict) or data.get("kind") != "plan":
         raise PlannerError("bad-plan", f"{str(path)!r} is not a plan file (no \"kind\": "
                            "\"plan\"); it may be a profile, trace or cluster file.",
@@ -117,6 +122,7 @@ def check_plan(plan: Plan, source: str) -> Plan:
 
     try:
         _check_fields(plan)
+        _check_numbers(plan)
         _check_model(plan)
         canonical_dtype(plan.training.dtype)
         rank_layout(plan)
@@ -126,6 +132,42 @@ def check_plan(plan: Plan, source: str) -> Plan:
 
 
 _REGENERATE = "regenerate the plan with `planner solve`"
+_POSITIVE = ("bandwidth", "memory", "memory_bandwidth")  # cluster fields above zero
+
+
+def _numbers(value: Any, path: str):
+    """(path, number) for every float inside a plan's dataclasses, mappings and tuples."""
+    if isinstance(value, float):
+        yield path, value
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _numbers(getattr(value, f.name), f"{path}.{f.name}".lstrip("."))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{path}.{key}")
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _numbers(item, f"{path}[{i}]")
+
+
+def _check_numbers(plan: Plan) -> None:
+    """An error naming the first number out of range: NaN anywhere; in the cluster, the
+    predictions and the stages' memory, a negative or infinite value; in the cluster, a
+    bandwidth, memory size or compute rate that is not positive (explain, compare and
+    launch divide by them)."""
+    for path, value in _numbers(plan, ""):
+        if math.isnan(value):
+            raise PlannerError("bad-plan", f"{path} is not a number (NaN).", [_REGENERATE])
+        priced = (path.startswith(("cluster.", "prediction.", "baselines"))
+                  or ".memory." in path)
+        if priced and (math.isinf(value) or value < -1e-9):
+            raise PlannerError("bad-plan", f"{path} must be a finite number of at least 0 "
+                               f"(got {value}).", [_REGENERATE])
+        last = path.rsplit(".", 1)[-1]
+        if path.startswith("cluster.") and value <= 0 and (
+                last in _POSITIVE or ".peak_flops." in path):
+            raise PlannerError("bad-plan", f"{path} must be positive (got {value}).",
+                               [_REGENERATE])
 
 
 def _check_fields(plan: Plan) -> None:

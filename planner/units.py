@@ -5,6 +5,7 @@ seconds, bytes/s, FLOP/s).
 
 from __future__ import annotations
 
+import math
 import re
 
 from planner.errors import PlannerError
@@ -28,6 +29,12 @@ def _bad(what: str, text: object, examples: str, field: str | None) -> PlannerEr
                         f"{examples}.")
 
 
+def _finite(value: float, text: object, what: str) -> None:
+    """An error for NaN or an infinite value (`.nan`, `.inf` or 1e400 in a file)."""
+    if not math.isfinite(value):
+        raise PlannerError("bad-value", f"{what} must be a finite number (got {text}).")
+
+
 def _scale(prefix: str) -> float:
     return _BINARY.get(prefix) or _PREFIX[prefix]
 
@@ -41,6 +48,7 @@ def parse_bytes(text: str | float | int, field: str | None = None) -> float:
         if not m:
             raise _bad("a size", text, "'80GiB', '40 GB' or '512MiB'", field)
         value = float(m["num"]) * _scale(m["prefix"])
+    _finite(value, text, field or "size")
     if value < 0:
         raise PlannerError("bad-value", f"{field or 'size'} must not be negative (got {text}).")
     return value
@@ -56,6 +64,7 @@ def parse_bandwidth(text: str | float | int, field: str | None = None) -> float:
             raise _bad("a bandwidth", text, "'100Gbps', '25 GB/s' or '600GB/s'", field)
         bits = m["unit"] in ("bps", "bit/s", "b/s")
         value = float(m["num"]) * _scale(m["prefix"]) / (8.0 if bits else 1.0)
+    _finite(value, text, field or "bandwidth")
     if value <= 0:
         raise PlannerError("bad-value", f"{field or 'bandwidth'} must be positive (got {text}).")
     return value
@@ -72,6 +81,7 @@ def parse_duration(text: str | float | int, field: str | None = None) -> float:
         scale = _TIME[m["unit"] or "s"]
         # divide by 1e6 rather than multiply by 1e-6: "5us" is exactly 5e-06
         value = float(m["num"]) / round(1 / scale) if scale < 1 else float(m["num"]) * scale
+    _finite(value, text, field or "duration")
     if value < 0:
         raise PlannerError("bad-value", f"{field or 'duration'} must not be negative (got {text}).")
     return value
@@ -86,6 +96,7 @@ def parse_flops(text: str | float | int, field: str | None = None) -> float:
         if not m:
             raise _bad("a compute rate", text, "'312 TFLOPS' or '19.5TFLOP/s'", field)
         value = float(m["num"]) * _PREFIX[m["prefix"]]
+    _finite(value, text, field or "compute rate")
     if value <= 0:
         raise PlannerError("bad-value", f"{field or 'compute rate'} must be positive "
                            f"(got {text}).")

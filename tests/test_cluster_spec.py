@@ -143,6 +143,15 @@ def test_units():
     ('nodes: [{name: a, device: {base: A100-80G, name: "X\\n# y"}, devices: 8}]',
      "line 1, nodes[0].device.name: 'X\\n# y' has a line break"),
     ("nodes: []", "must be a non-empty list"),
+    # NaN and infinity read as numbers but price nothing: refused where they are
+    ("network: {bandwidth: .nan}\nnodes: [{name: a, device: A100-80G, devices: 8},"
+     " {name: b, device: A100-80G, devices: 8}]",
+     "line 1, network.bandwidth: bandwidth must be a finite number (got nan)"),
+    ("nodes:\n  - name: a\n    device: {base: A100-80G, memory: .inf}\n    devices: 2\n",
+     "line 3, nodes[0].device.memory: size must be a finite number (got inf)"),
+    ("nodes:\n  - name: a\n    device: {base: A100-80G, peak_flops: {bf16: .nan}}\n"
+     "    devices: 2\n", "nodes[0].device.peak_flops.bf16: compute rate must be a finite"),
+    ("a: " + "[" * 100_000, "its YAML nests deeper than any cluster file does"),
     ("nodes: [{name: a, device: A100-80G, devices: 8}\n", "not valid YAML"),
     ("groups: [{name: x, parent: y, bandwidth: 1Gbps}, {name: y, parent: x, bandwidth: 1Gbps}]"
      "\nnodes: [{name: a, device: A100-80G, devices: 8}]", "cycle"),
@@ -155,6 +164,14 @@ def test_bad_files_name_file_line_and_field(tmp_path, text, needle):
     assert path in err.value.message
 
 
+def test_a_binary_cluster_file_is_named(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(PlannerError, match="is not a text file: byte 0 is not UTF-8") as err:
+        load_cluster(str(path))
+    assert str(path) in err.value.message
+
+
 @pytest.mark.parametrize("spec, needle", [
     ("2x0xA100-80G", "zero nodes or devices"),
     ("2x8xA999", "Unknown device"),
@@ -162,6 +179,7 @@ def test_bad_files_name_file_line_and_field(tmp_path, text, needle):
     ("1x8xA100", "Did you mean 'A100-40G-SXM', 'A100-80G-SXM'"),  # the names it begins
     ("missing.yaml", "does not exist"),
     ("2x8xA100-80G@fast", "Cannot read 'fast' as a bandwidth"),
+    ("2x8xA100-80G@1e400Gbps", "must be a finite number (got 1e400Gbps)"),
 ])
 def test_bad_specs(spec, needle):
     with pytest.raises(PlannerError, match=None) as err:

@@ -228,6 +228,9 @@ def test_estimate_says_which_dp_feeds_the_pipelines(args, needle, fixes):
     ("estimate", ["--schedule", "gpipe"],
      "--schedule gpipe needs pipelines of several stages, which contradicts --pp 1 (the "
      "default)."),
+    # NaN compares false with everything: it must not pass as "no time limit"
+    ("solve", ["--time-limit", "nan"], "--time-limit must be a number of seconds, at least 0 "
+     "(got nan)."),
 ])
 def test_contradictions_are_named(command, args, needle):
     result = runner.invoke(app, [command, "gpt-tiny", "--cluster", CLUSTER, *args])

@@ -189,6 +189,7 @@ def test_plan_file_round_trip(setup, tmp_path):
     ('{"kind": "device-profile", "schema_version": 1}', "is not a plan file"),
     ('{"kind": "plan", "schema_version": 9}', "schema_version 9"),
     ('{"kind": "plan", "schema_version": 1, "model": 3}', "is not a valid plan"),
+    ("[" * 100_000, "its JSON nests deeper than any plan does"),
 ])
 def test_corrupted_or_foreign_plan_files(tmp_path, text, needle):
     path = tmp_path / "p.json"
@@ -218,6 +219,19 @@ def _stage(data):
     (lambda d: d["model"].update(name="gpt9"), "model.name: Unknown model 'gpt9'"),
     (lambda d: d["cluster"]["nodes"][0].update(devices=0), r"cluster.nodes\[0\].devices is 0: "
      "node .* has no devices"),
+    # numbers explain, compare and launch divide by or show (JSON has NaN and Infinity)
+    (lambda d: d["prediction"].update(step_time=float("nan")),
+     r"prediction.step_time is not a number \(NaN\)"),
+    (lambda d: d["prediction"].update(step_time=-1.0),
+     r"prediction.step_time must be a finite number of at least 0 \(got -1.0\)"),
+    (lambda d: _stage(d)["memory"].update(weights=float("inf")),
+     r"pipelines\[0\].stages\[0\].memory.weights must be a finite number"),
+    (lambda d: d["cluster"]["network"].update(bandwidth=0.0),
+     r"cluster.network.bandwidth must be positive \(got 0.0\)"),
+    (lambda d: d["cluster"]["nodes"][0]["device"].update(memory=-5.0),
+     r"cluster.nodes\[0\].device.memory must be a finite number of at least 0"),
+    (lambda d: d["cluster"]["nodes"][0]["device"]["peak_flops"].update(fp16=0.0),
+     r"cluster.nodes\[0\].device.peak_flops.fp16 must be positive"),
 ])
 def test_plan_file_fields_out_of_range_name_the_file_and_field(setup, tmp_path, edit, needle):
     data = json.loads(plan_json(setup[3]))

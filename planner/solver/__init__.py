@@ -81,9 +81,9 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
             and limits.max_stages != Limits().max_stages):
         raise PlannerError("bad-option", f"--pp {limits.pp} contradicts --max-stages "
                            f"{limits.max_stages}.", ["drop one of them, or raise --max-stages"])
-    if options.time_limit is not None and options.time_limit < 0:
-        raise PlannerError("bad-option", f"--time-limit must not be negative (got "
-                           f"{options.time_limit:g}).")
+    if options.time_limit is not None and not options.time_limit >= 0:  # (NaN too)
+        raise PlannerError("bad-option", f"--time-limit must be a number of seconds, at "
+                           f"least 0 (got {options.time_limit:g}).")
     if not 0 <= options.gap < 1:
         raise PlannerError("bad-option", f"--gap is a fraction in [0, 1) (got {options.gap:g}).")
     unknown = [n for n in options.exclude if n not in {x.name for x in cluster.nodes}]
