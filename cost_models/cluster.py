@@ -25,6 +25,7 @@ NIC bandwidths are per node (what one node sends).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,9 @@ SCHEMA_VERSION = 1
 EXAMPLES = Path(__file__).with_name("examples")
 DEFAULT_NETWORK = LinkSpec(name="100 Gb/s Ethernet (default)", bandwidth=100e9 / 8,
                            latency=5e-6)
+# the most nodes a cluster may have: the search sets up per pair of node groups, which
+# takes about 7 s at 1,000 nodes (the 4,096-GPU benchmark has 512)
+MAX_NODES = 4096
 _INLINE_ITEM = re.compile(r"^\s*(?:(\d+)\s*[xX]\s*)?(\d+)\s*[xX]\s*([A-Za-z][\w.\-]*)\s*$")
 
 
@@ -98,6 +102,8 @@ def parse_inline(spec: str) -> ClusterSpec:
         if count <= 0 or per_node <= 0:
             raise PlannerError("bad-cluster", f"Inline cluster {spec!r}: {item!r} has zero "
                                "nodes or devices; every node needs at least one device.")
+        if len(nodes) + count > MAX_NODES:
+            raise _too_many(f"Inline cluster {spec!r}", len(nodes) + count)
         device = catalog.device(kind)
         for _ in range(count):
             index = counters.get(device.name, 0)
@@ -105,6 +111,12 @@ def parse_inline(spec: str) -> ClusterSpec:
             nodes.append(NodeSpec(name=f"{device.name.lower()}-{index}", device=device,
                                   devices=per_node, intra_link=device.intra_link))
     return ClusterSpec(name=spec, nodes=tuple(nodes), network=network)
+
+
+def _too_many(what: str, nodes: int) -> PlannerError:
+    return PlannerError("bad-cluster", f"{what} has {nodes:,} nodes (or more); the planner "
+                        f"plans for clusters of up to {MAX_NODES:,} nodes.",
+                        ["describe fewer, larger nodes, or plan for part of the cluster"])
 
 
 def _link(fields: Fields, key: str, default: LinkSpec | None, *, per: str) -> LinkSpec | None:
@@ -261,6 +273,9 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
         if hosts is not None and (not isinstance(hosts, list) or not hosts):
             raise f.error("must be a non-empty list of host names", "hosts")
         count = len(hosts) if hosts else f.positive_int("count", 1)
+        if len(nodes) + count > MAX_NODES:
+            raise f.error(_too_many("the cluster", len(nodes) + count).message,
+                          "hosts" if hosts else "count")
         base = str(f.get("name", "" if hosts else None) or "") or None
         if base is None and not hosts:
             raise f.error("is missing field 'name' (or a hosts list)")
@@ -286,7 +301,7 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
                 intra_link=_link(f, "intra_link", device.intra_link, per="per device"),
                 nic=nic, groups=_chain(groups, group)))
     names = [n.name for n in nodes]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
+    duplicates = sorted(n for n, times in Counter(names).items() if times > 1)
     if duplicates:
         raise top.error(f"node name {duplicates[0]!r} is used twice", "nodes",
                         ["give each node entry its own name"])

@@ -152,6 +152,8 @@ def test_units():
     ("nodes:\n  - name: a\n    device: {base: A100-80G, peak_flops: {bf16: .nan}}\n"
      "    devices: 2\n", "nodes[0].device.peak_flops.bf16: compute rate must be a finite"),
     ("a: " + "[" * 100_000, "its YAML nests deeper than any cluster file does"),
+    ("network: 1Gbps\nnodes: [{name: a, count: 1000000000, device: A100-80G, devices: 8}]",
+     "line 2, nodes[0].count: the cluster has 1,000,000,000 nodes (or more)"),
     ("nodes: [{name: a, device: A100-80G, devices: 8}\n", "not valid YAML"),
     ("groups: [{name: x, parent: y, bandwidth: 1Gbps}, {name: y, parent: x, bandwidth: 1Gbps}]"
      "\nnodes: [{name: a, device: A100-80G, devices: 8}]", "cycle"),
@@ -180,6 +182,8 @@ def test_a_binary_cluster_file_is_named(tmp_path):
     ("missing.yaml", "does not exist"),
     ("2x8xA100-80G@fast", "Cannot read 'fast' as a bandwidth"),
     ("2x8xA100-80G@1e400Gbps", "must be a finite number (got 1e400Gbps)"),
+    ("4000x8xA100-80G,100x8xV100-32G", "has 4,100 nodes (or more); the planner plans for "
+     "clusters of up to 4,096 nodes"),
 ])
 def test_bad_specs(spec, needle):
     with pytest.raises(PlannerError, match=None) as err:
