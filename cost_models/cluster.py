@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from cost_models import catalog
+from cost_models.memory import framework_reserve
 from cost_models.yamlfile import Fields, read_yaml
 from planner.dtypes import DTYPES
 from planner.errors import PlannerError, closest
@@ -210,6 +211,12 @@ def _device(fields: Fields, node_name: str) -> DeviceSpec:
             intra_link=_link(sub, "intra_link", default_link, per="per device"),
             sources={**(device.sources if device else {}), "custom": "given in the cluster spec"})
         sub.check_unknown()
+        reserve = framework_reserve(device)
+        if memory <= reserve:
+            raise sub.error(f"{_human(memory, _BYTES)} is no more than the "
+                            f"{_human(reserve, _BYTES)} the framework keeps on every device "
+                            "(CUDA context, allocator)", "memory",
+                            ["give the device's memory with its unit, e.g. memory: 24GiB"])
     measured = fields.get("measured")
     if measured is not None:
         device = replace(device, name=f"{device.name}@{node_name}",

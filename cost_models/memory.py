@@ -85,5 +85,11 @@ def stage_memory(layers: Sequence[Layer], *, device: DeviceSpec, training: Train
         gradients=held(grad, 2),
         optimizer=held(optimizer_state_bytes(training), 1),
         activations=activations,
-        reserve=0.25 * GIB if device.is_cpu else GIB,
+        reserve=framework_reserve(device),
     )
+
+
+def framework_reserve(device: DeviceSpec) -> float:
+    """Bytes the framework keeps on a device whatever the plan: 1 GiB on GPUs (CUDA
+    context, allocator), 0.25 GiB on CPU devices."""
+    return 0.25 * GIB if device.is_cpu else GIB

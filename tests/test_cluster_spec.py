@@ -152,6 +152,8 @@ def test_units():
     ("nodes:\n  - name: a\n    device: {base: A100-80G, peak_flops: {bf16: .nan}}\n"
      "    devices: 2\n", "nodes[0].device.peak_flops.bf16: compute rate must be a finite"),
     ("a: " + "[" * 100_000, "its YAML nests deeper than any cluster file does"),
+    ("nodes:\n  - name: a\n    device: {base: A100-80G, memory: 1}\n    devices: 2\n",
+     "line 3, nodes[0].device.memory: 1B is no more than the 1GiB the framework keeps"),
     ("network: 1Gbps\nnodes: [{name: a, count: 1000000000, device: A100-80G, devices: 8}]",
      "line 2, nodes[0].count: the cluster has 1,000,000,000 nodes (or more)"),
     ("nodes: [{name: a, device: A100-80G, devices: 8}\n", "not valid YAML"),

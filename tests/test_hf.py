@@ -48,3 +48,20 @@ def test_a_misspelt_config_option_is_an_error_not_ignored():
     # transformers keeps unknown keyword arguments as attributes: a typo changed nothing
     with pytest.raises(PlannerError, match="did you mean 'num_hidden_layers'"):
         trace_model(model_spec("hf:LlamaConfig", {**SMALL, "num_hiden_layers": 1}), seq_len=64)
+
+
+def test_a_config_with_no_layers_is_refused(tmp_path):
+    """GPT-2's n_layer maps to num_hidden_layers: -3 blocks built a model of none."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_layer": -3, "n_embd": 64,
+                                "n_head": 2}))
+    with pytest.raises(PlannerError, match="has num_hidden_layers -3; it must be at least 1"):
+        trace_model(model_spec(str(path)))
+
+
+def test_an_unknown_model_type_is_named_in_a_short_message(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "nosuch"}))
+    with pytest.raises(PlannerError, match="nosuch") as caught:
+        trace_model(model_spec(str(path)))
+    assert len(caught.value.message) < 600  # (transformers lists every model type it knows)

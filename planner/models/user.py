@@ -193,8 +193,10 @@ def hf_config(name: str, overrides: Mapping[str, Any]) -> Any:
             data = json.loads(path.read_text())
             config = transformers.AutoConfig.for_model(**{**data, **settings})
         except Exception as exc:
+            said = str(exc)  # (an unknown model_type lists every known one: kilobytes)
+            said = said if len(said) <= 300 else said[:300].rsplit(" ", 1)[0] + " ..."
             raise PlannerError("bad-model", f"Could not read transformers config "
-                               f"{str(path)!r}: {type(exc).__name__}: {exc}",
+                               f"{str(path)!r}: {type(exc).__name__}: {said}",
                                ["check that it is a transformers config.json with a "
                                 "model_type"]) from exc
     else:
@@ -210,6 +212,13 @@ def hf_config(name: str, overrides: Mapping[str, Any]) -> Any:
             raise PlannerError("bad-shape", f"transformers {cls_name} rejected the options "
                                f"{settings}: {type(exc).__name__}: {exc}",
                                ["change the shape options"]) from exc
+    for field in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                  "intermediate_size", "vocab_size"):  # (n_layer, n_embd ... map to these)
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise PlannerError("bad-shape", f"transformers {type(config).__name__} of {name!r} "
+                               f"has {field} {value}; it must be at least 1.",
+                               ["fix the config, or pass a shape option such as --layers"])
     default = type(config)()  # transformers keeps unknown keys silently: a typo does nothing
     unknown = [k for k in settings if not hasattr(default, k)]
     if unknown:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cost_models.memory import GIB, optimizer_state_bytes
+from cost_models.memory import GIB, framework_reserve, optimizer_state_bytes
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.errors import Infeasible, PlannerError
@@ -37,7 +37,7 @@ def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSp
     per_param = weight + (training.optimizer.grad_bytes or weight) + optimizer_state_bytes(
         training)
     params = sum(layer.params for layer in layers)
-    room = sum(n.devices * (n.device.memory - (0.25 if n.device.is_cpu else 1.0) * GIB)
+    room = sum(n.devices * (n.device.memory - framework_reserve(n.device))
                for n in cluster.nodes)
     if params * per_param > room:
         holders = (f"the {cluster.num_devices} devices of cluster {cluster.name} have"
