@@ -343,8 +343,13 @@ def resolve_dtype(dtype: str, cluster: ClusterSpec) -> str:
     """`auto`: bf16 if every device has fast bf16, else fp16, else fp32 (as `planner solve`)."""
     from planner.dtypes import canonical_dtype
 
-    if dtype != "auto":
-        return canonical_dtype(dtype)
+    if dtype.strip().lower() != "auto":
+        try:
+            return canonical_dtype(dtype)
+        except PlannerError as exc:
+            raise PlannerError(exc.kind, f"{exc.message[:-1]}, or auto.",
+                               ["--dtype auto (the default) picks bf16 where every device "
+                                "runs it fast, else fp16"]) from None
     kinds = cluster.device_types().values()
     return ("bf16" if all("bf16" in d.peak_flops for d in kinds) else
             "fp16" if all("fp16" in d.peak_flops for d in kinds) else "fp32")

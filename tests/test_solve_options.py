@@ -231,6 +231,10 @@ def test_estimate_says_which_dp_feeds_the_pipelines(args, needle, fixes):
     # NaN compares false with everything: it must not pass as "no time limit"
     ("solve", ["--time-limit", "nan"], "--time-limit must be a number of seconds, at least 0 "
      "(got nan)."),
+    ("solve", ["--dtype", "xyz"], "Unknown dtype 'xyz'; use one of fp32, tf32, bf16, fp16, "
+     "or auto."),
+    ("estimate", ["--dtype", "xyz"], "or auto. 1) --dtype auto (the default) picks bf16"),
+    ("solve", ["--tp", "3"], "and the nodes have 4 devices."),
 ])
 def test_contradictions_are_named(command, args, needle):
     result = runner.invoke(app, [command, "gpt-tiny", "--cluster", CLUSTER, *args])

@@ -102,7 +102,7 @@ def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         raise PlannerError(
             "bad-option", f"--tp {tp} cannot be used: tensor parallelism stays inside a node "
             f"and splits it evenly, and the nodes have "
-            f"{sorted({n.devices for n in used.nodes})} devices.",
+            f"{' or '.join(map(str, sorted({n.devices for n in used.nodes})))} devices.",
             [f"use one of --tp {', '.join(map(str, usable))}"])
     if tp is not None:
         check_tp_divides(model.layers, tp, usable)

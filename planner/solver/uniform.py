@@ -86,7 +86,8 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
         dividing = [t for t in fitting if any(n.devices % t == 0 for n in cluster.nodes)]
         raise PlannerError(
             "bad-option", f"--tp {tp} does not fit any node of cluster {cluster.name}: its "
-            f"nodes have {sorted({n.devices for n in cluster.nodes})} devices, and tensor "
+            f"nodes have {' or '.join(map(str, sorted({n.devices for n in cluster.nodes})))} "
+            "devices, and tensor "
             "parallelism stays inside a node and splits it evenly.",
             [f"use one of --tp {', '.join(map(str, dividing))}"])
     check_tp_divides(layers, tp, fitting)
