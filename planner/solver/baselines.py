@@ -43,7 +43,7 @@ _DEFAULT_STAGES = Limits().max_stages  # (the search's own cap, not a constraint
 
 class _RuledOut(Exception):
     """A recipe the constraints given rule out (its layout breaks a stage pin or
-    --no-mixed)."""
+    --no-mixed, or a stage of it cannot take the ZeRO stage allowed)."""
 
 
 def _best(candidates: Sequence[Callable[[Recompute, int], list[PipelinePlan] | None]],
@@ -184,7 +184,7 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
     elif training.global_batch < replicas:
         why = (f"a global batch of {training.global_batch} cannot feed {replicas} replicas "
                "(one per device)")
-    elif not laid_out:
+    elif not laid_out and given:
         why = f"the constraints given ({given}) rule out a replica on every device"
     else:
         why = "the model does not fit one device of every type"
