@@ -341,13 +341,14 @@ def parse_options(tokens: Sequence[str], *, values: Sequence[str] = (),
 
 def resolve_dtype(dtype: str, cluster: ClusterSpec) -> str:
     """`auto`: bf16 if every device has fast bf16, else fp16, else fp32 (as `planner solve`)."""
-    from planner.dtypes import canonical_dtype
+    from planner.dtypes import DTYPES, canonical_dtype
 
     if dtype.strip().lower() != "auto":
         try:
             return canonical_dtype(dtype)
-        except PlannerError as exc:
-            raise PlannerError(exc.kind, f"{exc.message[:-1]}, or auto.",
+        except PlannerError:
+            raise PlannerError("bad-value", f"Unknown dtype {dtype!r}; use one of "
+                               f"{', '.join(DTYPES)}, or auto.",
                                ["--dtype auto (the default) picks bf16 where every device "
                                 "runs it fast, else fp16"]) from None
     kinds = cluster.device_types().values()
