@@ -25,7 +25,7 @@ node (the most on any node), N nodes:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -148,6 +148,25 @@ def send_sharing(boundaries: Iterable[tuple[str, str, int]]) -> dict[str, int]:
             flows[a] = flows.get(a, 0) + ranks
             flows[b] = flows.get(b, 0) + ranks
     return flows
+
+
+def busiest_card(charges: Iterable[tuple[str, Hashable, CommGroup, float]]) -> float:
+    """The longest any node's network card is busy with the gradient sync.
+
+    charges: (node, collective, its group, its time alone) for each collective a node
+    sends gradients of its own stages in; all start together. A collective whose group
+    spans several nodes goes through the card of each node it is charged to, and the
+    collectives that share a card take turns on it, so their times add up (a node's
+    network bandwidth is what the whole node can send, as for `send_sharing`). A
+    collective charged twice to one node counts once; one inside a node uses
+    device-to-device links and is not counted."""
+    busy: dict[str, float] = {}
+    seen: set[tuple[str, Hashable]] = set()
+    for node, key, group, seconds in charges:
+        if len(group.members) > 1 and (node, key) not in seen:
+            seen.add((node, key))
+            busy[node] = busy.get(node, 0.0) + seconds
+    return max(busy.values(), default=0.0)
 
 
 def shared_by(flows: dict[str, int], a: str, b: str) -> int:

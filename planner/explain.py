@@ -528,10 +528,10 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
     if card is not None and shares["dp_comm"] > 0:
         name, count = card
         reasons.append(Reason("communication", (
-            f"Node {name} takes part in {count} gradient all-reduces across nodes, which run "
-            f"at the same time; the prediction prices each as if it had the node's network "
-            f"card to itself (docs/clusters.md), so the gradient sync "
-            f"({fmt_seconds(pred.dp_comm)}) may take up to {count}x as long.")))
+            f"Node {name} takes part in {count} gradient all-reduces across nodes, which "
+            f"take turns on its network card (docs/clusters.md): the gradient sync "
+            f"({fmt_seconds(pred.dp_comm)}) lasts at least all of them. Fewer stages per "
+            "node, or their replicas on the same node, would shorten it.")))
     if shares["bubble"] >= 0.1:
         reasons.append(Reason("bubble", (
             f"Pipeline fill and drain cost {shares['bubble']:.0%} of the step: pipeline "

@@ -18,6 +18,7 @@ import pytest
 from rich.console import Console
 
 from cost_models.cluster import load_cluster
+from cost_models.comm import Collective, CommGroup
 from cost_models.model import AnalyticalCostModel
 from planner.errors import PlannerError
 from planner.explain import analysis_dict, analyze, check_layers, retrace, why_slower
@@ -232,21 +233,29 @@ def test_rich_gantt_and_compare_golden():
     golden("gantt_and_compare.txt", console.export_text())
 
 
-def test_explain_warns_when_gradient_all_reduces_share_a_network_card():
+def test_explain_says_when_gradient_all_reduces_share_a_network_card():
     """Pipelines laid out one per node put each stage's replicas on both nodes: the two
-    stages' gradient all-reduces cross the same cards at once, which the prediction
-    prices as if each had a card to itself; explain says so. On one node nothing
-    crosses a card, and it says nothing."""
-    graph = trace_model(model_spec("gpt2-small", {"layers": 2}), seq_len=128, dtype="fp16")
-    training = TrainingSpec(global_batch=8, seq_len=128, dtype="fp16")
+    stages' gradient all-reduces cross the same cards at once, one after the other,
+    and the predicted sync is their sum; explain says so. On one node nothing crosses
+    a card, and it says nothing."""
+    graph = trace_model(model_spec("mlp"), dtype="fp16")  # (no tied weights)
+    training = TrainingSpec(global_batch=8, dtype="fp16")
 
-    def reasons(cluster_text: str) -> list[str]:
+    def reasons(cluster_text: str) -> tuple[list[str], float, list[float]]:
         cluster = load_cluster(cluster_text)
         costs = AnalyticalCostModel(cluster)
         plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
                             training=training, costs=costs, tp=1, pp=2, dp=2, micro_batch=1)
-        return [r.text for r in analyze(plan, graph.layers, costs).explanation.reasons]
+        group = CommGroup.of([s.devices.node for s in plan.pipelines[0].stages[:1]]
+                             + [plan.pipelines[1].stages[0].devices.node])
+        each = [costs.collective_time(Collective.ALL_REDUCE, sum(
+            graph.layers[i].params for i in s.held()) * 2, group)
+            for s in plan.pipelines[0].stages]
+        texts = [r.text for r in analyze(plan, graph.layers, costs).explanation.reasons]
+        return texts, plan.prediction.dp_comm, each
 
-    shared = [t for t in reasons("2x2xA100-40G@1Gbps") if "network card" in t]
+    texts, sync, each = reasons("2x2xA100-40G@1Gbps")
+    shared = [t for t in texts if "network card" in t]
     assert len(shared) == 1 and "2 gradient all-reduces across nodes" in shared[0]
-    assert not [t for t in reasons("1x4xA100-40G") if "network card" in t]
+    assert sync == pytest.approx(sum(each))
+    assert not [t for t in reasons("1x4xA100-40G")[0] if "network card" in t]

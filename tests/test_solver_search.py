@@ -415,6 +415,73 @@ def test_cross_class_sync_floors_hold_for_every_split(seed):
     assert checked
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_card_floor_holds_for_every_split(seed):
+    """Stages on one node whose replicas sit on other nodes all-reduce through that
+    node's network card, one after the other: no combination of splits pays less sync
+    than `evaluate.card_floor`, which on such clusters is above the largest stage's
+    all-reduce alone (the floor before cards were shared), and no pipeline spans more
+    nodes than `SyncFloor.runs` says."""
+    from planner.solver.bound import cheapest_gather
+    from planner.solver.evaluate import Config, card_floor, sync_and_optimizer
+    from planner.solver.sync_floor import SyncFloor
+
+    rng = random.Random(seed)
+    table = random_table(seed, layers=4, types=[("a", [4] * rng.randint(2, 3)),
+                                                ("b", [2] * rng.randint(2, 3))],
+                         link_speed=rng.choice([0.1, 1.0]))
+    if rng.random() < 0.5:  # the last layer reads some of the first's weights
+        table = dataclasses.replace(table, tied=((3, 0, float(table.params[0]) / 2),),
+                                    cache={})
+    config, space, above = Config(mb=1, tp=1), Space(zeros=(0,)), 0
+    kinds = ["a", "b"]
+    floors = SyncFloor(table, config, space, kinds, {k: cheapest_gather(table, k)
+                                                     for k in kinds}, [1], {})
+    for _, shapes in structures(table, 8, Limits(max_stages=4)):
+        if (priced := price(table, config, space, shapes, 8)) is None:
+            continue
+        for shape, slots in zip(shapes, priced.placement, strict=True):
+            assert all(len({slot.node for slot in p}) <= floors.runs(shape.types, 1)
+                       for p in slots)
+        floor = card_floor(table, shapes, priced.placement, False)
+        assert floor <= priced.sync * (1 + 1e-9)
+        every = [[split for cuts in itertools.combinations(range(1, 4), shape.stages - 1)
+                  if (split := result.costs.split_at((0, *cuts, 4))) is not None]
+                 for shape, result in zip(shapes, priced.results, strict=True)]
+        for combo in itertools.product(*every):
+            sync, _ = sync_and_optimizer(table, config, shapes, priced.placement, combo)
+            assert floor <= sync * (1 + 1e-9)
+            largest = max(table.collective(
+                Collective.ALL_REDUCE, float(table.params[a:b].sum()) * table.grad_bytes,
+                CommGroup.of([p[s].node for p in slots]))
+                for split, slots in zip(combo, priced.placement, strict=True)
+                for s, (a, b) in enumerate(itertools.pairwise(split.bounds)))
+            above += floor > largest * (1 + 1e-6)
+    assert above
+
+
+def test_stages_sharing_a_node_take_turns_on_its_card():
+    """Two pipelines of two stages, each pipeline on a node of its own: both stages'
+    all-reduces cross the network from the same two nodes, so the sync is the two of
+    them back to back, not the longer one (the same in the solver and in `predict`)."""
+    from planner.solver.evaluate import Config, sync_and_optimizer
+    from planner.solver.structure import ClassShape, place
+
+    table = random_table(5, layers=4, types=[("a", [2, 2])], link_speed=0.1)
+    shapes = (ClassShape(("a", "a"), 2),)
+    placement = place(table, shapes)
+    assert [[slot.node for slot in p] for p in placement[0]] == [["a-0", "a-0"], ["a-1", "a-1"]]
+    priced = price(table, Config(1), Space(zeros=(0,)), shapes, 8)
+    split = priced.results[0].costs.split_at((0, 1, 4))
+    sync, _ = sync_and_optimizer(table, Config(1), shapes, placement, [split])
+    each = [table.collective(Collective.ALL_REDUCE, float(table.params[a:b].sum())
+                             * table.grad_bytes, CommGroup.of(["a-0", "a-1"]))
+            for a, b in ((0, 1), (1, 4))]
+    assert sync == pytest.approx(sum(each))
+    assert sync > max(each) * 1.01
+
+
 def test_zero3_shards_are_still_synchronised_across_classes():
     """ZeRO-3 reduce-scatters within a class; two classes holding the same layers must
     still all-reduce each device's shard once per step, one class alone need not."""
@@ -464,7 +531,8 @@ def test_sync_floor_prices_pipelines_on_one_node():
 
     def one_stage_class(kind: str, n: int) -> tuple:
         return (np.array([[k == kind for k in kinds]]), np.array([1.0]), np.array([float(n)]),
-                np.array([float(n)]), floor.copies((kind,), 1)[None], np.array([0]))
+                np.array([float(n)]), floor.copies((kind,), 1)[None], np.array([0]),
+                np.array([floor.runs((kind,), 1)]))
 
     for n in (2, 5, 8):
         paid = floor.terms([one_stage_class("t0", n)])[0][0][0]

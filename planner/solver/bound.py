@@ -851,7 +851,8 @@ class Bound:
                 homes, n_max, caps, lows, np.ceil((lows + 1) / copies[:, None]),
                 np.array([float(f.devices) for f in families]),
                 np.array([self.sync.per_node(f.tp)[k] for f, k in zip(
-                    families, homes, strict=True)]))
+                    families, homes, strict=True)]),
+                np.array([self.sync.runs(f.types, f.tp) for f in families]))
         return self._families[key]
 
     def _open_done(self, open_levels: Sequence[int], later: np.ndarray | float,
@@ -866,7 +867,7 @@ class Bound:
         sync faster), so none finishes more than the rung's most at that sync; per
         slot, the first rung's pace."""
         _, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
-        _, _, _, homes, n_max, caps, lows, _, size, _ = self._open_families(open_levels)
+        _, _, _, homes, n_max, caps, lows, _, size, _, _ = self._open_families(open_levels)
         if not len(size):
             empty = np.zeros((len(free), 0))
             return lambda t, whole: (empty, empty if per_slot else None)
@@ -895,8 +896,8 @@ class Bound:
         of any class, so the fixed classes' floor leaves the rest to finish earlier),
         and its optimizer floor (with the floors to compare it to in `_core`). terms: the sync
         floors of the classes and the one added (`SyncFloor.terms`)."""
-        masks, stages, optimizer, _, _, _, lows, spread, _, per_node = self._open_families(
-            open_levels)
+        masks, stages, optimizer, _, _, _, lows, spread, _, per_node, runs = (
+            self._open_families(open_levels))
         if not len(stages):
             return None
         paid = [np.where(live, p, 0.0) if c == candidate else p
@@ -912,7 +913,7 @@ class Bound:
             joined = np.maximum(spread, np.ceil((lows + 2) / per_node[:, None]))
             self._owns[key] = self.sync.open_floors(
                 masks, stages, np.split(kinds, len(classes), axis=1), spread, joined,
-                lows + 1)
+                lows + 1, runs)
         own = self._owns[key][rows.reshape(-1)]
         return np.maximum(0.0, own - np.max(paid, axis=0)[:, None, None]), optimizer
 
@@ -952,7 +953,8 @@ class Bound:
                     np.full(rows, float(len(f.types))), np.full(rows, float(n)),
                     np.full(rows, float(n)),
                     np.broadcast_to(self.sync.copies(f.types, f.tp), size),
-                    np.full(rows, self.sync.tp_index(f.tp)))
+                    np.full(rows, self.sync.tp_index(f.tp)),
+                    np.full(rows, self.sync.runs(f.types, f.tp)))
                    for f, n in fixed]
         live = np.array([f is not None for f, _ in candidates])
         if live.any():
@@ -964,6 +966,8 @@ class Bound:
                             np.array([self.sync.copies(f.types, f.tp) if f else
                                       self.sync.copies(None) for f, _ in candidates]),
                             np.array([self.sync.tp_index(f.tp if f else None)
+                                      for f, _ in candidates]),
+                            np.array([self.sync.runs(f.types, f.tp) if f else INF
                                       for f, _ in candidates])))
         joiner = self._joiner(open_levels)
         if joiner is None or not classes:
@@ -975,7 +979,7 @@ class Bound:
             ones = np.ones(rows)
             joined = [*classes, (np.broadcast_to(mask, size), np.full(rows, stages), ones,
                                  ones, np.broadcast_to(self.sync.copies(None), size),
-                                 np.full(rows, self.sync.tp_index(None)))]
+                                 np.full(rows, self.sync.tp_index(None)), np.full(rows, INF))]
             terms = self.sync.terms(joined)
             shift = None if self.sync.zero3 else self._open_shift(
                 open_levels, classes, terms, live, len(fixed) if live.any() else -1)

@@ -10,7 +10,10 @@ gradients are all-reduced (ZeRO-1/2: reduce-scattered and gathered, the same
 volume) among every pipeline that holds its first layer, on the nodes those
 pipelines hold it on; a weight tied across stages (a head reading the
 embedding's) is all-reduced on its own, after, among every stage holding either
-layer (as the runtime sums it). ZeRO shards a stage over its class's pipelines, and only in
+layer (as the runtime sums it). The groups' all-reduces run at once: a node's
+network card carries those of every stage it holds whose group spans nodes, one
+after the other (`busiest_card`), so the sync lasts as long as the slowest stage's
+or the busiest card's. ZeRO shards a stage over its class's pipelines, and only in
 structures of one class (`zero_space`: as the runtime, which shards only layers
 no other replica set holds), ZeRO-3 only where its pipelines run as many
 micro-batches; ZeRO-3 stages reduce-scatter per micro-batch. Tied weights split
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cost_models.comm import Collective, CommGroup, send_sharing, shared_by
+from cost_models.comm import Collective, CommGroup, busiest_card, send_sharing, shared_by
 from planner.solver.interleave import fold
 from planner.solver.partition import (
     INF,
@@ -202,23 +205,29 @@ def _prefix(table: CostTable) -> np.ndarray:
 def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassShape],
                        placement: Placement, splits: Sequence[Split],
                        groups: dict | None = None) -> tuple[float, float]:
-    """Gradient sync (the slowest group's all-reduce) and optimizer step (the slowest
-    stage's); `groups` may carry sync groups, and their all-reduce times, between
-    splits of one placement."""
+    """Gradient sync and optimizer step (the slowest stage's). The sync groups'
+    all-reduces start together: the sync lasts as long as the slowest stage's (its tied
+    weights' after its own) or the busiest network card's (`busiest_card`), whichever is
+    longer. `groups` may carry sync groups, and their all-reduce times, between splits
+    of one placement."""
     table = fold(table, config.interleave)
     groups = {} if groups is None else groups
     ties = _split_ties(table, placement, splits, groups)
     whole = _prefix(table)
+    charges: list[tuple[str, tuple, CommGroup, float]] = []  # see `busiest_card`
+    mine: list[tuple[tuple, CommGroup, float]] = []  # the stage's all-reduces
 
     def all_reduce(nbytes: float, group: CommGroup) -> float:
         key = ("all-reduce", id(group), nbytes)  # (`groups` keeps the group alive)
         if key not in groups:
             groups[key] = table.collective(Collective.ALL_REDUCE, nbytes, group)
+        mine.append((key, group, groups[key]))
         return groups[key]
 
     sync = opt = 0.0
-    for shape, split in zip(shapes, splits, strict=True):
+    for shape, split, slots in zip(shapes, splits, placement, strict=True):
         for s in range(shape.stages):
+            mine.clear()
             a, b = split.bounds[s], split.bounds[s + 1]
             params = float(whole[b] - whole[a])
             zero = split.options[s].zero
@@ -232,13 +241,15 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
                 volume = params * table.grad_bytes / (shape.n if zero == 3 else 1)
                 tied += all_reduce(volume, holders)
             sync = max(sync, tied)
+            charges += [(node, *collective) for node in dict.fromkeys(p[s].node for p in slots)
+                        for collective in mine]
             # the optimizer updates the stage's copies of tied weights too, whole where
             # ZeRO keeps them so (`CostTable.zero_kept`)
             kept = float(table.zero_kept(zero)[a, b])
             local = (float(table.range_params(shape.tp)[a, b]) - kept) / (
                 shape.n if zero >= 1 else 1) + kept
             opt = max(opt, table.optimizer_time(shape.types[s], local))
-    return sync, opt
+    return max(sync, busiest_card(charges)), opt
 
 
 def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
@@ -260,6 +271,9 @@ def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
     sync, opt = sync_and_optimizer(table, config, shapes, placement, splits, groups)
     return Evaluation(config=config, shapes=shapes, placement=placement, splits=tuple(splits),
                       microbatches=per_class, pipeline_times=times, sync=sync, optimizer=opt)
+
+
+LINE_REF = 2.0**30  # bytes; an all-reduce among fixed ranks is affine in its bytes
 
 
 @dataclass(frozen=True)
@@ -357,7 +371,8 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
             sync = max(sync, min(table.collective(
                 Collective.ALL_REDUCE, untied / shape.stages * table.grad_bytes,
                 CommGroup.of([p[s].node for p in slots])) for s in range(shape.stages)))
-    sync = max(sync, cross_class_floor(table, shapes, placement))
+    sync = max(sync, cross_class_floor(table, shapes, placement),
+               card_floor(table, shapes, placement, 3 in space.zeros))
     for end, position in ((0, 0), (table.num_layers - 1, -1)):
         params = float(table.params[end])
         holders = [p[position].node for slots in placement for p in slots]
@@ -371,6 +386,49 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
             local = float(table.rank_params(shape.tp)[end]) / (shape.n if sharded else 1)
             opt = max(opt, table.optimizer_time(shape.types[position], local))
     return sync, opt
+
+
+def card_floor(table: CostTable, shapes: tuple[ClassShape, ...], placement: Placement,
+               zero3: bool) -> float:
+    """What the busiest network card carries at least during the sync, whatever the
+    splits (`busiest_card`). Where each stage of a class is all-reduced across nodes
+    (its replicas in the class span several: a subset of its group), one pipeline's
+    stages lie in runs, one per node it uses, whose all-reduces share that node's card
+    and add up; the runs hold all the untied parameters between them, so the busiest
+    run's all-reduces take at least its stages' intercepts (the fewest of any run) plus
+    the parameters' bytes over the sum of the runs' bandwidths (1 / the least slope of
+    a stage in the run). Not where a stage may take ZeRO-3 (`zero3`: then it is not
+    all-reduced within its class). Cached per structure."""
+    key = ("card floor", shapes, zero3)
+    if key in table.cache:
+        return table.cache[key]
+    volume = (float(table.params.sum()) - sum(w for _, w in table.tied_weights)
+              ) * table.grad_bytes
+    out = 0.0
+    for shape, slots in zip(shapes, placement, strict=True):
+        if shape.n < 2 or zero3:
+            continue
+        groups = [CommGroup.of([p[s].node for p in slots]) for s in range(shape.stages)]
+        if any(len(g.members) < 2 for g in groups):
+            continue
+        lines = [all_reduce_line(table, g) for g in groups]
+        for runs in {tuple(tuple(s for s in range(shape.stages) if p[s].node == node)
+                           for node in dict.fromkeys(slot.node for slot in p))
+                     for p in slots}:
+            slopes = [min(lines[s][1] for s in run) for run in runs]
+            if min(slopes) > 0:
+                least = min(sum(lines[s][0] for s in run) for run in runs)
+                out = max(out, least + volume / sum(1 / b for b in slopes))
+    table.cache[key] = out
+    return out
+
+
+def all_reduce_line(table: CostTable, group: CommGroup) -> tuple[float, float]:
+    """(intercept, slope in bytes) of the all-reduce among `group`, no higher than it
+    from 1 byte to `LINE_REF`."""
+    ends = [table.collective(Collective.ALL_REDUCE, size, group) for size in (1.0, LINE_REF)]
+    slope = max(0.0, (ends[1] - ends[0]) / (LINE_REF - 1))
+    return max(0.0, ends[0] - slope), slope
 
 
 def stage_groups(table: CostTable, shapes: tuple[ClassShape, ...], placement: Placement

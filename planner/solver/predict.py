@@ -9,7 +9,8 @@ with the cost model, by the same rules the search uses on its cost table:
   * a stage's replicas are the stages of other pipelines with the same layers,
     device type and tp (its ZeRO group);
   * gradients of each stage are all-reduced among every pipeline holding its
-    first layer (ZeRO-3 stages reduce-scatter per micro-batch instead);
+    first layer (ZeRO-3 stages reduce-scatter per micro-batch instead), all at once,
+    those of a node's stages one after the other on its network card;
   * step = slowest pipeline (`timing.pipeline_time`) + gradient sync + optimizer.
 """
 
@@ -19,7 +20,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cost_models.comm import Collective, CommGroup, send_sharing, shared_by
+from cost_models.comm import Collective, CommGroup, busiest_card, send_sharing, shared_by
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
@@ -184,11 +185,14 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
                        ) -> tuple[float, float]:
     grad = plan.training.optimizer.grad_bytes or plan_weight_bytes(plan)
     groups = Holders(plan)
-    ties = [(owner, readers, weights, costs.collective_time(
-                Collective.ALL_REDUCE, weights * grad, CommGroup.of(holders)))
+    ties = [(owner, readers, weights, CommGroup.of(holders))
             for owner, readers, weights, holders in _split_ties(layers, groups)]
+    # each distinct all-reduce: its group and time (`evaluate.sync_and_optimizer`)
+    synced: dict[tuple, tuple[CommGroup, float]] = {
+        ("tie", i): (group, costs.collective_time(Collective.ALL_REDUCE, weights * grad, group))
+        for i, (_, _, weights, group) in enumerate(ties)}
+    charges: list[tuple[str, tuple, CommGroup, float]] = []  # see `busiest_card`
     seen: set[tuple] = set()
-    synced: dict[tuple[int, float], float] = {}
     sync = opt = 0.0
     for pipeline in plan.pipelines:
         for stage in pipeline.stages:
@@ -199,18 +203,20 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
             params = sum(layers[i].params for i in stage.held())
             shard = len(groups.of(stage)) if stage.zero >= 1 else 1
             holders = groups.holders(stage.layers[0])
-            tied = 0.0  # split ties: their own all-reduce, after the stage's
-            for owner, readers, weights, seconds in ties:
-                if any(stage.holds(i) for i in (owner, *readers)):
+            mine = []  # the stage's all-reduces: split ties', then its own
+            for i, (owner, readers, weights, _) in enumerate(ties):
+                if any(stage.holds(j) for j in (owner, *readers)):
                     params -= weights if stage.holds(owner) else 0
-                    tied += seconds
+                    mine.append(("tie", i))
             if stage.zero < 3 or len(holders) > shard:  # ZeRO-3: each shard across classes
                 volume = params * grad / (shard if stage.zero == 3 else 1)
                 if (stage.layers[0], volume) not in synced:  # the same group on every node
-                    synced[stage.layers[0], volume] = costs.collective_time(
-                        Collective.ALL_REDUCE, volume, CommGroup.of(holders))
-                tied += synced[stage.layers[0], volume]
-            sync = max(sync, tied)
+                    group = CommGroup.of(holders)
+                    synced[stage.layers[0], volume] = (group, costs.collective_time(
+                        Collective.ALL_REDUCE, volume, group))
+                mine.append((stage.layers[0], volume))
+            sync = max(sync, sum(synced[k][1] for k in mine))
+            charges += [(stage.devices.node, k, *synced[k]) for k in mine]
             device = costs.cluster.node(stage.devices.node).device
             # the optimizer updates the stage's copies of tied weights too, whole where
             # ZeRO keeps them so
@@ -219,7 +225,7 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
             local = params_per_rank([layers[i] for i in held], stage.tp)
             opt = max(opt, costs.optimizer_time((local - kept) / shard + kept, device,
                                                 plan.training))
-    return sync, opt
+    return max(sync, busiest_card(charges)), opt
 
 
 def pipeline_times(plan: Plan, timings: Sequence[Sequence[StageTiming]]

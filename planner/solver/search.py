@@ -67,6 +67,7 @@ from planner.solver.evaluate import (
     Config,
     Evaluation,
     Space,
+    card_floor,
     cross_class_floor,
     price,
     refine,
@@ -378,10 +379,13 @@ class _Search:
                     continue
                 shape = ClassShape(f.types, n, f.tp)
                 shapes = tuple(sorted((*chosen, shape), key=_placement_order))
-                priced = price(self.view(config), config, self.pricing, shapes,
-                               microbatches)
-                if priced is not None and priced.upper.step_time < best:
-                    best, pick = priced.upper.step_time, shape
+                table = self.view(config)
+                priced = price(table, config, self.pricing, shapes, microbatches)
+                if priced is None or priced.lower >= best:
+                    continue
+                found, _ = refine(table, priced, microbatches, best, self.gap, self.deadline)
+                if found is not None and found.step_time < best:
+                    best, pick = found.step_time, shape
             if pick is not None:
                 chosen.append(pick)
         if chosen:
@@ -423,10 +427,12 @@ class _Search:
             return float("inf")
         holders = CommGroup.of([p[0].node for slots in placement for p in slots])
         grads = float(table.params[0]) * table.grad_bytes
+        zero3 = 3 in self.space.zeros and len(shapes) == 1 and shapes[0].n > 1
         # sync is one term of the step: added to the base, the bound before sync floors
-        synced = max(node.base + table.collective(Collective.ALL_REDUCE, grads, holders),
+        synced = max(node.base + max(table.collective(Collective.ALL_REDUCE, grads, holders),
+                                     card_floor(table, shapes, placement, zero3)),
                      self.crossed(node))
-        if 3 not in self.space.zeros or len(shapes) > 1 or shapes[0].n == 1:
+        if not zero3:
             return max(node.bound, synced)  # no ZeRO-3 (`evaluate.zero_space`)
         bound = self.state[config][1]
         sharded, _ = bound([(self.zero3(config, f), n) for f, n in self.fixed(node)], ())
@@ -626,19 +632,23 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
            seeds: Sequence[tuple[Config, tuple[ClassShape, ...]]], dives: int, start: float,
            time_limit: float | None) -> None:
     """The first plans to prune with: the seeds, a greedy plan and a dive in the most
-    promising configurations, then the best structure tried in the others."""
+    promising configurations (and a greedy plan in the best seed's), then the best
+    structure tried in the others."""
     run = runs[0]
     for config, shapes in seeds:
         if config in run.state:
             node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
                          tuple((s.types, s.tp) for s in shapes), tuple(s.n for s in shapes))
             run.given_up = min(run.given_up, run.price(node))
+    seeded = run.best[0].config if run.best else None
     for part, root in [(p, root) for p in runs
                        for root in sorted(n for n in p.heap if n.level != _WAITING)[:dives]]:
         if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
             break
         if len(table.types) > 1 and not part.single:
             part.greedy(root.config)
+            if seeded is not None and seeded != root.config and seeded in part.state:
+                part.greedy(seeded)  # the best seed's configuration, its classes joined
         part.dive(dataclasses.replace(root, order=next(run.counter)))
     for part in runs:
         part.transfer()

@@ -20,6 +20,12 @@ across classes, and nothing within c, but every micro-batch the stage computes i
 layers (at least the cheapest range holding x parameters) and gathers its weights
 three times (at least `partition`'s cheapest gather): a period the class's pipelines
 take at least. `Bound` takes, per class, the smaller of the two.
+
+Without ZeRO-3 the step also pays its busiest network card (`evaluate.card_floor`):
+where every stage's replicas span two or more nodes, the stages one pipeline holds
+on one node all-reduce through that node's card in turn, and a pipeline spans at
+most `runs` nodes, so one of them carries at least 1/runs of the parameters, at the
+least per-byte cost of an all-reduce over that many nodes of any of its types.
 """
 
 from __future__ import annotations
@@ -29,13 +35,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cost_models.comm import Collective, CommGroup
-from planner.solver.evaluate import Config, Space
+from cost_models.comm import CommGroup
+from planner.solver.evaluate import Config, Space, all_reduce_line
 from planner.solver.interleave import fold
 from planner.solver.partition import INF, ZERO_GATHER_REF
+from planner.solver.structure import ClassShape
 from planner.solver.table import CostTable
-
-_REF = 2.0**30  # bytes; an all-reduce among fixed ranks is affine in its bytes
 
 
 class SyncFloor:
@@ -51,6 +56,7 @@ class SyncFloor:
         self.kinds = list(kinds)
         self._infos = infos = [table.type(k) for k in self.kinds]
         self.params = float(table.params.sum())
+        self.untied = (self.params - sum(w for _, w in table.tied_weights)) * table.grad_bytes
         self.largest = float(table.params.max())
         self.grad_bytes = table.grad_bytes
         self.zero3 = 3 in space.zeros
@@ -167,21 +173,55 @@ class SyncFloor:
                     counts > 0, 1.0, per_node))
         return self._copies[types, tp]
 
+    def runs(self, types: tuple[str, ...] | None, tp: int | None = None) -> float:
+        """The most nodes one pipeline of these stage types and tensor-parallel degree
+        spans (infinite for none): a block that fits in a node's free devices stays in
+        one, a longer one takes whole nodes, each with at least its fewest slots
+        (`structure.place`)."""
+        if types is None or tp is None:
+            return INF
+        key = ("pipeline runs", types, tp)
+        if key not in self._table.cache:
+            runs = 0
+            for kind, count in ClassShape(types, 1, tp).blocks():
+                slots = min(d // tp for d in self._table.type(kind).node_devices if d >= tp)
+                runs += max(1, -(-count // slots))
+            self._table.cache[key] = float(runs)
+        return self._table.cache[key]
+
+    def _card(self, mask: np.ndarray, spread: np.ndarray, runs: np.ndarray) -> np.ndarray:
+        """Per row, the sync a class pays at least on its busiest network card
+        (`evaluate.card_floor`) where every stage's replicas span several nodes of its
+        type (`spread`): the parameters' bytes over the runs of a pipeline on one node
+        each, at the least slope of any of its types (0 elsewhere)."""
+        size = len(self.kinds)
+        k = np.minimum(spread, self.nodes[None, :])
+        t = np.arange(size)[None, :]
+        intercept = np.where(mask, self.floor[0][t, k, size], INF).min(axis=1)
+        slope = np.where(mask, self.floor[1][t, k, size], INF).min(axis=1)
+        crossed = np.where(mask, k >= 2, True).all(axis=1) & mask.any(axis=1)
+        return np.where(crossed & np.isfinite(runs),
+                        intercept + slope * self.untied / np.where(np.isfinite(runs), runs, 1.0),
+                        0.0)
+
     def terms(self, classes: Sequence[tuple[np.ndarray, ...]]
               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Per class (a mask of its types, its stages, its fewest and most pipelines,
-        `copies` per type and `tp_index`, a row each): the sync it pays at least if its
-        largest stage is not on ZeRO-3, if it is (infinite where ZeRO-3 is not allowed),
+        `copies` per type, `tp_index` and `runs`, a row each): the sync it pays at least
+        if its largest stage is not on ZeRO-3 (nor any other where it may be: then on
+        its busiest network card too), if it is (infinite where ZeRO-3 is not allowed),
         and the period its pipelines then take at least."""
         out = []
         ranks = np.sum([c[2] for c in classes], axis=0)  # one per pipeline of every class
-        for c, (mask, stages, fewest, most, copies, degree) in enumerate(classes):
+        for c, (mask, stages, fewest, most, copies, degree, runs) in enumerate(classes):
             volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
             partners = [m[0] for d, m in enumerate(classes) if d != c]
             spread = np.ceil(fewest[:, None] / copies).astype(int)
             joined = np.maximum(spread, np.ceil(
                 (fewest[:, None] + 1) / self.most_per_node[None, :]).astype(int))
             full = self._least(mask, volume, partners, spread, ranks, joined=joined)
+            if not self.zero3:
+                full = np.maximum(full, self._card(mask, spread, runs))
             if self.zero3:
                 spread = np.ceil(most[:, None] / copies).astype(int)
                 sharded = np.where(most > 1, self._least(
@@ -197,19 +237,21 @@ class SyncFloor:
         return out
 
     def open_floors(self, masks: np.ndarray, stages: np.ndarray, partners: list[np.ndarray],
-                    spread: np.ndarray, joined: np.ndarray, fewest: np.ndarray) -> np.ndarray:
+                    spread: np.ndarray, joined: np.ndarray, fewest: np.ndarray,
+                    runs: np.ndarray) -> np.ndarray:
         """[row, f, r]: the sync a class of family f (its types `masks[f]`, `stages[f]`
-        stages) pays at least beside the partner classes (a mask row each, as in
-        `terms`), were it added with at least `fewest[f, r]` pipelines, its stage copies
-        on `spread[f, r]` nodes of its type at least (`joined[f, r]` with a partner's
-        stage): its largest stage all-reduced with a stage of each partner."""
+        stages, its pipelines on at most `runs[f]` nodes each) pays at least beside the
+        partner classes (a mask row each, as in `terms`), were it added with at least
+        `fewest[f, r]` pipelines, its stage copies on `spread[f, r]` nodes of its type
+        at least (`joined[f, r]` with a partner's stage): its largest stage all-reduced
+        with a stage of each partner, and (without ZeRO-3) its busiest network card."""
         rows = partners[0].shape[0] if partners else 1
         count, rungs = spread.shape
         entries = rows * count * rungs
         volume = np.maximum(self.params / stages, self.largest) * self.grad_bytes
         size = len(self.kinds)
         present = np.sum([p.any(axis=1) for p in partners], axis=0) if partners else 0
-        return self._least(
+        held = self._least(
             np.tile(np.repeat(masks, rungs, axis=0), (rows, 1)),
             np.tile(np.repeat(volume, rungs), rows),
             [np.repeat(p, count * rungs, axis=0) for p in partners],
@@ -219,6 +261,12 @@ class SyncFloor:
             joined=np.broadcast_to(np.tile(joined.reshape(-1), rows)[:, None],
                                    (entries, size)).astype(int)
             ).reshape(rows, count, rungs)
+        if self.zero3:
+            return held
+        card = self._card(np.repeat(masks, rungs, axis=0),
+                          np.repeat(spread.reshape(-1, 1), size, axis=1).astype(int),
+                          np.repeat(runs, rungs)).reshape(count, rungs)
+        return np.maximum(held, card[None])
 
     def _least(self, mask: np.ndarray, volume: np.ndarray, partners: list[np.ndarray],
                spread: np.ndarray, ranks: np.ndarray, alone: float | None = None,
@@ -288,7 +336,5 @@ def _links(table: CostTable, nodes: tuple[str, ...], others: tuple[str, ...]
 
 def _affine(table: CostTable, groups: list[list[str]]) -> np.ndarray:
     """(intercept, slope) below the all-reduce of every group (one rank per node)."""
-    ends = np.array([[table.collective(Collective.ALL_REDUCE, size, CommGroup.of(group))
-                      for size in (1.0, _REF)] for group in groups])
-    slope = (ends[:, 1] - ends[:, 0]) / (_REF - 1)
-    return np.array([max(0.0, float((ends[:, 0] - slope).min())), max(0.0, float(slope.min()))])
+    lines = np.array([all_reduce_line(table, CommGroup.of(group)) for group in groups])
+    return lines.min(axis=0)
