@@ -358,7 +358,9 @@ class _Search:
     def greedy(self, config: Config) -> None:
         """A first plan built one device type at a time, fastest first: each type adds
         the homogeneous class (as many pipelines as fit) that most shortens the step,
-        or nothing if none does. Cheap, and at scale far better than one type alone."""
+        or nothing if none does, each structure priced with its best splits (classes
+        that cut the model at different layers sync more). Cheap, and at scale far
+        better than one type alone."""
         levels = self.state[config][0]
         microbatches = self.batch // config.mb
         devices = self.state[config][1].devices
@@ -641,14 +643,16 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
                          tuple((s.types, s.tp) for s in shapes), tuple(s.n for s in shapes))
             run.given_up = min(run.given_up, run.price(node))
     seeded = run.best[0].config if run.best else None
+    greedy: set[Config] = set()  # the configurations a greedy plan was built in
     for part, root in [(p, root) for p in runs
                        for root in sorted(n for n in p.heap if n.level != _WAITING)[:dives]]:
         if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
             break
         if len(table.types) > 1 and not part.single:
-            part.greedy(root.config)
-            if seeded is not None and seeded != root.config and seeded in part.state:
-                part.greedy(seeded)  # the best seed's configuration, its classes joined
+            for config in (root.config, seeded):  # the seed's: its classes joined by others
+                if config is not None and config in part.state and config not in greedy:
+                    greedy.add(config)
+                    part.greedy(config)
         part.dive(dataclasses.replace(root, order=next(run.counter)))
     for part in runs:
         part.transfer()
