@@ -465,6 +465,11 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
     if max_restarts < 0:
         raise PlannerError("bad-option", f"--max-restarts must be 0 or more (got "
                            f"{max_restarts}).")
+    if run_dir is not None and (not run_dir.strip() or not run_dir.isprintable()):
+        raise PlannerError("bad-option", f"--run-dir {run_dir!r} is not a folder name: the "
+                           "runs write checkpoints, logs and the summary there.",
+                           ["give a folder, e.g. --run-dir /scratch/run",
+                            "or leave it out (run/ in the --out folder)"])
     layout = rank_layout(plan)
     hosts = dict(hosts or {})
     _check_hosts(plan, layout, hosts)

@@ -190,11 +190,17 @@ def _check_fields(plan: Plan) -> None:
     for field, value in counts:
         if value < 1:
             raise bad(f"{field} must be positive (got {value}).")
+    if not plan.cluster.nodes:
+        raise bad("cluster.nodes is empty: the plan's cluster has no nodes to run on.")
     names = [("cluster.name", plan.cluster.name)]
+    first: dict[str, int] = {}
     for i, n in enumerate(plan.cluster.nodes):
         if n.devices < 1:
             raise bad(f"cluster.nodes[{i}].devices is {n.devices}: node {n.name} has no "
                       "devices (a node needs at least one).")
+        if first.setdefault(n.name, i) != i:
+            raise bad(f"cluster.nodes[{i}].name {n.name!r} is also cluster.nodes"
+                      f"[{first[n.name]}].name; every node needs a name of its own.")
         names += [(f"cluster.nodes[{i}].name", n.name), (f"cluster.nodes[{i}].host", n.host),
                   (f"cluster.nodes[{i}].device.name", n.device.name)]
     for field, text in names:

@@ -175,6 +175,18 @@ def test_cpus_naming_a_node_twice_is_refused(tmp_path, hetero_plan):
         "have" in " ".join(unknown.stderr.split())
 
 
+@pytest.mark.parametrize("run_dir", ["", "  ", "run\nrm"])
+def test_a_run_dir_that_names_no_folder_is_refused(tmp_path, hetero_plan, run_dir):
+    """An empty --run-dir used to write launch scripts that ran in the current folder."""
+    plan = tmp_path / "plan.json"
+    write_plan(hetero_plan, plan)
+    result = runner.invoke(app, ["launch", str(plan), "--out", str(tmp_path / "out"),
+                                 "--run-dir", run_dir])
+    assert result.exit_code == 1 and not (tmp_path / "out").exists()
+    expected = f"--run-dir {run_dir!r} is not a folder name"
+    assert " ".join(expected.split()) in " ".join(result.stderr.split())
+
+
 @pytest.mark.parametrize("field", ["nodes[1].host", "nodes[1].name", "nodes[1].device.name",
                                    "name"])
 def test_a_plan_name_or_host_with_a_line_break_is_refused(tmp_path, hetero_plan, field):

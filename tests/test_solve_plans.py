@@ -219,6 +219,10 @@ def _stage(data):
     (lambda d: d["model"].update(name="gpt9"), "model.name: Unknown model 'gpt9'"),
     (lambda d: d["cluster"]["nodes"][0].update(devices=0), r"cluster.nodes\[0\].devices is 0: "
      "node .* has no devices"),
+    (lambda d: d["cluster"].update(nodes=[]), "cluster.nodes is empty: the plan's cluster has "
+     "no nodes"),
+    (lambda d: d["cluster"]["nodes"].append(d["cluster"]["nodes"][0]),
+     r"cluster.nodes\[\d+\].name '.*' is also cluster.nodes\[0\].name"),
     # numbers explain, compare and launch divide by or show (JSON has NaN and Infinity)
     (lambda d: d["prediction"].update(step_time=float("nan")),
      r"prediction.step_time is not a number \(NaN\)"),
