@@ -50,6 +50,34 @@ def test_a_device_used_twice_is_a_plan_error():
         rank_layout(plan)
 
 
+def _with_stage(plan, pipeline, stage, **change):
+    p = plan.pipelines[pipeline]
+    stages = list(p.stages)
+    stages[stage] = dataclasses.replace(stages[stage], **change)
+    pipelines = list(plan.pipelines)
+    pipelines[pipeline] = dataclasses.replace(p, stages=tuple(stages))
+    return dataclasses.replace(plan, pipelines=tuple(pipelines))
+
+
+def test_layer_errors_name_the_pipeline_and_stage_at_fault():
+    """A pipeline that runs past the model's end is named, not the others (the model
+    used to be taken as long as the longest pipeline); a chunk that holds no layers is
+    named by its stage."""
+    plan = tiny_plan("1x6xcpu", pp=2, dp=3)
+    last = plan.pipelines[0].stages[1]
+    end = last.chunks[-1][1]
+    longer = _with_stage(plan, 0, 1, chunks=((last.chunks[0][0], end + 3),),
+                         layers=(last.layers[0], end + 3))
+    with pytest.raises(PlannerError, match=f"Pipeline 0 runs layers 0-{end + 2}, where most "
+                       f"pipelines run 0-{end - 1}"):
+        rank_layout(longer)
+    first = plan.pipelines[1].stages[0]
+    empty = _with_stage(plan, 1, 0, chunks=((0, 0), *first.chunks))
+    with pytest.raises(PlannerError, match=r"Pipeline 1 stage 0 has a chunk \[0, 0\) that "
+                       "holds no layers"):
+        rank_layout(empty)
+
+
 def test_environment_matching_the_plan_places_the_rank():
     plan = tiny_plan("1x4xcpu", pp=2, dp=2)
     layout = rank_layout(plan)

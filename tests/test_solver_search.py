@@ -415,7 +415,7 @@ def test_cross_class_sync_floors_hold_for_every_split(seed):
     assert checked
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_card_floor_holds_for_every_split(seed):
     """Stages on one node whose replicas sit on other nodes all-reduce through that
@@ -428,8 +428,7 @@ def test_card_floor_holds_for_every_split(seed):
     from planner.solver.sync_floor import SyncFloor
 
     rng = random.Random(seed)
-    table = random_table(seed, layers=4, types=[("a", [4] * rng.randint(2, 3)),
-                                                ("b", [2] * rng.randint(2, 3))],
+    table = random_table(seed, layers=4, types=[("a", [2, 2]), ("b", [2] * rng.randint(1, 2))],
                          link_speed=rng.choice([0.1, 1.0]))
     if rng.random() < 0.5:  # the last layer reads some of the first's weights
         table = dataclasses.replace(table, tied=((3, 0, float(table.params[0]) / 2),),
@@ -438,8 +437,8 @@ def test_card_floor_holds_for_every_split(seed):
     kinds = ["a", "b"]
     floors = SyncFloor(table, config, space, kinds, {k: cheapest_gather(table, k)
                                                      for k in kinds}, [1], {})
-    for _, shapes in structures(table, 8, Limits(max_stages=4)):
-        if (priced := price(table, config, space, shapes, 8)) is None:
+    for _, shapes in structures(table, 4, Limits(max_stages=3)):
+        if (priced := price(table, config, space, shapes, 4)) is None:
             continue
         for shape, slots in zip(shapes, priced.placement, strict=True):
             assert all(len({slot.node for slot in p}) <= floors.runs(shape.types, 1)

@@ -16,6 +16,7 @@ one stage only. Violations are PlannerErrors naming the pipeline and stage.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from planner.errors import PlannerError
@@ -85,7 +86,7 @@ class Layout:
 
 
 def _check_coverage(plan: Plan) -> None:
-    num_layers = max(b for p in plan.pipelines for s in p.stages for _, b in s.chunks)
+    num_layers = _model_layers(plan)
     for p in plan.pipelines:
         if not p.stages:
             raise PlannerError("bad-plan", f"Pipeline {p.index} has no stages.",
@@ -97,16 +98,21 @@ def _check_coverage(plan: Plan) -> None:
                 ["regenerate the plan with `planner solve`"])
         chunks = sorted((a, b, s.index) for s in p.stages for a, b in s.chunks)
         expected = 0
-        for a, b, _ in chunks:
-            if a != expected or b <= a:
+        for a, b, stage in chunks:
+            if b <= a:
+                raise PlannerError(
+                    "bad-plan", f"Pipeline {p.index} stage {stage} has a chunk [{a}, {b}) "
+                    "that holds no layers.", ["regenerate the plan with `planner solve`"])
+            if a != expected:
                 raise PlannerError(
                     "bad-plan", f"Pipeline {p.index} does not cover the model's layers "
                     f"0-{num_layers - 1} once each: a chunk starts at layer {a} where layer "
                     f"{expected} was expected.", ["regenerate the plan with `planner solve`"])
             expected = b
         if expected != num_layers:
-            raise PlannerError("bad-plan", f"Pipeline {p.index} ends at layer {expected}; the "
-                               f"other pipelines run {num_layers} layers.",
+            raise PlannerError("bad-plan", f"Pipeline {p.index} runs layers 0-{expected - 1}, "
+                               f"where most pipelines run 0-{num_layers - 1}; every pipeline "
+                               "runs the whole model.",
                                ["regenerate the plan with `planner solve`"])
         order = [s for _, _, s in chunks]
         pp = len(p.stages)
@@ -159,6 +165,14 @@ def rank_layout(plan: Plan) -> Layout:
                                   local_rank=local, device=device, pipeline=pipeline,
                                   stage=stage, tp_rank=tp_rank))
     return Layout(nodes=tuple(nodes), slots=tuple(slots))
+
+
+def _model_layers(plan: Plan) -> int:
+    """How many layers the model has: where the pipelines end, most of them (the first
+    such end on a tie), so that the error names a pipeline that differs."""
+    ends = Counter(max(b for s in p.stages for _, b in s.chunks)
+                   for p in plan.pipelines if p.stages and all(s.chunks for s in p.stages))
+    return ends.most_common(1)[0][0] if ends else 0
 
 
 def _check_stage(plan: Plan, pipeline: int, stage: StagePlan) -> None:
