@@ -184,7 +184,8 @@ class SyncFloor:
         if key not in self._table.cache:
             runs = 0
             for kind, count in ClassShape(types, 1, tp).blocks():
-                slots = min(d // tp for d in self._table.type(kind).node_devices if d >= tp)
+                slots = min((d // tp for d in self._table.type(kind).node_devices
+                             if d >= tp), default=1)
                 runs += max(1, -(-count // slots))
             self._table.cache[key] = float(runs)
         return self._table.cache[key]
