@@ -382,22 +382,20 @@ def why_slower(best: CostBreakdown, other: CostBreakdown) -> str:
 
 
 def _shared_card(plan: Plan) -> tuple[str, int] | None:
-    """The node that takes part in the most gradient all-reduces across nodes (the
-    all-reduce of each stage's gradients among every stage holding its first layer;
-    ZeRO-3 stages only where other classes hold it too), and how many, if several."""
-    held = Holders(plan)  # (`predict.sync_and_optimizer`'s groups)
-    groups = {(s.layers[0], frozenset(held.holders(s.layers[0]))) for s in held.stages
-              if s.zero < 3 or len(held.holders(s.layers[0])) > len(held.of(s))}
-    counts: dict[str, int] = {}
-    for _, holders in groups:
-        if len(holders) < 2:
-            continue
-        for name in holders:
-            counts[name] = counts.get(name, 0) + 1
-    if not counts:
+    """The node whose network card carries the most gradient all-reduces across nodes,
+    and how many, if several: those of the stages it holds (each among every stage
+    holding its first layer; ZeRO-3 stages only where other classes hold it too), as
+    `predict.sync_and_optimizer` charges them."""
+    held = Holders(plan)
+    charged: dict[str, set[tuple[int, int]]] = {}
+    for s in held.stages:
+        holders = held.holders(s.layers[0])
+        if len(set(holders)) > 1 and (s.zero < 3 or len(holders) > len(held.of(s))):
+            charged.setdefault(s.devices.node, set()).add(s.layers)
+    if not charged:
         return None
-    name = max(sorted(counts), key=counts.__getitem__)
-    return (name, counts[name]) if counts[name] > 1 else None
+    name = max(sorted(charged), key=lambda n: len(charged[n]))
+    return (name, len(charged[name])) if len(charged[name]) > 1 else None
 
 
 def _memory_without(plan: Plan, pipe_index: int, stage: StagePlan, layers: Sequence[Layer],
