@@ -460,6 +460,74 @@ def test_card_floor_holds_for_every_split(seed):
     assert above
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10**9))
+def test_heaviest_run_is_the_least_over_every_cut(seed):
+    """`evaluate.heaviest_run` against every cut of a few layers into runs in order
+    (some empty): no cut's busiest run costs less, and the best one costs no more."""
+    from planner.solver.evaluate import heaviest_run
+
+    rng = random.Random(seed)
+    layers = rng.randint(1, 6)
+    table = random_table(seed, layers=layers, types=[("a", [2])])
+    slopes = [rng.choice([1.0, 2.0, 0.5 + rng.random()]) for _ in range(rng.randint(1, 4))]
+    grads = table.params * table.grad_bytes
+    best = min(max(b * float(grads[a:z].sum()) for b, a, z in zip(
+        slopes, (0, *cuts), (*cuts, layers), strict=True))
+        for cuts in itertools.combinations_with_replacement(range(layers + 1),
+                                                            len(slopes) - 1))
+    assert heaviest_run(table, slopes) == pytest.approx(best, rel=1e-6)
+    assert heaviest_run(table, slopes) <= best * (1 + 1e-12)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_sharded_card_floors_hold_for_every_split_and_zero_choice(seed):
+    """A class of one whose stages may take ZeRO-3: for every split and every choice of
+    stages on it, each of `evaluate.sharded_card_floors`'s pairs holds one way, the
+    sync pays the card floor or a stage on ZeRO-3 is at least that busy per
+    micro-batch; and a floor is above nothing somewhere."""
+    from planner.solver.evaluate import (
+        Config,
+        class_links,
+        sharded_card_floors,
+        sync_and_optimizer,
+        zero_gathers,
+    )
+    from planner.solver.structure import place
+
+    rng = random.Random(seed)
+    table = random_table(seed, layers=4, types=[("a", [2, 2]), ("b", [2] * rng.randint(1, 2))],
+                         link_speed=rng.choice([0.1, 1.0]), memory=64 * GIB)
+    if rng.random() < 0.5:  # the last layer reads some of the first's weights
+        table = dataclasses.replace(table, tied=((3, 0, float(table.params[0]) / 2),),
+                                    cache={})
+    config, checked = Config(mb=1, tp=1), 0
+    for _, shapes in structures(table, 4, Limits(max_stages=3)):
+        if len(shapes) > 1 or shapes[0].n < 2 or (placement := place(table, shapes)) is None:
+            continue
+        shape, slots = shapes[0], placement[0]
+        floors = sharded_card_floors(table, config, shape, slots)
+        costs = {zero: class_costs(
+            table, shape.types, tp=1, mb=1, n=shape.n, links=class_links(table, slots),
+            gathers=zero_gathers(table, slots), schedule=config.schedule,
+            policies=(Recompute.NONE,), zeros=(zero,)) for zero in (0, 3)}
+        for cuts in itertools.combinations(range(1, 4), shape.stages - 1):
+            splits = {zero: c.split_at((0, *cuts, 4)) for zero, c in costs.items()}
+            if None in splits.values():
+                continue
+            for choice in itertools.product((0, 3), repeat=shape.stages):
+                split = dataclasses.replace(splits[0], options=tuple(
+                    splits[zero].options[s] for s, zero in enumerate(choice)))
+                sync, _ = sync_and_optimizer(table, config, shapes, placement, [split])
+                busiest = max((splits[3].stages[s].busy for s, zero in enumerate(choice)
+                               if zero == 3), default=0.0)
+                for card, busy in floors:
+                    assert sync >= card * (1 - 1e-9) or busiest >= busy * (1 - 1e-9)
+                    checked += card > 0
+    assert checked
+
+
 def test_stages_sharing_a_node_take_turns_on_its_card():
     """Two pipelines of two stages, each pipeline on a node of its own: both stages'
     all-reduces cross the network from the same two nodes, so the sync is the two of

@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +44,9 @@ from planner.solver.partition import (
     check_time,
     class_costs,
     gpipe_front,
+    least_zero3_busy,
     optimize,
+    sharded_params,
 )
 from planner.solver.shares import grouped_shares, shares
 from planner.solver.structure import ClassShape, Placement, Slot, place
@@ -392,35 +394,157 @@ def card_floor(table: CostTable, shapes: tuple[ClassShape, ...], placement: Plac
                zero3: bool) -> float:
     """What the busiest network card carries at least during the sync, whatever the
     splits (`busiest_card`). Where each stage of a class is all-reduced across nodes
-    (its replicas in the class span several: a subset of its group), one pipeline's
+    (a subset of its group spans several: its replicas in the class, or those with
+    one of the partner groups of each other class, `stage_groups`), one pipeline's
     stages lie in runs, one per node it uses, whose all-reduces share that node's card
-    and add up; the runs hold all the untied parameters between them, so the busiest
-    run's all-reduces take at least its stages' intercepts (the fewest of any run) plus
-    the parameters' bytes over the sum of the runs' bandwidths (1 / the least slope of
-    a stage in the run). Not where a stage may take ZeRO-3 (`zero3`: then it is not
-    all-reduced within its class). Cached per structure."""
+    and add up; the busiest run's all-reduces take at least its stages' intercepts (the
+    fewest of any run) plus its layers' gradient bytes times its least slope of a
+    stage (a tied weight's too: held apart from its readers, it is all-reduced on its
+    own, through the cards of its owner's stage, among a group holding that stage's),
+    and no cut of the layers into the runs, in their order, does better than
+    `heaviest_run` (where a pipeline comes back to a node, than the parameters' bytes
+    over the sum of the runs' bandwidths), each stage priced on the line of a subset of
+    its group (no larger than it costs). Not where a stage may take ZeRO-3 (`zero3`:
+    then it is not all-reduced within its class). Cached per structure."""
     key = ("card floor", shapes, zero3)
     if key in table.cache:
         return table.cache[key]
-    volume = (float(table.params.sum()) - sum(w for _, w in table.tied_weights)
-              ) * table.grad_bytes
     out = 0.0
-    for shape, slots in zip(shapes, placement, strict=True):
-        if shape.n < 2 or zero3:
-            continue
-        groups = [CommGroup.of([p[s].node for p in slots]) for s in range(shape.stages)]
-        if any(len(g.members) < 2 for g in groups):
-            continue
-        lines = [all_reduce_line(table, g) for g in groups]
-        for runs in {tuple(tuple(s for s in range(shape.stages) if p[s].node == node)
-                           for node in dict.fromkeys(slot.node for slot in p))
-                     for p in slots}:
-            slopes = [min(lines[s][1] for s in run) for run in runs]
-            if min(slopes) > 0:
-                least = min(sum(lines[s][0] for s in run) for run in runs)
-                out = max(out, least + volume / sum(1 / b for b in slopes))
+    if zero3:
+        table.cache[key] = out
+        return out
+    crossed = stage_groups(table, shapes, placement)
+    for c, (shape, slots) in enumerate(zip(shapes, placement, strict=True)):
+        own = [CommGroup.of([p[s].node for p in slots]) for s in range(shape.stages)]
+        cuts = {tuple(tuple(s for s in range(shape.stages) if p[s].node == node)
+                      for node in dict.fromkeys(slot.node for slot in p)) for p in slots}
+        for lines in _stage_lines(table, own, crossed[c] if crossed else ()):
+            for runs in cuts:
+                out = max(out, _busiest_run(table, shape, lines, runs))
     table.cache[key] = out
     return out
+
+
+def _stage_lines(table: CostTable, own: list[CommGroup], crossed: tuple
+                 ) -> list[list[tuple[float, float]]]:
+    """Lines below each stage's all-reduce, one list for each subset of its group
+    known to span several nodes (one inside a node is not charged to its card): its
+    class's replicas (`own`), and beside each other class, those with one of their
+    partner groups (`stage_groups`: the least intercept and slope of them)."""
+    out = []
+    if all(len(g.members) > 1 for g in own):
+        out.append([all_reduce_line(table, g) for g in own])
+    if crossed:
+        where, options = crossed
+        for d in range(len(options[0])):
+            if any(len(g.members) < 2 for partners in options for g in partners[d]):
+                continue
+            per_set = []
+            for partners in options:
+                lines = [all_reduce_line(table, g) for g in partners[d]]
+                per_set.append((min(a for a, _ in lines), min(b for _, b in lines)))
+            out.append([per_set[i] for i in where])
+    return out
+
+
+def _busiest_run(table: CostTable, shape: ClassShape, lines: list[tuple[float, float]],
+                 runs: tuple[tuple[int, ...], ...]) -> float:
+    """What one pipeline's busiest run of stages on a node carries at least
+    (`card_floor`), given a line below each stage's all-reduce."""
+    slopes = tuple(min(lines[s][1] for s in run) for run in runs)
+    if min(slopes) <= 0:
+        return 0.0
+    least = min(sum(lines[s][0] for s in run) for run in runs)
+    if sum(runs, ()) == tuple(range(shape.stages)):
+        return least + heaviest_run(table, slopes)
+    return least + float(table.params.sum()) * table.grad_bytes / sum(1 / b for b in slopes)
+
+
+def sharded_card_floors(table: CostTable, config: Config, shape: ClassShape,
+                        slots: Sequence[Sequence[Slot]]) -> list[tuple[float, float]]:
+    """`card_floor` of a structure of one class whose stages may take ZeRO-3, which
+    do not all-reduce at the sync but gather their weights three times per
+    micro-batch. Per threshold y of parameters, rising: what the busiest card carries
+    at least if no stage on ZeRO-3 shards y or more, and the least busy time per
+    micro-batch of a stage on ZeRO-3 that does (`partition.least_zero3_busy`;
+    infinite where none can). A stage on ZeRO-3 under y takes at most y parameters'
+    gradients off its run, and the tied weights it may hold with all their readers
+    (then not all-reduced). The thresholds lie just above each size of layer (up to
+    four), so that a stage past one holds a layer of the next size, then at 2, 3, 4,
+    6, 8, ... times the largest, until nothing is left on the card. Cached per class
+    and micro-batch size."""
+    key = ("sharded card floors", shape, config.mb)
+    if key in table.cache:
+        return table.cache[key]
+    out: list[tuple[float, float]] = []
+    own = [CommGroup.of([p[s].node for p in slots]) for s in range(shape.stages)]
+    if shape.n > 1 and all(len(g.members) > 1 for g in own):
+        lines = [all_reduce_line(table, g) for g in own]
+        cuts = [(heaviest_run(table, slopes), slopes, [len(run) for run in runs])
+                for runs in {tuple(tuple(s for s in range(shape.stages) if p[s].node == node)
+                                   for node in dict.fromkeys(slot.node for slot in p))
+                             for p in slots}
+                for slopes in [[min(lines[s][1] for s in run) for run in runs]]]
+        readers: dict[tuple[int, float], list[int]] = {}
+        for reader, owner, weights in table.tied:
+            readers.setdefault((owner, float(weights)), []).append(reader)
+        widest = table.num_layers - shape.stages + 1  # layers one stage holds at most
+        tied = sum(w for (owner, w), rs in readers.items()
+                   if max(owner, *rs) - min(owner, *rs) < widest) * table.grad_bytes
+        stages = set(zip(shape.types, zero_gathers(table, slots), strict=True))
+        sizes = np.unique(np.diagonal(sharded_params(table), offset=1))
+        sizes = sizes[sizes > 0]
+        sizes = sizes[np.unique(np.linspace(0, len(sizes) - 1, min(len(sizes), 4)).astype(int))]
+        for held in _thresholds(sizes * (1 + 1e-9)):
+            card = max(heaviest - max(b * (count * held * table.grad_bytes + tied)
+                                      for b, count in zip(slopes, counts, strict=True))
+                       for heaviest, slopes, counts in cuts)
+            out.append((max(card, 0.0), min(
+                least_zero3_busy(table, kind, tp=shape.tp, mb=config.mb, gather=gather,
+                                 held=held) for kind, gather in stages)))
+            if card <= 0:
+                break
+    table.cache[key] = out
+    return out
+
+
+def _thresholds(sizes: np.ndarray) -> Iterator[float]:
+    """`sharded_card_floors`' thresholds: `sizes`, then 2, 3, 4, 6, 8, ... times the
+    largest (the caller stops)."""
+    yield from (float(size) for size in sizes)
+    factor = 2
+    while True:
+        yield float(sizes[-1]) * factor
+        factor = factor + 1 if factor < 4 else factor * 3 // 2
+
+
+def heaviest_run(table: CostTable, slopes: Sequence[float]) -> float:
+    """The least, over every cut of the layers into consecutive runs (as many as
+    `slopes`, in their order, some maybe empty), of the largest run's slope times its
+    layers' gradient bytes: a value no cut reaches below it, found by
+    bisection on whether runs that cost at most T each can hold every layer (each run
+    taking as many as fit, in order, covers the most). Cached per slopes."""
+    key = ("heaviest run", tuple(slopes))
+    if key not in table.cache:
+        held = np.concatenate([[0.0], np.cumsum(table.params)]) * table.grad_bytes
+        rates = np.asarray(slopes, dtype=float)
+
+        def fits(most: float) -> bool:
+            end = 0
+            for rate in rates:
+                end = int(np.searchsorted(held, held[end] + most / rate, side="right")) - 1
+                if end == len(held) - 1:
+                    return True
+            return False
+
+        low = held[-1] / float(np.sum(1 / rates))  # the water level: none reach it
+        high = held[-1] * float(rates.max())
+        if not fits(low):
+            while high - low > 1e-9 * high:
+                middle = (low + high) / 2
+                low, high = (low, middle) if fits(middle) else (middle, high)
+        table.cache[key] = low
+    return table.cache[key]
 
 
 def all_reduce_line(table: CostTable, group: CommGroup) -> tuple[float, float]:

@@ -579,15 +579,34 @@ def _gathers(table: CostTable, gather: tuple[float, float]) -> np.ndarray:
     With v chunks per device (a folded table) each chunk gathers its own: v latencies."""
     key = ("gathers", gather)
     if key not in table.cache:
+        weight_bytes = sharded_params(table) * table.weight_bytes
+        table.cache[key] = (table.interleave * gather[0] + (gather[1] - gather[0])
+                            * weight_bytes / ZERO_GATHER_REF) * (weight_bytes > 0)
+    return table.cache[key]
+
+
+def sharded_params(table: CostTable) -> np.ndarray:
+    """The parameters ZeRO-3 shards in every layer range [a, b): all but the tied
+    weights it owns, which it keeps whole (cached)."""
+    key = "sharded params"
+    if key not in table.cache:
         params = np.concatenate([[0.0], np.cumsum(table.params)])
         sharded = params[None, :] - params[:, None]
         a, b = np.ogrid[:len(params), :len(params)]
         for owner, weights in table.tied_weights:
             sharded = sharded - weights * ((a <= owner) & (owner < b))
-        weight_bytes = np.maximum(sharded, 0.0) * table.weight_bytes
-        table.cache[key] = (table.interleave * gather[0] + (gather[1] - gather[0])
-                            * weight_bytes / ZERO_GATHER_REF) * (weight_bytes > 0)
+        table.cache[key] = np.maximum(sharded, 0.0)
     return table.cache[key]
+
+
+def least_zero3_busy(table: CostTable, kind: str, *, tp: int, mb: int,
+                     gather: tuple[float, float], held: float) -> float:
+    """The least busy time per micro-batch of a stage of type `kind` on ZeRO-3 that
+    shards at least `held` parameters: its layers plus three gathers (`_gathers`),
+    over every layer range that holds that many (infinite where none does)."""
+    busy = _prefixes(table, kind, tp, mb)[3] + 3 * _gathers(table, gather)
+    a, b = np.ogrid[:table.num_layers + 1, :table.num_layers + 1]
+    return float(np.min(busy, where=(a < b) & (sharded_params(table) >= held), initial=INF))
 
 
 def zero3_first(table: CostTable, costs: ClassCosts, kind: str, *, tp: int, mb: int,

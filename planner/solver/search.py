@@ -25,8 +25,9 @@ of slots does better), plus the gradient sync its fixed classes pay at least
 `evaluate.cross_class_floor`). Nodes are expanded in order of bound, so when the queue's
 best bound reaches the k-th best plan found, no unexplored structure can beat it:
 the search is optimal. Before that, a greedy plan (one homogeneous class per
-type, fastest first), dives down the tree and the best structure so far tried in
-every other configuration give it a good plan to prune with. A time limit stops
+type, fastest first), moves around it that hand a few pipelines to a mixed class,
+dives down the tree and the best structure so far tried in every other
+configuration give it a good plan to prune with. A time limit stops
 the search early, inside the pricing of one structure too, and reports the queue's
 best bound (and the structure's, for what its pricing left out).
 
@@ -71,6 +72,7 @@ from planner.solver.evaluate import (
     cross_class_floor,
     price,
     refine,
+    sharded_card_floors,
 )
 from planner.solver.interleave import choices, fold
 from planner.solver.limits import Limits
@@ -137,6 +139,9 @@ class _Node:
     fewer: frozenset = field(compare=False, default=frozenset())
     # with `fewer`: per count 1..n of the last family, its own bound and base
     counted: tuple = field(compare=False, default=())
+
+
+SWAPS = 64  # moves around the greedy plan that are priced (`_Search.swap`)
 
 
 def degrees(table: CostTable, limits: Limits) -> list[int]:
@@ -401,9 +406,10 @@ class _Search:
                      self.top_k, self.gap, self.deadline)
 
     def leaf(self, node: _Node) -> None:
-        """Price a whole structure unless its sync floor already rules it out."""
-        if self.sync_floor(node) < self.threshold():
-            self.given_up = min(self.given_up, self.price(node))
+        """Price a whole structure unless its sync floor already rules it out (what
+        its pricing leaves out is no faster than that floor either)."""
+        if (floor := self.sync_floor(node)) < self.threshold():
+            self.given_up = min(self.given_up, max(floor, self.price(node)))
 
     def crossed(self, node: _Node) -> float:
         """The node's bound raised by the sync its fixed classes pay beside each other
@@ -421,7 +427,10 @@ class _Search:
         """A bound on a (settled) leaf's whole step: the first stage of every pipeline
         holds the first layer, whose gradients are all-reduced over all of them unless
         its one class shards that stage with ZeRO-3, which costs its pipelines three
-        gathers per micro-batch."""
+        gathers per micro-batch; and its busiest network card (`evaluate.card_floor`),
+        where a class of one may take ZeRO-3 unless a stage on it shards a layer of
+        some size or more, and so is busier per micro-batch
+        (`evaluate.sharded_card_floors`)."""
         table, config = self.view(node.config), node.config
         shapes = _shapes(node)
         placement = place(table, shapes)
@@ -438,7 +447,20 @@ class _Search:
             return max(node.bound, synced)  # no ZeRO-3 (`evaluate.zero_space`)
         bound = self.state[config][1]
         sharded, _ = bound([(self.zero3(config, f), n) for f, n in self.fixed(node)], ())
-        return max(node.bound, min(synced, sharded))
+        out = max(node.bound, min(synced, sharded))
+        if config.interleave > 1:  # (the busy time bounds no interleaved period alone)
+            return out
+        # X: the most parameters a stage on ZeRO-3 shards (0: none is); per range of X
+        # between thresholds, the card under the next and the busy time at the last
+        floors = sharded_card_floors(table, config, shapes[0], placement[0])
+        least = node.base + floors[0][0] if floors else out
+        for i, (_, busy) in enumerate(floors):
+            if least <= out or busy == INF:  # (inf: X cannot reach the threshold)
+                break
+            full, base = bound([(_busier(f, busy), n) for f, n in self.fixed(node)], ())
+            card = floors[i + 1][0] if i + 1 < len(floors) else 0.0
+            least = min(least, max(full, max(base, node.base) + card))
+        return max(out, least)
 
     def zero3(self, config: Config, family: Family) -> Family:
         """The (tightened) family with its first stage on ZeRO-3."""
@@ -526,6 +548,47 @@ class _Search:
                          tuple(f.key for f, _ in fixed), tuple(n for _, n in fixed))
             self.settle(node)
             node.bound, node.base = bound(fixed, ())
+            if self.promising(node.bound):
+                self.leaf(node)
+
+    def swap(self, config: Config) -> None:
+        """Moves around the best plan, where it was found in this configuration and has
+        no mixed class (as the greedy plan's): one of its classes gives up one or two
+        pipelines, and up to one more of a mixed family with a block of that class's
+        type run on the devices freed and those left over. The `SWAPS` moves with the
+        best bounds are priced: a few mixed pipelines often use what whole classes of
+        one type leave idle."""
+        levels, bound, index = self.state.get(config, ([], None, {}))
+        if (self.single or not self.best or self.best[0].config != config or not levels
+                or not levels[0] or len(set(levels[0][0].types)) < 2
+                or any(len(set(s.types)) > 1 for s in self.best[0].shapes)):
+            return
+        fixed = [(index[s.types, s.tp], s.n) for s in self.best[0].shapes]
+        left = {k: bound.devices[k] - sum(n * f.types.count(k) * f.tp for f, n in fixed)
+                for k in bound.devices}
+        moves = []
+        for i, (family, n) in enumerate(fixed):
+            for given in range(1, min(n, 3)):
+                rest = [*fixed[:i], (family, n - given), *fixed[i + 1:]]
+                free = dict(left, **{family.types[0]: left[family.types[0]]
+                                     + given * family.devices})
+                mixed = [(f, k) for f in levels[0] if family.types[0] in f.types
+                         and f.min_busy < INF and self.limits.allows(f.types)
+                         for k in range(1, 1 + min(given + 1, bound.m - n + given, *(
+                             free[kind] // (f.types.count(kind) * f.tp) for kind in set(f.types))))]
+                if mixed:
+                    bounds, _ = bound.many([(self.crowded(config, f, c), c) for f, c in rest],
+                                           [(self.crowded(config, f, k), k) for f, k in mixed],
+                                           ())
+                    moves += [(float(b), order, rest, f, k) for order, (b, (f, k)) in enumerate(
+                        zip(bounds, mixed, strict=True), len(moves)) if self.promising(b)]
+        for _, _, rest, f, k in sorted(moves, key=lambda move: move[:2])[:SWAPS]:
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                return
+            node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
+                         (f.key, *(g.key for g, _ in rest)), (k, *(n for _, n in rest)))
+            self.settle(node)
+            node.bound, node.base = bound(self.fixed(node), ())
             if self.promising(node.bound):
                 self.leaf(node)
 
@@ -653,6 +716,7 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
                 if config is not None and config in part.state and config not in greedy:
                     greedy.add(config)
                     part.greedy(config)
+                    part.swap(config)
         part.dive(dataclasses.replace(root, order=next(run.counter)))
     for part in runs:
         part.transfer()
@@ -687,6 +751,12 @@ def _least_degrees(levels: list[list[Family]]) -> dict[str, int]:
 def _placement_order(shape: ClassShape) -> tuple[bool, str]:
     """Classes are placed mixed first, then the homogeneous ones by type name."""
     return len(set(shape.types)) == 1, shape.types[0]
+
+
+def _busier(family: Family, busy: float) -> Family:
+    """The family with none of its splits' stages faster than `busy` per micro-batch."""
+    return Family(types=family.types, tp=family.tp, n_max=family.n_max, tight=True,
+                  min_busy=max(family.min_busy, busy), total=max(family.total, busy))
 
 
 def _shapes(node: _Node) -> tuple[ClassShape, ...]:

@@ -24,8 +24,9 @@ take at least. `Bound` takes, per class, the smaller of the two.
 Without ZeRO-3 the step also pays its busiest network card (`evaluate.card_floor`):
 where every stage's replicas span two or more nodes, the stages one pipeline holds
 on one node all-reduce through that node's card in turn, and a pipeline spans at
-most `runs` nodes, so one of them carries at least 1/runs of the parameters, at the
-least per-byte cost of an all-reduce over that many nodes of any of its types.
+most `runs` nodes, so one of them carries at least the heaviest of `runs` runs of
+whole layers (`evaluate.heaviest_run`), at the least per-byte cost of an all-reduce
+over that many nodes of any of its types.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cost_models.comm import CommGroup
-from planner.solver.evaluate import Config, Space, all_reduce_line
+from planner.solver.evaluate import Config, Space, all_reduce_line, heaviest_run
 from planner.solver.interleave import fold
 from planner.solver.partition import INF, ZERO_GATHER_REF
 from planner.solver.structure import ClassShape
@@ -56,7 +57,6 @@ class SyncFloor:
         self.kinds = list(kinds)
         self._infos = infos = [table.type(k) for k in self.kinds]
         self.params = float(table.params.sum())
-        self.untied = (self.params - sum(w for _, w in table.tied_weights)) * table.grad_bytes
         self.largest = float(table.params.max())
         self.grad_bytes = table.grad_bytes
         self.zero3 = 3 in space.zeros
@@ -194,16 +194,18 @@ class SyncFloor:
         """Per row, the sync a class pays at least on its busiest network card
         (`evaluate.card_floor`) where every stage's replicas span several nodes of its
         type (`spread`): the parameters' bytes over the runs of a pipeline on one node
-        each, at the least slope of any of its types (0 elsewhere)."""
+        each, at the least slope of any of its types, the busiest run at least
+        `heaviest_run` of them (0 elsewhere)."""
         size = len(self.kinds)
         k = np.minimum(spread, self.nodes[None, :])
         t = np.arange(size)[None, :]
         intercept = np.where(mask, self.floor[0][t, k, size], INF).min(axis=1)
         slope = np.where(mask, self.floor[1][t, k, size], INF).min(axis=1)
         crossed = np.where(mask, k >= 2, True).all(axis=1) & mask.any(axis=1)
-        return np.where(crossed & np.isfinite(runs),
-                        intercept + slope * self.untied / np.where(np.isfinite(runs), runs, 1.0),
-                        0.0)
+        known = np.isfinite(runs)
+        heaviest = {r: heaviest_run(self._table, (1.0,) * int(r)) for r in set(runs[known])}
+        held = np.array([heaviest.get(r, 0.0) for r in runs])
+        return np.where(crossed & known, intercept + slope * held, 0.0)
 
     def terms(self, classes: Sequence[tuple[np.ndarray, ...]]
               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
