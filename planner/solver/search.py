@@ -558,12 +558,15 @@ class _Search:
         type run on the devices freed and those left over. The `SWAPS` moves with the
         best bounds are priced: a few mixed pipelines often use what whole classes of
         one type leave idle."""
-        levels, bound, index = self.state.get(config, ([], None, {}))
-        if (self.single or not self.best or self.best[0].config != config or not levels
-                or not levels[0] or len(set(levels[0][0].types)) < 2
-                or any(len(set(s.types)) > 1 for s in self.best[0].shapes)):
+        if self.single or not self.best or self.best[0].config != config:
             return
-        fixed = [(index[s.types, s.tp], s.n) for s in self.best[0].shapes]
+        levels, bound, index = self.state[config]
+        keys = [(s.types, s.tp) for s in self.best[0].shapes]
+        if (not levels[0] or len(set(levels[0][0].types)) < 2
+                or any(len(set(types)) > 1 for types, _ in keys)
+                or not all(k in index for k in keys)):  # (a seed's may be no family here)
+            return
+        fixed = [(index[k], s.n) for k, s in zip(keys, self.best[0].shapes, strict=True)]
         left = {k: bound.devices[k] - sum(n * f.types.count(k) * f.tp for f, n in fixed)
                 for k in bound.devices}
         moves = []
@@ -574,7 +577,7 @@ class _Search:
                                      + given * family.devices})
                 mixed = [(f, k) for f in levels[0] if family.types[0] in f.types
                          and f.min_busy < INF and self.limits.allows(f.types)
-                         for k in range(1, 1 + min(given + 1, bound.m - n + given, *(
+                         for k in range(1, 1 + min(given + 1, bound.m - sum(c for _, c in rest), *(
                              free[kind] // (f.types.count(kind) * f.tp) for kind in set(f.types))))]
                 if mixed:
                     bounds, _ = bound.many([(self.crowded(config, f, c), c) for f, c in rest],
