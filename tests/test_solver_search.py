@@ -528,6 +528,23 @@ def test_sharded_card_floors_hold_for_every_split_and_zero_choice(seed):
     assert checked
 
 
+def test_moves_leave_a_best_plan_of_no_family_alone():
+    """`_Search.swap` moves pipelines of the best plan's classes to a mixed class; a
+    best plan whose classes are no family of the configuration (a seed priced with
+    ZeRO, say) is left alone rather than looked up."""
+    from planner.solver.search import _Search
+    from planner.solver.structure import ClassShape
+
+    table = random_table(3, layers=4, types=[("a", [2, 2]), ("b", [2, 2])])
+    found = search(table, 8).best[0]
+    part = _Search(table, 8, Limits(), Space(zeros=(0,)), 1, 0.0, False, [],
+                   itertools.count())
+    assert found.config in part.state
+    part.best.append(dataclasses.replace(found, shapes=(ClassShape(("a",) * 9, 1),)))
+    part.swap(found.config)
+    assert len(part.best) == 1
+
+
 def test_stages_sharing_a_node_take_turns_on_its_card():
     """Two pipelines of two stages, each pipeline on a node of its own: both stages'
     all-reduces cross the network from the same two nodes, so the sync is the two of
