@@ -416,13 +416,18 @@ def card_floor(table: CostTable, shapes: tuple[ClassShape, ...], placement: Plac
     crossed = stage_groups(table, shapes, placement)
     for c, (shape, slots) in enumerate(zip(shapes, placement, strict=True)):
         own = [CommGroup.of([p[s].node for p in slots]) for s in range(shape.stages)]
-        cuts = {tuple(tuple(s for s in range(shape.stages) if p[s].node == node)
-                      for node in dict.fromkeys(slot.node for slot in p)) for p in slots}
         for lines in _stage_lines(table, own, crossed[c] if crossed else ()):
-            for runs in cuts:
+            for runs in _node_runs(slots):
                 out = max(out, _busiest_run(table, shape, lines, runs))
     table.cache[key] = out
     return out
+
+
+def _node_runs(slots: Sequence[Sequence[Slot]]) -> set[tuple[tuple[int, ...], ...]]:
+    """Each distinct way a class's pipelines lie on nodes: per node a pipeline uses,
+    in order, the stages it holds there."""
+    return {tuple(tuple(s for s, slot in enumerate(p) if slot.node == node)
+                  for node in dict.fromkeys(slot.node for slot in p)) for p in slots}
 
 
 def _stage_lines(table: CostTable, own: list[CommGroup], crossed: tuple
@@ -481,9 +486,7 @@ def sharded_card_floors(table: CostTable, config: Config, shape: ClassShape,
     if shape.n > 1 and all(len(g.members) > 1 for g in own):
         lines = [all_reduce_line(table, g) for g in own]
         cuts = [(heaviest_run(table, slopes), slopes, [len(run) for run in runs])
-                for runs in {tuple(tuple(s for s in range(shape.stages) if p[s].node == node)
-                                   for node in dict.fromkeys(slot.node for slot in p))
-                             for p in slots}
+                for runs in _node_runs(slots)
                 for slopes in [[min(lines[s][1] for s in run) for run in runs]]]
         readers: dict[tuple[int, float], list[int]] = {}
         for reader, owner, weights in table.tied:
