@@ -180,11 +180,8 @@ def _split_ties(table: CostTable, placement: Placement, splits: Sequence[Split],
     several stages: the runtime sums its gradient over every stage holding the owner or
     a reader, in an all-reduce of its own (its holders differ from the owner's other
     parameters'); `groups` as for `_holders`."""
-    readers: dict[tuple[int, float], list[int]] = {}
-    for reader, owner, weights in table.tied:  # (T5's table: the decoder and the head)
-        readers.setdefault((owner, float(weights)), []).append(reader)
     out = []
-    for (owner, weights), tied in readers.items():
+    for (owner, weights), tied in table.tie_readers.items():
         stages = tuple(tuple(dict.fromkeys(bisect.bisect_right(split.bounds, layer) - 1
                                            for layer in (owner, *tied))) for split in splits)
         if all(len(held) == 1 for held in stages):
@@ -406,19 +403,18 @@ def card_floor(table: CostTable, shapes: tuple[ClassShape, ...], placement: Plac
     over the sum of the runs' bandwidths), each stage priced on the line of a subset of
     its group (no larger than it costs). Not where a stage may take ZeRO-3 (`zero3`:
     then it is not all-reduced within its class). Cached per structure."""
-    key = ("card floor", shapes, zero3)
+    if zero3:
+        return 0.0
+    key = ("card floor", shapes)
     if key in table.cache:
         return table.cache[key]
     out = 0.0
-    if zero3:
-        table.cache[key] = out
-        return out
     crossed = stage_groups(table, shapes, placement)
     for c, (shape, slots) in enumerate(zip(shapes, placement, strict=True)):
         own = [CommGroup.of([p[s].node for p in slots]) for s in range(shape.stages)]
         for lines in _stage_lines(table, own, crossed[c] if crossed else ()):
             for runs in _node_runs(slots):
-                out = max(out, _busiest_run(table, shape, lines, runs))
+                out = max(out, _busiest_run(table, lines, runs))
     table.cache[key] = out
     return out
 
@@ -452,7 +448,7 @@ def _stage_lines(table: CostTable, own: list[CommGroup], crossed: tuple
     return out
 
 
-def _busiest_run(table: CostTable, shape: ClassShape, lines: list[tuple[float, float]],
+def _busiest_run(table: CostTable, lines: list[tuple[float, float]],
                  runs: tuple[tuple[int, ...], ...]) -> float:
     """What one pipeline's busiest run of stages on a node carries at least
     (`card_floor`), given a line below each stage's all-reduce."""
@@ -460,7 +456,7 @@ def _busiest_run(table: CostTable, shape: ClassShape, lines: list[tuple[float, f
     if min(slopes) <= 0:
         return 0.0
     least = min(sum(lines[s][0] for s in run) for run in runs)
-    if sum(runs, ()) == tuple(range(shape.stages)):
+    if sum(runs, ()) == tuple(range(len(lines))):
         return least + heaviest_run(table, slopes)
     return least + float(table.params.sum()) * table.grad_bytes / sum(1 / b for b in slopes)
 
@@ -488,11 +484,8 @@ def sharded_card_floors(table: CostTable, config: Config, shape: ClassShape,
         cuts = [(heaviest_run(table, slopes), slopes, [len(run) for run in runs])
                 for runs in _node_runs(slots)
                 for slopes in [[min(lines[s][1] for s in run) for run in runs]]]
-        readers: dict[tuple[int, float], list[int]] = {}
-        for reader, owner, weights in table.tied:
-            readers.setdefault((owner, float(weights)), []).append(reader)
         widest = table.num_layers - shape.stages + 1  # layers one stage holds at most
-        tied = sum(w for (owner, w), rs in readers.items()
+        tied = sum(w for (owner, w), rs in table.tie_readers.items()
                    if max(owner, *rs) - min(owner, *rs) < widest) * table.grad_bytes
         stages = set(zip(shape.types, zero_gathers(table, slots), strict=True))
         sizes = np.unique(np.diagonal(sharded_params(table), offset=1))

@@ -571,21 +571,22 @@ class _Search:
                 for k in bound.devices}
         moves = []
         for i, (family, n) in enumerate(fixed):
+            kind = family.types[0]
             for given in range(1, min(n, 3)):
                 rest = [*fixed[:i], (family, n - given), *fixed[i + 1:]]
-                free = dict(left, **{family.types[0]: left[family.types[0]]
-                                     + given * family.devices})
-                mixed = [(f, k) for f in levels[0] if family.types[0] in f.types
-                         and f.min_busy < INF and self.limits.allows(f.types)
-                         for k in range(1, 1 + min(given + 1, bound.m - sum(c for _, c in rest), *(
-                             free[kind] // (f.types.count(kind) * f.tp) for kind in set(f.types))))]
+                free = {**left, kind: left[kind] + given * family.devices}
+                most = min(given + 1, bound.m - sum(c for _, c in rest))
+                mixed = [(f, k) for f in levels[0]
+                         if kind in f.types and f.min_busy < INF and self.limits.allows(f.types)
+                         for k in range(1, 1 + min(most, *(free[t] // (f.types.count(t) * f.tp)
+                                                          for t in set(f.types))))]
                 if mixed:
                     bounds, _ = bound.many([(self.crowded(config, f, c), c) for f, c in rest],
                                            [(self.crowded(config, f, k), k) for f, k in mixed],
                                            ())
-                    moves += [(float(b), order, rest, f, k) for order, (b, (f, k)) in enumerate(
-                        zip(bounds, mixed, strict=True), len(moves)) if self.promising(b)]
-        for _, _, rest, f, k in sorted(moves, key=lambda move: move[:2])[:SWAPS]:
+                    moves += [(float(b), rest, f, k) for b, (f, k) in zip(
+                        bounds, mixed, strict=True) if self.promising(b)]
+        for _, rest, f, k in sorted(moves, key=lambda move: move[0])[:SWAPS]:
             if self.deadline is not None and time.perf_counter() > self.deadline:
                 return
             node = _Node(0.0, next(self.counter), config, 0.0, len(levels),

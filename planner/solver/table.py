@@ -97,6 +97,14 @@ class CostTable:
         """Each tied weight once: (owner layer, parameters)."""
         return {(owner, params) for _, owner, params in self.tied}
 
+    @property
+    def tie_readers(self) -> dict[tuple[int, float], list[int]]:
+        """Each tied weight's (owner layer, parameters) and the layers that read it."""
+        readers: dict[tuple[int, float], list[int]] = {}
+        for reader, owner, params in self.tied:  # (T5's table: the decoder and the head)
+            readers.setdefault((owner, float(params)), []).append(reader)
+        return readers
+
     def range_params(self, tp: int) -> np.ndarray:
         """[a, b) matrix of the parameters one rank of a tp-wide stage holding layers
         [a, b) keeps: its own plus copies of tied weights owned outside the range
