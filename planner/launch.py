@@ -192,6 +192,22 @@ def _check_hosts(plan: Plan, layout: Layout, hosts: Mapping[str, HostEntry]) -> 
                 + hint, [f"the plan's nodes are {', '.join(names)}"])
 
 
+def _check_one_node_per_host(setup: _Setup) -> None:
+    """An error where two of the plan's nodes would run on one host: each node's script
+    starts its own torchrun there on the node's devices, so both would take the same GPUs."""
+    seen: dict[str, str] = {}
+    for node in setup.layout.nodes:
+        host = setup.host(node).host
+        if host in seen:
+            raise PlannerError(
+                "bad-hosts", f"Nodes {seen[host]!r} and {node.name!r} both run on host "
+                f"{host!r}: each node's script starts its own torchrun there on the node's "
+                "devices, so the two would share the same GPUs.",
+                [f"give {node.name!r} a host of its own in --hosts",
+                 "or use --target local to try the plan on one machine"])
+        seen[host] = node.name
+
+
 def _preamble(title: Sequence[str]) -> list[str]:
     lines = ["#!/usr/bin/env bash"]
     lines += [f"# {_comment(t)}" for t in title]
@@ -479,6 +495,8 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
     setup = _Setup(plan=plan, layout=layout, hosts=hosts, port=master_port,
                    max_restarts=max_restarts, runtime_args=args, python=python,
                    run_dir=run_dir)
+    if target != "local":
+        _check_one_node_per_host(setup)
     files: dict[str, str] = {"plan.json": plan_json(plan)}
     scripts: dict[str, str] = {}
     if target == "local":

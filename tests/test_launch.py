@@ -147,6 +147,20 @@ def test_hosts_file_errors_name_the_node(tmp_path, hetero_plan):
             parse_hosts({"v100-32g-0": {"host": "h", **value}}, "hosts.yaml")
 
 
+@pytest.mark.parametrize("target", ["torchrun", "slurm"])
+def test_two_nodes_on_one_host_are_refused(hetero_plan, target):
+    """Both node scripts would start torchrun on that host with the same GPUs."""
+    hosts = parse_hosts({"a100-80g-sxm-0": "h", "v100-32g-0": "h"}, "hosts.yaml")
+    with pytest.raises(PlannerError, match="Nodes 'a100-80g-sxm-0' and 'v100-32g-0' both "
+                       "run on host 'h'"):
+        render_launch(hetero_plan, target=target, hosts=hosts)
+    # a host named after the other node (the default for nodes not listed) counts too
+    with pytest.raises(PlannerError, match="both run on host 'v100-32g-0'"):
+        render_launch(hetero_plan, target=target,
+                      hosts=parse_hosts({"a100-80g-sxm-0": "v100-32g-0"}, "hosts.yaml"))
+    assert "run-local.sh" in render_launch(hetero_plan, target="local", hosts=hosts)
+
+
 @pytest.mark.parametrize("target", ["torchrun", "slurm", "local"])
 def test_a_hosts_value_with_a_line_break_is_refused(tmp_path, hetero_plan, target):
     """It would break the README (and the scripts' comments) for every target alike."""
