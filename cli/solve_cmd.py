@@ -47,8 +47,10 @@ def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dty
                           "(measured or in the catalog): their layers are priced at fp32 "
                           "speed (--dtype auto picks a dtype every device runs fast).",
                           soft_wrap=True)
-    graph = trace_loaded(load_model(model_spec(model, shape), seq_len=seq_len), batch=1,
-                         dtype=dtype)
+    model_to_trace = model_spec(model, shape)
+    with err_console.status(f"Building and tracing {model_to_trace.describe()}...",
+                            spinner="dots"):
+        graph = trace_loaded(load_model(model_to_trace, seq_len=seq_len), batch=1, dtype=dtype)
     return graph, spec, TrainingSpec(global_batch=global_batch, seq_len=graph.seq_len,
                                      dtype=dtype)
 

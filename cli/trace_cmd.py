@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from planner.types import ModelGraph
 
 console = Console()
+err_console = Console(stderr=True)
 
 
 def models(
@@ -99,7 +100,8 @@ def trace(
     if graph is not None:  # before the trace, not after it
         check_writable(graph, force=force)
     start = time.perf_counter()
-    traced = trace_loaded(load_model(spec, seq_len=seq_len), batch=batch, dtype=dtype)
+    with err_console.status(f"Building and tracing {spec.describe()}...", spinner="dots"):
+        traced = trace_loaded(load_model(spec, seq_len=seq_len), batch=batch, dtype=dtype)
     elapsed = time.perf_counter() - start
     if graph is not None:
         fmt = write_graph(traced, graph, force=True)
