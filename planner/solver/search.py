@@ -716,7 +716,10 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
         if time_limit is not None and time.perf_counter() - start > time_limit and run.best:
             break
         if len(table.types) > 1 and not part.single:
-            for config in (root.config, seeded):  # the seed's: its classes joined by others
+            # the seed's: its classes joined by others, also in plain 1F1B where the seed
+            # is interleaved (at 4,096 GPUs with up to two chunks, 12.67 s against 13.06 s)
+            plain = seeded and dataclasses.replace(seeded, interleave=1)
+            for config in (root.config, seeded, plain):
                 if config is not None and config in part.state and config not in greedy:
                     greedy.add(config)
                     part.greedy(config)
