@@ -141,23 +141,26 @@ def test_tp_per_class_starts_from_the_best_plans_of_one_degree(setup, monkeypatc
     solver = importlib.import_module("planner.solver")
     search, calls = solver._search, []
 
-    def spy(model, cluster, training, options, costs, seeds=(), progress=None):
-        table, result = search(model, cluster, training, options, costs, seeds, progress)
-        calls.append((len(cluster.nodes), options.limits.tp_per_class, seeds, result))
+    def spy(model, cluster, training, options, costs, seeds=(), progress=None, table=None):
+        given = table
+        table, result = search(model, cluster, training, options, costs, seeds, progress, table)
+        calls.append((len(cluster.nodes), options.limits.tp_per_class, seeds, result,
+                      given, table))
         return table, result
 
     monkeypatch.setattr(solver, "_search", spy)
     graph, cluster, training, _ = setup
     options = SolveOptions(gap=0.0, limits=Limits(tp_per_class=True), with_baselines=False)
     plan = solve(graph, cluster, training, options)[0]
-    assert [(nodes, per_class) for nodes, per_class, _, _ in calls] == [
+    assert [call[:2] for call in calls] == [
         (1, False), (2, False), (2, True)]  # the fastest type alone, one degree, any
     one = calls[1][3].best[0]
     assert (dataclasses.replace(one.config, tp=None), one.shapes) in calls[2][2]
     assert plan.prediction.step_time <= one.step_time * (1 + 1e-9)
+    assert calls[2][4] is calls[1][5]  # (the cost table and what it memoised go on)
     calls.clear()
     solve(graph, load_cluster("2x4xA100-40G"), training, options)
-    assert [(nodes, per_class) for nodes, per_class, _, _ in calls] == [(2, False)]
+    assert [call[:2] for call in calls] == [(2, False)]
 
 
 def test_a_solve_leaves_no_cycles_and_the_collector_as_it_found_it(setup):

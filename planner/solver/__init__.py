@@ -286,12 +286,15 @@ def _fastest_only(cluster: ClusterSpec, dtype: str) -> ClusterSpec:
 
 def _search(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
             options: SolveOptions, costs: CostModel, seeds: tuple = (),
-            progress: Callable[[Progress], None] | None = None
-            ) -> tuple[CostTable, SearchResult]:
-    tps = [t for t in options.tps if options.limits.max_tp is None
-           or t <= options.limits.max_tp]
-    table = build_table(model.layers, cluster, training, costs, tps=tps,
-                        micro_batches=options.micro_batches)
+            progress: Callable[[Progress], None] | None = None,
+            table: CostTable | None = None) -> tuple[CostTable, SearchResult]:
+    """The search on `table` (else one built for the cluster: a table built for the same
+    cluster and options, with what it memoised, serves another search)."""
+    if table is None:
+        tps = [t for t in options.tps if options.limits.max_tp is None
+               or t <= options.limits.max_tp]
+        table = build_table(model.layers, cluster, training, costs, tps=tps,
+                            micro_batches=options.micro_batches)
     try:
         result = search(table, training.global_batch, limits=options.limits,
                         space=options.space, top_k=options.top_k, gap=options.gap,
@@ -335,25 +338,25 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
 
 def _one_degree(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
                 options: SolveOptions, costs: CostModel, seeds: tuple, start: float
-                ) -> tuple[tuple, bool]:
+                ) -> tuple[tuple, bool, CostTable | None]:
     """With --tp-per-class, the best plans with one tensor-parallel degree for every
     class (`options`, tp_per_class off) first, in at most half the time left: a far
     smaller space whose plans are plans of the larger one, so they seed its search,
     which then returns none slower (at 1,024 GPUs the larger search alone stopped at
-    20.3 s in 10 s, where one degree gives 19.5 s). Returns the seeds and whether
-    Ctrl-C stopped it."""
+    20.3 s in 10 s, where one degree gives 19.5 s). Returns the seeds, whether Ctrl-C
+    stopped it, and the cost table, for the larger search to go on with."""
     limit = options.time_limit
     if limit is not None:
         limit = max(0.0, limit - (time.perf_counter() - start)) / 2
     try:
-        _, result = _search(model, cluster, training,
-                            dataclasses.replace(options, time_limit=limit), costs, seeds)
+        table, result = _search(model, cluster, training,
+                                dataclasses.replace(options, time_limit=limit), costs, seeds)
     except PlannerError as exc:  # (no plan with one degree: the larger search goes on)
         if exc.kind != "infeasible":
             raise
-        return (), False
+        return (), False, None
     return (tuple((e.config, e.shapes) for e in result.best),
-            result.status == "interrupted")
+            result.status == "interrupted", table)
 
 
 def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
@@ -381,10 +384,11 @@ def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         except PlannerError as exc:  # the baseline says why (memory, or the constraints)
             alone_error = exc
     interrupted = bool(alone) and alone[0].solver.status == "interrupted"
+    table = None
     if options.limits.tp_per_class:
         if not interrupted:
-            found, interrupted = _one_degree(model, used, training, one_degree, costs, seeds,
-                                             start)
+            found, interrupted, table = _one_degree(model, used, training, one_degree, costs,
+                                                    seeds, start)
             seeds += found
         seeds = tuple((dataclasses.replace(config, tp=None), shapes)
                       for config, shapes in seeds)  # (every class at its own degree)
@@ -394,7 +398,7 @@ def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         options = dataclasses.replace(options, time_limit=max(
             options.time_limit / (4 if options.limits.tp_per_class else 2),
             options.time_limit - (time.perf_counter() - start)))
-    table, result = _search(model, used, training, options, costs, seeds, progress)
+    table, result = _search(model, used, training, options, costs, seeds, progress, table)
     if interrupted and result.status != "optimal":
         result = dataclasses.replace(result, status="interrupted")
     plans = _plans(result, lower_bound(table, training.global_batch), model, cluster,
