@@ -374,7 +374,7 @@ def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         options.limits, tp_per_class=False))  # (one type alone: one class, the same plans)
     if len(alone_cluster.nodes) == len(used.nodes):
         options = one_degree
-    if len(alone_cluster.nodes) < len(used.nodes):
+    else:
         try:  # a quarter of the time limit at most: the full search is what counts
             _, result = _search(model, alone_cluster, training, dataclasses.replace(
                 one_degree, top_k=1, time_limit=options.time_limit and options.time_limit / 4),
