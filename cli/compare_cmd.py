@@ -9,12 +9,13 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from cli import options as opt
 from cli.solve_cmd import Output
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(emoji=False)
+err_console = Console(emoji=False, stderr=True)
 
 Price = Annotated[list[str] | None, typer.Option(
     "--price", metavar="TYPE=DOLLARS", help="Dollars per device-hour of a device type, to "
@@ -75,8 +76,9 @@ def compare(
     from cli.render_explain import compare_table
 
     models = {p.model.describe() for p in loaded}
-    console.print(compare_table(rows, _names(plans), title=f"{len(plans)} plans against "
-                                f"{plans[0]} (green better, red worse, yellow changed)"))
+    title = (f"{len(plans)} plans against {escape(str(plans[0]))} (green better, red worse, "
+             "yellow changed)")
+    console.print(compare_table(rows, _names(plans), title=title))
     if len(models) > 1:
         console.print(f"[yellow]Note:[/] the plans are for different models "
                       f"({', '.join(sorted(models))}); step times are not comparable work.")
@@ -211,7 +213,8 @@ def what_if(
         edits.append(f"sequence length {seq_len}")
     if new_dtype != plan.training.dtype:
         edits.append(f"dtype {new_dtype}")
-    with err_console.status(f"Tracing {plan.model.describe()}...", spinner="dots") as status:
+    tracing = f"Tracing {escape(plan.model.describe())}..."
+    with err_console.status(tracing, spinner="dots") as status:
         graph = Tracer()(plan.model, seq_len or plan.training.seq_len, training.dtype)
         training = dataclasses.replace(training, seq_len=graph.seq_len)
         status.update("Searching plans...")
@@ -233,9 +236,10 @@ def what_if(
     from cli.render_explain import diff_table
     from cli.render_plan import render
 
-    console.print(f"[bold]What if:[/] {'; '.join(edits) or 'nothing changed, solved again'}")
+    done = escape("; ".join(edits)) or "nothing changed, solved again"
+    console.print(f"[bold]What if:[/] {done}")
     console.print(headline(plan, new))
-    console.print(diff_table(rows, title=f"{plan_file} -> the new plan"))
+    console.print(diff_table(rows, title=f"{escape(str(plan_file))} -> the new plan"))
     render(console, new, [layer.name for layer in graph.layers])
     for path, what in ((output, "plan"), (cluster_out, "cluster")):
         if path is not None:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from cost_models.catalog import Catalog
     from planner.types import DeviceSpec
 
-console = Console()
+console = Console(emoji=False)
 
 
 def devices(

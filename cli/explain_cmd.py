@@ -9,11 +9,12 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from cli import options as opt
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(emoji=False)
+err_console = Console(emoji=False, stderr=True)
 
 PlanArg = Annotated[Path, typer.Argument(
     metavar="PLAN", help="A plan file written by `planner solve -o` (or estimate, what-if).",
@@ -77,7 +78,8 @@ def explain(
             f"best; {str(plan_file)!r} is a configuration fixed with `planner estimate`, not "
             "a search result.", ["solve the same model and cluster with `planner solve ... -o "
                                  f"best.json`, then `planner compare {plan_file} best.json`"])
-    with err_console.status(f"Tracing {plan.model.describe()}...", spinner="dots") as status:
+    tracing = f"Tracing {escape(plan.model.describe())}..."
+    with err_console.status(tracing, spinner="dots") as status:
         graph = retrace(plan, str(plan_file))
         others = []
         if runners_up:

@@ -27,8 +27,8 @@ from rich.prompt import Confirm, IntPrompt, Prompt
 
 from cli import options as opt
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+console = Console(emoji=False, highlight=False)
+err_console = Console(emoji=False, stderr=True, highlight=False)
 
 HINT = ("Try: add 1x8xV100-32G | link network 25Gbps | set global-batch 1024 | constrain tp=2 "
         "| explain | timeline | memory | save plan plan.json | help | quit")
@@ -365,7 +365,7 @@ def interactive(
         raise PlannerError("bad-option", f"--time-limit must be positive (got {time_limit}).")
     lines = read_transcript(replay if replay is not None else Path("-")) if scripted else []
     on_record, record_file = _recorder(record, force)
-    out = Console(stderr=True, highlight=False) if json_out else console
+    out = Console(emoji=False, stderr=True, highlight=False) if json_out else console
     session = Session(time_limit=time_limit, force=force, on_record=on_record)
     prelude = []
     if model:

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from cli import options as opt
 
-console = Console()
+console = Console(emoji=False)
 
 
 class Target(str, Enum):

@@ -21,7 +21,7 @@ from typer.core import TyperGroup
 from planner import __version__
 from planner.errors import PlannerError
 
-err_console = Console(stderr=True, soft_wrap=True)
+err_console = Console(emoji=False, stderr=True, soft_wrap=True)
 # 128 + SIGPIPE: how cat and git end when the reader of their output is gone (git exits
 # with 141 itself on EPIPE), so a `set -o pipefail` script sees cut-off output as it would
 # theirs; and it is neither bad input (1) nor a bug (3).

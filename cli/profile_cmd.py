@@ -24,8 +24,8 @@ from planner.errors import PlannerError
 from planner.files import check_writable, write_atomic
 from planner.units import fmt_bytes, fmt_flops, fmt_rate, fmt_seconds
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(emoji=False)
+err_console = Console(emoji=False, stderr=True)
 
 profile_app = typer.Typer(no_args_is_help=False)
 

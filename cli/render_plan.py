@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -121,8 +122,8 @@ def baseline_table(plan: Plan) -> FitWords | None:
 
 
 def render(console: Console, plan: Plan, layer_names: list[str] | None = None) -> None:
-    header = (f"[bold]{plan.model.describe()}[/] on cluster [bold]{plan.cluster.name}[/] "
-              f"({plan.cluster.num_devices} devices)")
+    header = (f"[bold]{escape(plan.model.describe())}[/] on cluster "
+              f"[bold]{escape(plan.cluster.name)}[/] ({plan.cluster.num_devices} devices)")
     parts = [Text.from_markup(header), stage_table(plan, layer_names), prediction_panel(plan),
              solver_panel(plan)]
     baselines = baseline_table(plan)

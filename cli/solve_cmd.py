@@ -9,14 +9,15 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from cli import options as opt
 
 if TYPE_CHECKING:
     from planner.types import ClusterSpec, ModelGraph, Plan, TrainingSpec
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(emoji=False)
+err_console = Console(emoji=False, stderr=True)
 
 DEFAULT_CLUSTER = "a100-v100-lab"
 Cluster = Annotated[str, typer.Option(
@@ -48,7 +49,7 @@ def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dty
                           "speed (--dtype auto picks a dtype every device runs fast).",
                           soft_wrap=True)
     model_to_trace = model_spec(model, shape)
-    with err_console.status(f"Building and tracing {model_to_trace.describe()}...",
+    with err_console.status(f"Building and tracing {escape(model_to_trace.describe())}...",
                             spinner="dots"):
         graph = trace_loaded(load_model(model_to_trace, seq_len=seq_len), batch=1, dtype=dtype)
     return graph, spec, TrainingSpec(global_batch=global_batch, seq_len=graph.seq_len,

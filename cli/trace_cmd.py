@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cli import options as opt
@@ -19,8 +20,8 @@ from planner.units import fmt_bytes, fmt_count, fmt_flops
 if TYPE_CHECKING:
     from planner.types import ModelGraph
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(emoji=False)
+err_console = Console(emoji=False, stderr=True)
 
 
 def models(
@@ -100,7 +101,7 @@ def trace(
     if graph is not None:  # before the trace, not after it
         check_writable(graph, force=force)
     start = time.perf_counter()
-    with err_console.status(f"Building and tracing {spec.describe()}...", spinner="dots"):
+    with err_console.status(f"Building and tracing {escape(spec.describe())}...", spinner="dots"):
         traced = trace_loaded(load_model(spec, seq_len=seq_len), batch=batch, dtype=dtype)
     elapsed = time.perf_counter() - start
     if graph is not None:

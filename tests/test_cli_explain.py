@@ -193,3 +193,25 @@ def test_explain_and_compare_refuse_options_that_cannot_apply(plans, tmp_path):
     result = run("compare", plans / "base.json", plans / "tp2-slow-net.json", "--price",
                  "H100=3")
     assert result.exit_code == 1 and "which none of the plans uses" in result.stderr
+
+
+def test_names_are_printed_as_written_not_as_markup(tmp_path):
+    """Rich reads [..] as markup and :name: as an emoji: a cluster, node or model name
+    holding them used to crash the tables ("closing tag '[/]' has nothing to close")
+    or change on screen."""
+    cluster = tmp_path / "lab.yaml"
+    cluster.write_text('schema_version: 1\nname: "lab[/]"\nnetwork: 100Gbps\nnodes:\n'
+                       '  - {name: "n[/]", device: V100-16G, devices: 2}\n'
+                       '  - {name: "m:smile:", device: A100-40G-SXM, devices: 2}\n')
+    plan = tmp_path / "p.json"
+    solved = run("solve", "gpt-tiny", "--cluster", cluster, "--time-limit", "3", "-o", plan)
+    assert solved.exit_code == 0, solved.output
+    assert "cluster lab[/]" in solved.stdout
+    explained = run("explain", plan)
+    assert explained.exit_code == 0, explained.output
+    assert "m:smile:" in explained.stdout and "n[/]" in explained.stdout
+    edited = run("what-if", plan, "--time-limit", "3", "--remove", "n[/]")
+    assert edited.exit_code == 0, edited.output
+    assert "remove n[/]" in edited.stdout
+    traced = run("trace", "[/]")
+    assert traced.exit_code == 1 and "Unknown model '[/]'" in traced.stderr
