@@ -132,6 +132,7 @@ def check_plan(plan: Plan, source: str) -> Plan:
 
 
 _REGENERATE = "regenerate the plan with `planner solve`"
+OPTIMIZERS = ("adam", "adamw", "sgd")  # (the runtime runs AdamW for the first two)
 _POSITIVE = ("bandwidth", "memory", "memory_bandwidth")  # cluster fields above zero
 
 
@@ -152,18 +153,22 @@ def _numbers(value: Any, path: str):
 
 def _check_numbers(plan: Plan) -> None:
     """An error naming the first number out of range: NaN anywhere; in the cluster, the
-    predictions and the stages' memory, a negative or infinite value; in the cluster, a
-    bandwidth, memory size or compute rate that is not positive (explain, compare and
-    launch divide by them)."""
+    predictions, the stages' memory and the optimizer's bytes, a negative or infinite
+    value; in the cluster, a bandwidth, memory size or compute rate that is not positive
+    (explain, compare and launch divide by them), and gradients of no bytes."""
     for path, value in _numbers(plan, ""):
         if math.isnan(value):
             raise PlannerError("bad-plan", f"{path} is not a number (NaN).", [_REGENERATE])
-        priced = (path.startswith(("cluster.", "prediction.", "baselines"))
+        priced = (path.startswith(("cluster.", "prediction.", "baselines",
+                                   "training.optimizer."))
                   or ".memory." in path)
         if priced and (math.isinf(value) or value < -1e-9):
             raise PlannerError("bad-plan", f"{path} must be a finite number of at least 0 "
                                f"(got {value}).", [_REGENERATE])
         last = path.rsplit(".", 1)[-1]
+        if path == "training.optimizer.grad_bytes" and value <= 0:
+            raise PlannerError("bad-plan", f"{path} must be positive (got {value}): the bytes "
+                               "of each parameter's gradient.", [_REGENERATE])
         if path.startswith("cluster.") and value <= 0 and (
                 last in _POSITIVE or ".peak_flops." in path):
             raise PlannerError("bad-plan", f"{path} must be positive (got {value}).",
@@ -190,6 +195,9 @@ def _check_fields(plan: Plan) -> None:
     for field, value in counts:
         if value < 1:
             raise bad(f"{field} must be positive (got {value}).")
+    if plan.training.optimizer.name not in OPTIMIZERS:
+        raise bad(f"training.optimizer.name {plan.training.optimizer.name!r} is not one of "
+                  f"{', '.join(OPTIMIZERS)} (the optimizers the runtime runs).")
     if not plan.cluster.nodes:
         raise bad("cluster.nodes is empty: the plan's cluster has no nodes to run on.")
     names = [("cluster.name", plan.cluster.name)]
@@ -201,6 +209,9 @@ def _check_fields(plan: Plan) -> None:
         if first.setdefault(n.name, i) != i:
             raise bad(f"cluster.nodes[{i}].name {n.name!r} is also cluster.nodes"
                       f"[{first[n.name]}].name; every node needs a name of its own.")
+        if "fp32" not in n.device.peak_flops:
+            raise bad(f"cluster.nodes[{i}].device.peak_flops has no fp32 rate (got "
+                      f"{sorted(n.device.peak_flops)}): every device needs one.")
         names += [(f"cluster.nodes[{i}].name", n.name), (f"cluster.nodes[{i}].host", n.host),
                   (f"cluster.nodes[{i}].device.name", n.device.name)]
     for field, text in names:

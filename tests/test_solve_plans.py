@@ -269,6 +269,17 @@ def _stage(data):
      r"cluster.nodes\[0\].device.memory must be a finite number of at least 0"),
     (lambda d: d["cluster"]["nodes"][0]["device"]["peak_flops"].update(fp16=0.0),
      r"cluster.nodes\[0\].device.peak_flops.fp16 must be positive"),
+    (lambda d: d["cluster"]["nodes"][0]["device"].update(peak_flops={}),
+     r"cluster.nodes\[0\].device.peak_flops has no fp32 rate"),
+    # the optimizer's bytes: a negative size divided by zero, a negative gradient hung
+    (lambda d: d["training"]["optimizer"].update(state_bytes=-4.0),
+     r"training.optimizer.state_bytes must be a finite number of at least 0"),
+    (lambda d: d["training"]["optimizer"].update(grad_bytes=-2.0),
+     r"training.optimizer.grad_bytes must be a finite number of at least 0"),
+    (lambda d: d["training"]["optimizer"].update(grad_bytes=0.0),
+     r"training.optimizer.grad_bytes must be positive \(got 0.0\)"),
+    (lambda d: d["training"]["optimizer"].update(name="lion"),
+     "training.optimizer.name 'lion' is not one of adam, adamw, sgd"),
 ])
 def test_plan_file_fields_out_of_range_name_the_file_and_field(setup, tmp_path, edit, needle):
     data = json.loads(plan_json(setup[3]))
