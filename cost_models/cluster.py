@@ -53,6 +53,9 @@ DEFAULT_NETWORK = LinkSpec(name="100 Gb/s Ethernet (default)", bandwidth=100e9 /
 # the most nodes a cluster may have: the search sets up per pair of node groups, which
 # takes about 7 s at 1,000 nodes (the 4,096-GPU benchmark has 512)
 MAX_NODES = 4096
+# devices per node: NVLink domains reach 72 (GB200 NVL72); far more is a typo, and the
+# search's set-up grows with it before any time limit can stop it
+MAX_NODE_DEVICES = 1024
 _INLINE_ITEM = re.compile(r"^\s*(?:(\d+)\s*[xX]\s*)?(\d+)\s*[xX]\s*([A-Za-z][\w.\-]*)\s*$")
 
 
@@ -103,6 +106,8 @@ def parse_inline(spec: str) -> ClusterSpec:
         if count <= 0 or per_node <= 0:
             raise PlannerError("bad-cluster", f"Inline cluster {spec!r}: {item!r} has zero "
                                "nodes or devices; every node needs at least one device.")
+        if per_node > MAX_NODE_DEVICES:
+            raise too_many_devices(f"Inline cluster {spec!r}: {item!r}", per_node)
         if len(nodes) + count > MAX_NODES:
             raise _too_many(f"Inline cluster {spec!r}", len(nodes) + count)
         device = catalog.device(kind)
@@ -112,6 +117,15 @@ def parse_inline(spec: str) -> ClusterSpec:
             nodes.append(NodeSpec(name=f"{device.name.lower()}-{index}", device=device,
                                   devices=per_node, intra_link=device.intra_link))
     return ClusterSpec(name=spec, nodes=tuple(nodes), network=network)
+
+
+def too_many_devices(what: str, devices: int) -> PlannerError:
+    """The error for a node of more than `MAX_NODE_DEVICES` (`what` puts them there)."""
+    return PlannerError("bad-cluster", f"{what}{' puts ' if what else ''}{devices:,} devices "
+                        f"in one node; the planner plans for nodes of up to "
+                        f"{MAX_NODE_DEVICES:,}.",
+                        ["describe the node as several nodes (a node is what one network "
+                         "card serves, its devices linked inside it)"])
 
 
 def _too_many(what: str, nodes: int) -> PlannerError:
@@ -289,6 +303,8 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
         for text, key in ((base, "name"), *((str(h), "hosts") for h in hosts or [])):
             _one_line(f, key, text)
         devices = f.positive_int("devices")
+        if devices > MAX_NODE_DEVICES:
+            raise f.error(too_many_devices("", devices).message, "devices")
         group = f.get("group")
         if group is not None and group not in groups:
             raise f.error(f"unknown group {group!r}", "group",

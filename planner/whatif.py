@@ -19,6 +19,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
+from cost_models.cluster import MAX_NODE_DEVICES, too_many_devices
 from planner.errors import PlannerError, closest
 from planner.types import ClusterSpec, LinkSpec, NodeSpec, TrainingSpec
 from planner.units import parse_bandwidth, parse_duration
@@ -119,7 +120,10 @@ def remove_nodes(cluster: ClusterSpec, targets: Sequence[str]) -> ClusterSpec:
 def resize_node(cluster: ClusterSpec, name: str, devices: int) -> ClusterSpec:
     """Node `name` (or every node of device type `name`) with `devices` devices."""
     if devices < 1:
-        raise PlannerError("bad-value", f"A node needs at least one device (got {devices}).")
+        raise PlannerError("bad-value", f"Resizing {name} to {devices} devices: a node needs "
+                           "at least one device.")
+    if devices > MAX_NODE_DEVICES:
+        raise too_many_devices(f"Resizing {name}", devices)
     hits = [n for n in cluster.nodes if n.name == name]
     if not hits:
         hits = [n for n in cluster.nodes if n.device.name.lower() == name.lower()]

@@ -186,8 +186,24 @@ def test_a_binary_cluster_file_is_named(tmp_path):
     ("2x8xA100-80G@1e400Gbps", "must be a finite number (got 1e400Gbps)"),
     ("4000x8xA100-80G,100x8xV100-32G", "has 4,100 nodes (or more); the planner plans for "
      "clusters of up to 4,096 nodes"),
+    # (100,000 devices in one node ran the search's set-up for minutes past any time limit)
+    ("1x100000xA100-80G", "puts 100,000 devices in one node; the planner plans for nodes of "
+     "up to 1,024"),
 ])
 def test_bad_specs(spec, needle):
     with pytest.raises(PlannerError, match=None) as err:
         load_cluster(spec)
     assert needle in err.value.message
+
+
+def test_a_node_of_too_many_devices_is_named_in_a_file_and_a_resize(tmp_path):
+    from planner.whatif import resize_node
+
+    path = tmp_path / "big.yaml"
+    path.write_text("schema_version: 1\nname: x\nnodes:\n"
+                    "  - {name: a, device: V100-16G, devices: 5000}\n")
+    with pytest.raises(PlannerError, match=r"line 4, nodes\[0\].devices: 5,000 devices in one "
+                       "node"):
+        load_cluster(str(path))
+    with pytest.raises(PlannerError, match="Resizing v100-16g-0 puts 5,000 devices in one node"):
+        resize_node(load_cluster("1x8xV100-16G"), "v100-16g-0", 5000)
