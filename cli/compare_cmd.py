@@ -206,7 +206,8 @@ def what_if(
         if name not in names:
             raise whatif._unknown_node(cluster, name)
     new_dtype = resolve_dtype(dtype, cluster) if dtype else plan.training.dtype
-    training = whatif.edit_training(plan.training, global_batch=global_batch, dtype=new_dtype)
+    training = whatif.edit_training(plan.training, global_batch=global_batch, seq_len=seq_len,
+                                    dtype=new_dtype)
     if global_batch is not None:
         edits.append(f"global batch {global_batch}")
     if seq_len is not None:

@@ -113,7 +113,9 @@ def test_what_if_adds_nodes_and_writes_files(plans):
                           (["--link", "wifi=1Gbps"], "Unknown link"),
                           (["--resize", "a100-80g-sxm-0=none"], "whole number"),
                           (["--exclude", "nope"], "has no node"),
-                          (["--add", "1x4xA100-80G", "-o", out], "already exists")):
+                          (["--add", "1x4xA100-80G", "-o", out], "already exists"),
+                          # (0 was taken as "unchanged": the plan's own, solved again)
+                          (["-s", "0"], "sequence length must be positive (got 0)")):
         bad = run("what-if", plans / "base.json", *args)
         assert bad.exit_code == 1, args
         assert message in bad.stderr, (args, bad.stderr)

@@ -59,6 +59,17 @@ def test_a_config_with_no_layers_is_refused(tmp_path):
         trace_model(model_spec(str(path)))
 
 
+def test_a_config_transformers_cannot_build_is_named(tmp_path):
+    """The config reads fine, but the model's constructor refuses it (an internal error
+    before)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 130,
+                                "n_head": 4}))
+    with pytest.raises(PlannerError, match=r"transformers could not build GPT2Config of .*"
+                       r"embed_dim. must be divisible by num_heads"):
+        trace_model(model_spec(str(path)))
+
+
 def test_an_unknown_model_type_is_named_in_a_short_message(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "nosuch"}))

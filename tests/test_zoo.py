@@ -70,6 +70,13 @@ def test_overrides_change_the_shape():
     ({"capacity_factor": -1}, "capacity_factor must be a positive, finite number (got -1"),
     ({"capacity_factor": 0}, "capacity_factor must be a positive, finite number (got 0"),
     ({"capacity_factor": float("nan")}, "capacity_factor must be a positive, finite number"),
+    # 100,000 blocks traced for many minutes without a word; 0 positions were taken as none
+    ({"layers": 100_000}, "layers must be at most 4,096 (got 100,000)"),
+    ({"max_positions": 0}, "max_positions must be positive (got 0)"),
+    ({"max_positions": -5}, "max_positions must be positive (got -5)"),
+    # a weight past PyTorch's sizes was an internal error
+    ({"hidden": 4_000_000_000, "heads": 4}, "cannot be built: Storage size calculation "
+     "overflowed"),
 ])
 def test_nonsense_shapes_are_named(overrides, needle):
     with pytest.raises(PlannerError) as err:

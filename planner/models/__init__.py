@@ -94,7 +94,13 @@ def load_model(spec: ModelSpec, *, seq_len: int | None = None,
     meta = torch.device(device).type == "meta"
     with torch.device(device), (_skip_meta_init() if meta else contextlib.nullcontext()):
         if spec.source == "zoo":
-            flavor, config, module = build_zoo_model(spec.name, spec.overrides, seq_len)
+            try:
+                flavor, config, module = build_zoo_model(spec.name, spec.overrides, seq_len)
+            except RuntimeError as exc:  # (a tensor past PyTorch's sizes)
+                raise PlannerError("bad-shape", f"Model {spec.describe()} cannot be built: "
+                                   f"{str(exc).splitlines()[0][:300]}",
+                                   ["use smaller shape options (--hidden, --ffn, --vocab, "
+                                    "--seq-len)"]) from exc
             seq = getattr(config, "seq_len", None)
             if flavor.family in ("resnet", "mlp"):
                 seq = None

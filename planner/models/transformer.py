@@ -75,7 +75,10 @@ class TransformerConfig:
         if self.positions == "rope" and self.heads > 0 and self.head_dim % 2:
             problems.append(f"rotary positions need an even head size (hidden/heads = "
                             f"{self.hidden}/{self.heads})")
-        if self.positions == "learned" and self.seq_len > (self.max_positions or self.seq_len):
+        if self.max_positions is not None and self.max_positions <= 0:
+            problems.append(f"max_positions must be positive (got {self.max_positions})")
+        elif self.positions == "learned" and self.seq_len > (self.max_positions
+                                                             or self.seq_len):
             problems.append(f"seq_len ({self.seq_len}) exceeds the {self.max_positions} "
                             f"learned positions (raise max_positions)")
         if self.experts < 0 or (self.experts and not 0 < self.top_k <= self.experts):

@@ -241,8 +241,15 @@ def load_hf(name: str, overrides: Mapping[str, Any]
     model = None
     for cls in auto:
         if type(config) in cls._model_mapping:
-            with torch.device("meta"):
-                model = cls.from_config(config)
+            try:
+                with torch.device("meta"):
+                    model = cls.from_config(config)
+            except (ValueError, RuntimeError) as exc:  # (inconsistent or too large shapes)
+                raise PlannerError("bad-shape", f"transformers could not build "
+                                   f"{type(config).__name__} of {name!r}: "
+                                   f"{type(exc).__name__}: {str(exc)[:300]}",
+                                   ["fix the config's shape, or pass shape options such as "
+                                    "--hidden and --heads"]) from exc
             break
     if model is None:
         raise PlannerError("bad-model", f"transformers has no model for config "

@@ -145,6 +145,10 @@ def flavor(name: str) -> Flavor:
 
 
 _SHAPE_FLAGS = {"layers", "hidden", "heads", "kv_heads", "ffn", "vocab"}  # CLI options
+# the most blocks a model may have (the largest zoo model has 126): tracing takes about
+# 5 ms a block and the search's tables grow with the square of the layers, so 100,000
+# ran for many minutes without a word
+MAX_BLOCKS = 4096
 
 
 def configure(name: str, overrides: Mapping[str, Any],
@@ -177,7 +181,10 @@ def configure(name: str, overrides: Mapping[str, Any],
         if getattr(base.config, "positions", None) == "learned":
             changes.setdefault("max_positions", base.config.max_positions or base.config.seq_len)
     config = dataclasses.replace(base.config, **changes)
-    problems = config.validate()
+    problems = config.validate() + [
+        f"{name} must be at most {MAX_BLOCKS:,} (got {value:,})"
+        for name in ("layers", "decoder_layers")
+        if isinstance(value := getattr(config, name, None), int) and value > MAX_BLOCKS]
     if problems:
         given = f" with overrides {dict(overrides)}" if overrides else ""
         fixes = (["change the overriding options so the shape is consistent"] if overrides

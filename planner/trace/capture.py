@@ -464,7 +464,9 @@ def replay(model: nn.Module, traced: Traced, args: tuple,
             "trace-failed",
             f"The {traced.tracer} graph of the model failed to run on meta tensors {where}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
-            ["check that every op in that module has a meta implementation (custom C++ "
+            ["use smaller shape options (--hidden, --ffn, --seq-len): a tensor is larger "
+             "than PyTorch can size" if "overflow" in str(exc) else
+             "check that every op in that module has a meta implementation (custom C++ "
              "or NumPy code does not)", "run again with --debug to see the traceback"]) from exc
     finally:
         for hook in hooks:
