@@ -97,6 +97,10 @@ def parse_hosts(data: Any, source: str) -> dict[str, HostEntry]:
                                    "break or another control character; host names, "
                                    "addresses, interfaces and env values must be one line "
                                    "of printable text.")
+        for key in ("host", "addr", "ifname"):  # (else an empty one was taken as none)
+            if value.get(key) is not None and not str(value[key]).strip():
+                raise PlannerError("bad-hosts", f"{where}: {key} is empty.",
+                                   [f"give the {key}, or leave the field out"])
         cpus = value.get("cpus")
         if cpus is not None and not _CPUS.match(str(cpus)):
             raise PlannerError("bad-hosts", f"{where}: cpus {cpus!r} is not a CPU list like "
@@ -195,17 +199,22 @@ def _check_hosts(plan: Plan, layout: Layout, hosts: Mapping[str, HostEntry]) -> 
 def _check_one_node_per_host(setup: _Setup) -> None:
     """An error where two of the plan's nodes would run on one host: each node's script
     starts its own torchrun there on the node's devices, so both would take the same GPUs."""
-    seen: dict[str, str] = {}
+    seen: dict[str, tuple[str, str]] = {}  # a host or address, as DNS compares them
     for node in setup.layout.nodes:
-        host = setup.host(node).host
-        if host in seen:
-            raise PlannerError(
-                "bad-hosts", f"Nodes {seen[host]!r} and {node.name!r} both run on host "
-                f"{host!r}: each node's script starts its own torchrun there on the node's "
-                "devices, so the two would share the same GPUs.",
-                [f"give {node.name!r} a host of its own in --hosts",
-                 "or use --target local to try the plan on one machine"])
-        seen[host] = node.name
+        entry = setup.host(node)
+        for name in dict.fromkeys((entry.host, entry.address)):
+            key = name.lower().rstrip(".")
+            if key in seen:
+                other, said = seen[key]
+                raise PlannerError(
+                    "bad-hosts", f"Nodes {other!r} and {node.name!r} both run on host "
+                    f"{said!r}" + ("" if said == name else f" (as {name!r})") + ": each "
+                    "node's script starts its own torchrun there on the node's devices, so "
+                    "the two would share the same GPUs.",
+                    [f"give {node.name!r} a host of its own in --hosts",
+                     "or use --target local to try the plan on one machine"])
+        for name in (entry.host, entry.address):
+            seen.setdefault(name.lower().rstrip("."), (node.name, name))
 
 
 def _preamble(title: Sequence[str]) -> list[str]:

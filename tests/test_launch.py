@@ -141,6 +141,10 @@ def test_hosts_file_errors_name_the_node(tmp_path, hetero_plan):
         parse_hosts({"v100-32g-0": {"host": "h", "cpus": "all"}}, "hosts.yaml")
     with pytest.raises(PlannerError, match="'bad-name' is not an environment variable"):
         parse_hosts({"v100-32g-0": {"host": "h", "env": {"bad-name": "1"}}}, "hosts.yaml")
+    for value in ({"host": ""}, {"addr": " "}, {"ifname": ""}):
+        field = next(iter(value))
+        with pytest.raises(PlannerError, match=f"node 'v100-32g-0': {field} is empty"):
+            parse_hosts({"v100-32g-0": value}, "hosts.yaml")
     for value, field in (({"addr": "a\nb"}, "addr"), ({"ifname": "eth0\t"}, "ifname"),
                          ({"env": {"X": "a\nb"}}, "env X")):
         with pytest.raises(PlannerError, match=f"node 'v100-32g-0': {field} .* line break"):
@@ -159,6 +163,12 @@ def test_two_nodes_on_one_host_are_refused(hetero_plan, target):
         render_launch(hetero_plan, target=target,
                       hosts=parse_hosts({"a100-80g-sxm-0": "v100-32g-0"}, "hosts.yaml"))
     assert "run-local.sh" in render_launch(hetero_plan, target="local", hosts=hosts)
+    # names DNS takes as one host, and one address under two names
+    for same in ({"a100-80g-sxm-0": "hostA", "v100-32g-0": "HOSTA."},
+                 {"a100-80g-sxm-0": {"host": "a", "addr": "10.0.0.1"},
+                  "v100-32g-0": {"host": "b", "addr": "10.0.0.1"}}):
+        with pytest.raises(PlannerError, match="both run on host"):
+            render_launch(hetero_plan, target=target, hosts=parse_hosts(same, "hosts.yaml"))
 
 
 @pytest.mark.parametrize("target", ["torchrun", "slurm", "local"])
