@@ -130,8 +130,9 @@ def solve(
     from planner.errors import PlannerError
     from planner.files import check_writable
     from planner.solver import Limits, SolveOptions, Space, solve
-    from planner.solver.limits import parse_schedule
+    from planner.solver.limits import check_chunk_flags, parse_schedule
 
+    check_chunk_flags(interleave, max_interleave, schedule)
     if top_k < 1:
         raise PlannerError("bad-option", f"--top-k must be at least 1 (got {top_k}).")
     if zero is not None and zero not in (0, 1, 2, 3):

@@ -187,9 +187,10 @@ class Constraints:
 
     def options(self, cluster: ClusterSpec, *, time_limit: float | None, top_k: int) -> Any:
         from planner.solver import Limits, SolveOptions, Space
-        from planner.solver.limits import parse_schedule
+        from planner.solver.limits import check_chunk_flags, parse_schedule
         from planner.types import Recompute
 
+        check_chunk_flags(self.interleave, self.max_interleave, self.schedule)
         limits = Limits(tp=self.tp, max_tp=self.max_tp, pp=self.pp, dp=self.dp,
                         max_dp=self.max_dp,
                         micro_batch=self.micro_batch, mixed=self.mixed,

@@ -35,6 +35,11 @@ runner = CliRunner()
      "--interleave 2 needs pipelines of several stages, which contradicts --max-stages 1"),
     (["--max-stages", "1", "--first-stage", "V100-16G", "--last-stage", "A100-40G"],
      "put two device types in every pipeline, which --max-stages 1 rules out"),
+    # the chunk counts tried come from --max-interleave only where --interleave fixes none
+    (["--interleave", "3", "--max-interleave", "2"],
+     "--interleave 3 contradicts --max-interleave 2"),
+    (["--max-interleave", "4", "--schedule", "gpipe"],
+     "--max-interleave 4 tries interleaved 1F1B, which contradicts --schedule gpipe"),
 ])
 def test_solve_names_the_contradiction(args, needle):
     result = runner.invoke(app, ["solve", "gpt-tiny", "--cluster", CLUSTER, *args])

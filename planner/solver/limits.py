@@ -67,3 +67,18 @@ def parse_schedule(text: str, flag: str = "--schedule") -> Schedule:
     except ValueError:
         raise PlannerError("bad-option", f"{flag} {text!r} is not one of "
                            f"{', '.join(SCHEDULE_NAMES)}.") from None
+
+
+def check_chunk_flags(interleave: int | None, max_interleave: int | None,
+                      schedule: str | None) -> None:
+    """An error where --max-interleave contradicts --interleave or --schedule (the
+    solver reads the chunk counts it tries from --max-interleave only where --interleave
+    fixes none, so either contradiction passed silently)."""
+    if interleave is not None and max_interleave is not None and interleave > max_interleave:
+        raise PlannerError("bad-option", f"--interleave {interleave} contradicts "
+                           f"--max-interleave {max_interleave}.", ["drop one of them"])
+    if (max_interleave is not None and max_interleave > 1 and schedule is not None
+            and parse_schedule(schedule) is not Schedule.INTERLEAVED):
+        raise PlannerError("bad-option", f"--max-interleave {max_interleave} tries "
+                           f"interleaved 1F1B, which contradicts --schedule {schedule}.",
+                           ["drop one of them"])
