@@ -585,8 +585,13 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
             binding = (f"compute: the {stage.device_type} stage {b} of pipeline {slow} is the "
                        "bottleneck")
     alternatives: list[Alternative] = []
-    for rank, other in enumerate(runners_up, 2):
+    times = [pred.step_time, *(other.prediction.step_time for other in runners_up)]
+    for i, other in enumerate(runners_up, 1):
         o = other.prediction
+        # its place among this plan and the runner-ups (this plan's search may have had
+        # constraints the new one lacks, or stopped early: then one of them beats it)
+        rank = 1 + sum(t < o.step_time or (t == o.step_time and j < i)
+                       for j, t in enumerate(times))
         alternatives.append(Alternative(
             name=f"runner-up #{rank}", description=structure(other), step_time=o.step_time,
             slower_by=o.step_time / pred.step_time - 1, why=why_slower(pred, o)))

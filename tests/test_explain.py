@@ -90,6 +90,21 @@ def test_analysis_covers_the_plan(solved):
     assert data["kind"] == "explanation" and data["timeline"]["lanes"]
 
 
+def test_runner_ups_are_ranked_with_the_plan(solved):
+    """Runner-ups found by a new search may beat the plan (its search had constraints
+    the plan file does not keep, or stopped early): each is named by its place among
+    the plan and them, so one that beats it is #1, not #2."""
+    session, plan, graph = solved
+    worse = session.state.runners_up[0]
+    faster = dataclasses.replace(worse, prediction=dataclasses.replace(
+        worse.prediction, step_time=plan.prediction.step_time / 2))
+    e = analyze(plan, graph.layers, runners_up=[worse, faster]).explanation
+    ranked = {alt.name: alt for alt in e.alternatives if alt.name.startswith("runner-up")}
+    assert set(ranked) == {"runner-up #1", "runner-up #3"}
+    assert ranked["runner-up #1"].slower_by == pytest.approx(-0.5)
+    assert ranked["runner-up #1"].why.startswith("faster than this plan")
+
+
 def test_stage_rows_name_a_schedule_other_than_1f1b(solved):
     _, plan, graph = solved
     gpipe = dataclasses.replace(plan, pipelines=tuple(
