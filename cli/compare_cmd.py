@@ -180,11 +180,11 @@ def what_if(
         cluster = whatif.remove_nodes(cluster, remove)
         edits.append(f"remove {' '.join(remove)}")
     for item in resize or []:
-        name, value = whatif.parse_assignment(item, "--resize")
+        name, value = whatif.parse_assignment(item, "--resize", "v100-32g-0=4")
         cluster = whatif.resize_node(cluster, name, whatif.parse_int(value, "--resize"))
         edits.append(f"resize {name} {value}")
     for item in link or []:
-        target, value = whatif.parse_assignment(item, "--link")
+        target, value = whatif.parse_assignment(item, "--link", "network=25Gbps")
         cluster = whatif.set_link(cluster, target, value)
         edits.append(f"link {target} {value}")
     if (nic or group) and not add:

@@ -49,11 +49,16 @@ def devices(
         raise PlannerError("no-match", f"No device type matches {text!r}.",
                            ["`planner devices` without a search lists all of them"])
     if vendor:
-        vendors = sorted({d.vendor for d in specs})
+        vendors = sorted({d.vendor for d in catalog.matching("")})
         if vendor.lower() not in vendors:
             raise unknown_name_error("unknown-vendor", "vendor", vendor, vendors,
                                      "planner devices")
-        specs = [d for d in specs if d.vendor == vendor.lower()]
+        made = [d for d in specs if d.vendor == vendor.lower()]
+        if not made:
+            raise PlannerError("no-match", f"No device type matching {text!r} is made by "
+                               f"{vendor.lower()}.", [f"`planner devices --vendor {vendor}` "
+                                                      "lists that vendor's devices"])
+        specs = made
     if json_out:
         rows = [_row(d, catalog) for d in specs]
         sys.stdout.write(json.dumps(rows, indent=1) + "\n")

@@ -206,12 +206,13 @@ def edit_training(training: TrainingSpec, *, global_batch: int | None = None,
     return dataclasses.replace(training, **changes)
 
 
-def parse_assignment(text: str, option: str) -> tuple[str, str]:
-    """`KEY=VALUE` -> (KEY, VALUE), with a clear error naming the option."""
+def parse_assignment(text: str, option: str, example: str) -> tuple[str, str]:
+    """`KEY=VALUE` -> (KEY, VALUE), with a clear error naming the option and giving an
+    example of it."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip() or not value.strip():
         raise PlannerError("bad-option", f"{option} {text!r} must look like KEY=VALUE "
-                           f"(e.g. {option} network=25Gbps).")
+                           f"(e.g. {option} {example}).")
     return key.strip(), value.strip()
 
 
