@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,23 @@ def parse_inline(spec: str) -> ClusterSpec:
             nodes.append(NodeSpec(name=f"{device.name.lower()}-{index}", device=device,
                                   devices=per_node, intra_link=device.intra_link))
     return ClusterSpec(name=spec, nodes=tuple(nodes), network=network)
+
+
+def clashing_device(nodes: Sequence[NodeSpec]) -> str | None:
+    """Where two nodes give one device type name different figures (a custom device
+    named like a catalog one, say), a sentence naming them; else None. The planner
+    keeps a type's figures by its name, so one of them would be priced as the other."""
+    first: dict[str, NodeSpec] = {}
+    for node in nodes:
+        seen = first.setdefault(node.device.name, node)
+        if seen.device != node.device:
+            memory = (f" (memory {seen.device.memory / 2**30:g} and "
+                      f"{node.device.memory / 2**30:g} GiB)"
+                      if seen.device.memory != node.device.memory else "")
+            return (f"nodes {seen.name!r} and {node.name!r} both have device type "
+                    f"{node.device.name!r}, with different figures{memory}; a custom device "
+                    "needs a name of its own")
+    return None
 
 
 def too_many_devices(what: str, devices: int) -> PlannerError:
@@ -294,6 +312,9 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
         if hosts is not None and (not isinstance(hosts, list) or not hosts):
             raise f.error("must be a non-empty list of host names", "hosts")
         count = len(hosts) if hosts else f.positive_int("count", 1)
+        if hosts and f.get("count") is not None and f.positive_int("count") != count:
+            raise f.error(f"gives {f.get('count')} nodes but lists {count} hosts", "count",
+                          ["drop count: a hosts list makes one node per host"])
         if len(nodes) + count > MAX_NODES:
             raise f.error(_too_many("the cluster", len(nodes) + count).message,
                           "hosts" if hosts else "count")
@@ -328,6 +349,8 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
     if duplicates:
         raise top.error(f"node name {duplicates[0]!r} is used twice", "nodes",
                         ["give each node entry its own name"])
+    if (clash := clashing_device(nodes)) is not None:
+        raise top.error(clash, "nodes", ["name the custom device, e.g. name: A100-80G-custom"])
     network = _link(top, "network", None, per="per node")
     if network is None:
         if len(nodes) > 1:

@@ -19,7 +19,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-from cost_models.cluster import MAX_NODE_DEVICES, too_many_devices
+from cost_models.cluster import MAX_NODE_DEVICES, clashing_device, too_many_devices
 from planner.errors import PlannerError, closest
 from planner.types import ClusterSpec, LinkSpec, NodeSpec, TrainingSpec
 from planner.units import parse_bandwidth, parse_duration
@@ -77,6 +77,10 @@ def add_nodes(cluster: ClusterSpec, spec: str, *, nic: str | None = None,
             k += 1
         taken.add(f"{base}-{k}")
         added.append(dataclasses.replace(node, name=f"{base}-{k}", nic=nic_link, groups=chain))
+    if (clash := clashing_device((*cluster.nodes, *added))) is not None:
+        raise PlannerError("bad-value", f"Adding {spec!r}: {clash}.",
+                           ["add nodes of another type, or rename the custom device in the "
+                            "cluster file"])
     return _edited(cluster, nodes=(*cluster.nodes, *added))
 
 

@@ -207,3 +207,35 @@ def test_a_node_of_too_many_devices_is_named_in_a_file_and_a_resize(tmp_path):
         load_cluster(str(path))
     with pytest.raises(PlannerError, match="Resizing v100-16g-0 puts 5,000 devices in one node"):
         resize_node(load_cluster("1x8xV100-16G"), "v100-16g-0", 5000)
+
+
+def test_a_custom_device_named_like_another_is_refused(tmp_path):
+    """The planner keeps a type's figures by its name: node d's 40 GiB A100s were shown
+    (and could be priced) as the custom 80 GiB ones."""
+    from planner.whatif import add_nodes
+
+    path = tmp_path / "same.yaml"
+    path.write_text("schema_version: 1\nname: t\nnetwork: 100Gbps\nnodes:\n"
+                    "  - name: c\n    device: {base: A100-40G-SXM, name: A100-40G-SXM, "
+                    "memory: 80GiB}\n    devices: 2\n"
+                    "  - {name: d, device: A100-40G-SXM, devices: 2}\n")
+    with pytest.raises(PlannerError, match="nodes 'c' and 'd' both have device type "
+                       r"'A100-40G-SXM', with different figures \(memory 80 and"):
+        load_cluster(str(path))
+    path.write_text(path.read_text().replace("  - {name: d, device: A100-40G-SXM, devices: 2}\n",
+                                             ""))
+    custom = load_cluster(str(path))
+    with pytest.raises(PlannerError, match="Adding '1x2xA100-40G': nodes 'c' and "
+                       "'a100-40g-sxm-0' both have device type"):
+        add_nodes(custom, "1x2xA100-40G")
+
+
+def test_a_count_beside_a_hosts_list_must_agree(tmp_path):
+    """It was ignored: one node per host."""
+    path = tmp_path / "hosts.yaml"
+    path.write_text("schema_version: 1\nname: t\nnetwork: 100Gbps\nnodes:\n"
+                    "  - {hosts: [h1], count: 3, device: V100-16G, devices: 2}\n")
+    with pytest.raises(PlannerError, match=r"nodes\[0\].count: gives 3 nodes but lists 1 hosts"):
+        load_cluster(str(path))
+    path.write_text(path.read_text().replace("count: 3", "count: 1"))
+    assert [n.host for n in load_cluster(str(path)).nodes] == ["h1"]
