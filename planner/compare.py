@@ -58,14 +58,31 @@ def memory_headroom(plan: Plan) -> tuple[float, float, str]:
 def parse_prices(items: Sequence[str] | None) -> dict[str, float]:
     """`TYPE=DOLLARS_PER_HOUR` items (device type names as `planner devices` lists)."""
     prices: dict[str, float] = {}
+    given: dict[str, str] = {}
     for item in items or []:
         kind, sep, value = item.partition("=")
         priced = parse_price(kind, value) if sep else None
         if priced is None:
-            raise PlannerError("bad-option", f"--price {item!r} must look like TYPE=DOLLARS, "
-                               "dollars per device-hour, e.g. --price A100-80G-SXM=2.5.")
+            shaped = sep and kind.strip() and _is_number(value)
+            raise PlannerError("bad-option", f"--price {item!r}: " + (
+                f"{value.strip()} is not a price (a finite number of dollars, 0 or more)."
+                if shaped else "must look like TYPE=DOLLARS, dollars per device-hour, e.g. "
+                "--price A100-80G-SXM=2.5."))
+        if priced[0] in given:
+            raise PlannerError("bad-option", f"--price names {priced[0]} twice ("
+                               f"{given[priced[0]]!r}, then {item!r}).",
+                               ["give each device type's price once"])
+        given[priced[0]] = item
         prices[priced[0]] = priced[1]
     return prices
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_price(kind: str, value: str) -> tuple[str, float] | None:

@@ -133,6 +133,7 @@ def check_plan(plan: Plan, source: str) -> Plan:
 
 _REGENERATE = "regenerate the plan with `planner solve`"
 OPTIMIZERS = ("adam", "adamw", "sgd")  # (the runtime runs AdamW for the first two)
+STATUSES = ("optimal", "feasible", "interrupted", "fixed")  # (`SolverReport.status`)
 _POSITIVE = ("bandwidth", "memory", "memory_bandwidth")  # cluster fields above zero
 
 
@@ -195,6 +196,8 @@ def _check_fields(plan: Plan) -> None:
     for field, value in counts:
         if value < 1:
             raise bad(f"{field} must be positive (got {value}).")
+    if plan.solver.status not in STATUSES:
+        raise bad(f"solver.status {plan.solver.status!r} is not one of {', '.join(STATUSES)}.")
     if plan.training.optimizer.name not in OPTIMIZERS:
         raise bad(f"training.optimizer.name {plan.training.optimizer.name!r} is not one of "
                   f"{', '.join(OPTIMIZERS)} (the optimizers the runtime runs).")
@@ -209,6 +212,10 @@ def _check_fields(plan: Plan) -> None:
         if first.setdefault(n.name, i) != i:
             raise bad(f"cluster.nodes[{i}].name {n.name!r} is also cluster.nodes"
                       f"[{first[n.name]}].name; every node needs a name of its own.")
+        unknown = [g for g in n.groups if g not in {g.name for g in plan.cluster.groups}]
+        if unknown:
+            raise bad(f"cluster.nodes[{i}].groups names {unknown[0]!r}, which is none of "
+                      "cluster.groups (a node's groups set the links it shares).")
         if "fp32" not in n.device.peak_flops:
             raise bad(f"cluster.nodes[{i}].device.peak_flops has no fp32 rate (got "
                       f"{sorted(n.device.peak_flops)}): every device needs one.")

@@ -280,6 +280,9 @@ def _stage(data):
      r"training.optimizer.grad_bytes must be positive \(got 0.0\)"),
     (lambda d: d["training"]["optimizer"].update(name="lion"),
      "training.optimizer.name 'lion' is not one of adam, adamw, sgd"),
+    (lambda d: d["solver"].update(status="bogus"), "solver.status 'bogus' is not one of"),
+    (lambda d: d["cluster"]["nodes"][0].update(groups=["nogroup"]),
+     r"cluster.nodes\[0\].groups names 'nogroup', which is none of cluster.groups"),
 ])
 def test_plan_file_fields_out_of_range_name_the_file_and_field(setup, tmp_path, edit, needle):
     data = json.loads(plan_json(setup[3]))

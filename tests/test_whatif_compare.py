@@ -139,8 +139,11 @@ def test_prices_give_dollars():
     assert rows["dollars_per_m"].values[0] == pytest.approx(dollars)
     with pytest.raises(PlannerError, match="TYPE=DOLLARS"):
         parse_prices(["A100=cheap"])
-    for bad in ("A100=nan", "A100=inf", "A100=-1", "=2"):
-        with pytest.raises(PlannerError, match="TYPE=DOLLARS"):
+    for bad, needle in (("A100=nan", "nan is not a price"), ("A100=inf", "inf is not a price"),
+                        ("A100=-1", "-1 is not a price"), ("=2", "TYPE=DOLLARS")):
+        with pytest.raises(PlannerError, match=needle):
             parse_prices([bad])
+    with pytest.raises(PlannerError, match="--price names A100-80G-SXM twice"):
+        parse_prices(["A100-80G=1", "A100-80G-SXM=2"])  # (the last one won silently)
     with pytest.raises(PlannerError, match="at least one"):
         compare([])
