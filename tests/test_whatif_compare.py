@@ -85,9 +85,10 @@ def test_edit_training_and_assignments():
         global_batch=128, seq_len=128, dtype="fp16")
     with pytest.raises(PlannerError, match="positive"):
         whatif.edit_training(t, global_batch=0)
-    assert whatif.parse_assignment("network=25Gbps", "--link") == ("network", "25Gbps")
+    assert whatif.parse_assignment("network=25Gbps", "--link", "network=25Gbps") == (
+        "network", "25Gbps")
     with pytest.raises(PlannerError, match="KEY=VALUE"):
-        whatif.parse_assignment("network", "--link")
+        whatif.parse_assignment("network", "--link", "network=25Gbps")
     with pytest.raises(PlannerError, match="whole number"):
         whatif.parse_int("eight", "devices")
 
