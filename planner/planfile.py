@@ -204,6 +204,7 @@ def _check_fields(plan: Plan) -> None:
     if not plan.cluster.nodes:
         raise bad("cluster.nodes is empty: the plan's cluster has no nodes to run on.")
     names = [("cluster.name", plan.cluster.name)]
+    groups = {g.name for g in plan.cluster.groups}
     first: dict[str, int] = {}
     for i, n in enumerate(plan.cluster.nodes):
         if n.devices < 1:
@@ -212,7 +213,7 @@ def _check_fields(plan: Plan) -> None:
         if first.setdefault(n.name, i) != i:
             raise bad(f"cluster.nodes[{i}].name {n.name!r} is also cluster.nodes"
                       f"[{first[n.name]}].name; every node needs a name of its own.")
-        unknown = [g for g in n.groups if g not in {g.name for g in plan.cluster.groups}]
+        unknown = [g for g in n.groups if g not in groups]
         if unknown:
             raise bad(f"cluster.nodes[{i}].groups names {unknown[0]!r}, which is none of "
                       "cluster.groups (a node's groups set the links it shares).")
