@@ -158,6 +158,9 @@ def test_tp_per_class_starts_from_the_best_plans_of_one_degree(setup, monkeypatc
     assert (dataclasses.replace(one.config, tp=None), one.shapes) in calls[2][2]
     assert plan.prediction.step_time <= one.step_time * (1 + 1e-9)
     assert calls[2][4] is calls[1][5]  # (the cost table and what it memoised go on)
+    # the report counts both searches: the larger one began with the one-degree one
+    assert plan.solver.explored == calls[1][3].explored + calls[2][3].explored
+    assert plan.solver.wall_time == pytest.approx(calls[1][3].wall_time + calls[2][3].wall_time)
     calls.clear()
     solve(graph, load_cluster("2x4xA100-40G"), training, options)
     assert [call[:2] for call in calls] == [(2, False)]

@@ -338,13 +338,13 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
 
 def _one_degree(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
                 options: SolveOptions, costs: CostModel, seeds: tuple, start: float
-                ) -> tuple[tuple, bool, CostTable | None]:
+                ) -> tuple[SearchResult | None, CostTable | None]:
     """With --tp-per-class, the best plans with one tensor-parallel degree for every
     class (`options`, tp_per_class off) first, in at most half the time left: a far
     smaller space whose plans are plans of the larger one, so they seed its search,
     which then returns none slower (at 1,024 GPUs the larger search alone stopped at
-    20.3 s in 10 s, where one degree gives 19.5 s). Returns the seeds, whether Ctrl-C
-    stopped it, and the cost table, for the larger search to go on with."""
+    20.3 s in 10 s, where one degree gives 19.5 s). Returns its result (None if no plan
+    has one degree) and the cost table, for the larger search to go on with."""
     limit = options.time_limit
     if limit is not None:
         limit = max(0.0, limit - (time.perf_counter() - start)) / 2
@@ -354,9 +354,8 @@ def _one_degree(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     except PlannerError as exc:  # (no plan with one degree: the larger search goes on)
         if exc.kind != "infeasible":
             raise
-        return (), False, None
-    return (tuple((e.config, e.shapes) for e in result.best),
-            result.status == "interrupted", table)
+        return None, None
+    return result, table
 
 
 def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
@@ -384,12 +383,13 @@ def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         except PlannerError as exc:  # the baseline says why (memory, or the constraints)
             alone_error = exc
     interrupted = bool(alone) and alone[0].solver.status == "interrupted"
-    table = None
+    table = first = None
     if options.limits.tp_per_class:
         if not interrupted:
-            found, interrupted, table = _one_degree(model, used, training, one_degree, costs,
-                                                    seeds, start)
-            seeds += found
+            first, table = _one_degree(model, used, training, one_degree, costs, seeds, start)
+        if first is not None:
+            seeds += tuple((e.config, e.shapes) for e in first.best)
+            interrupted = first.status == "interrupted"
         seeds = tuple((dataclasses.replace(config, tp=None), shapes)
                       for config, shapes in seeds)  # (every class at its own degree)
     if interrupted:  # the full search prices the seeds and stops
@@ -399,6 +399,10 @@ def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
             options.time_limit / (4 if options.limits.tp_per_class else 2),
             options.time_limit - (time.perf_counter() - start)))
     table, result = _search(model, used, training, options, costs, seeds, progress, table)
+    if first is not None:  # (its search began with the one-degree one)
+        result = dataclasses.replace(result, wall_time=first.wall_time + result.wall_time,
+                                     explored=first.explored + result.explored,
+                                     pruned=first.pruned + result.pruned)
     if interrupted and result.status != "optimal":
         result = dataclasses.replace(result, status="interrupted")
     plans = _plans(result, lower_bound(table, training.global_batch), model, cluster,
