@@ -95,8 +95,10 @@ def read_plan(path: Path) -> Plan:
                            ["pass the file `planner solve -o` wrote"])
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise PlannerError("bad-plan", f"{str(path)!r} has schema_version {version!r}; this "
-                           f"planner reads version {SCHEMA_VERSION}.",
+        given = (f"{version!r}, a {type(version).__name__}" if not isinstance(version, int)
+                 or isinstance(version, bool) else repr(version))
+        raise PlannerError("bad-plan", f"{str(path)!r} has schema_version {given}; this "
+                           f"planner reads version {SCHEMA_VERSION} (a number).",
                            ["regenerate the plan with this planner's `planner solve`"])
     data.pop("kind")
     try:

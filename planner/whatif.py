@@ -38,12 +38,15 @@ def _edited(cluster: ClusterSpec, **changes: object) -> ClusterSpec:
     return dataclasses.replace(cluster, name=name, **changes)
 
 
-def _unknown_node(cluster: ClusterSpec, name: str) -> PlannerError:
+def _unknown_node(cluster: ClusterSpec, name: str, types: bool = False) -> PlannerError:
+    """No node (or, with `types`, device type either) of that name."""
     names = [n.name for n in cluster.nodes]
-    near = closest(name, names)
+    kinds = sorted(cluster.device_types()) if types else []
+    near = closest(name, names + kinds)
     hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
-    return PlannerError("unknown-node", f"Cluster {cluster.name} has no node {name!r}.{hint}",
-                        [f"use one of {', '.join(names)}"])
+    return PlannerError("unknown-node", f"Cluster {cluster.name} has no node "
+                        + ("or device type " if types else "") + f"{name!r}.{hint}",
+                        [f"use one of {', '.join(names + kinds)}"])
 
 
 def add_nodes(cluster: ClusterSpec, spec: str, *, nic: str | None = None,
@@ -132,7 +135,7 @@ def resize_node(cluster: ClusterSpec, name: str, devices: int) -> ClusterSpec:
     if not hits:
         hits = [n for n in cluster.nodes if n.device.name.lower() == name.lower()]
     if not hits:
-        raise _unknown_node(cluster, name)
+        raise _unknown_node(cluster, name, types=True)
     chosen = {n.name for n in hits}
     return _edited(cluster, nodes=tuple(
         dataclasses.replace(n, devices=devices) if n.name in chosen else n
@@ -173,7 +176,7 @@ def set_link(cluster: ClusterSpec, target: str, value: str) -> ClusterSpec:
         if not hits and kind == "intra":
             hits = [n for n in cluster.nodes if n.device.name.lower() == name.lower()]
         if not hits:
-            raise _unknown_node(cluster, name)
+            raise _unknown_node(cluster, name, types=kind == "intra")
         chosen = {n.name for n in hits}
         nodes = []
         for n in cluster.nodes:
@@ -197,13 +200,13 @@ def edit_training(training: TrainingSpec, *, global_batch: int | None = None,
     changes: dict = {}
     if global_batch is not None:
         if global_batch < 1:
-            raise PlannerError("bad-value", f"The global batch must be positive (got "
-                               f"{global_batch}).")
+            raise PlannerError("bad-value", f"The global batch (global-batch) must be "
+                               f"positive (got {global_batch}).")
         changes["global_batch"] = global_batch
     if seq_len is not None:
         if seq_len < 1:
-            raise PlannerError("bad-value", f"The sequence length must be positive (got "
-                               f"{seq_len}).")
+            raise PlannerError("bad-value", f"The sequence length (seq-len) must be "
+                               f"positive (got {seq_len}).")
         changes["seq_len"] = seq_len
     if dtype is not None:
         changes["dtype"] = canonical_dtype(dtype)

@@ -62,7 +62,9 @@ def test_explain_json_is_machine_output_only(plans):
     (None, "does not exist"),
     ("{not json", "not JSON"),
     ('{"kind": "cluster"}', "not a plan file"),
-    ('{"kind": "plan", "schema_version": 99}', "schema_version 99"),
+    ('{"kind": "plan", "schema_version": 99}', "schema_version 99;"),
+    ('{"kind": "plan", "schema_version": "1"}', "schema_version '1', a str; this planner "
+     "reads version 1 (a number)"),
     ('{"kind": "plan", "schema_version": 1, "model": 3}', "not a valid plan"),
 ])
 def test_explain_rejects_bad_plan_files(tmp_path, content, message):
@@ -115,7 +117,8 @@ def test_what_if_adds_nodes_and_writes_files(plans):
                           (["--exclude", "nope"], "has no node"),
                           (["--add", "1x4xA100-80G", "-o", out], "already exists"),
                           # (0 was taken as "unchanged": the plan's own, solved again)
-                          (["-s", "0"], "sequence length must be positive (got 0)")):
+                          (["-s", "0"], "sequence length (seq-len) must be positive (got 0)"),
+                          (["-B", "0"], "global batch (global-batch) must be positive")):
         bad = run("what-if", plans / "base.json", *args)
         assert bad.exit_code == 1, args
         assert message in bad.stderr, (args, bad.stderr)
