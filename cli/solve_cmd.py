@@ -217,6 +217,7 @@ def estimate(
     from cost_models.model import AnalyticalCostModel
     from planner.errors import PlannerError
     from planner.files import check_writable
+    from planner.solver.diagnose import larger_than_cluster
     from planner.solver.limits import parse_schedule
     from planner.solver.uniform import memory_remedies, overflows, uniform_plan
     from planner.types import Schedule
@@ -254,6 +255,9 @@ def estimate(
     if problems:
         written = (f" The plan was written to {output} all the same, for `planner explain`; "
                    "`planner launch` refuses it." if output is not None else "")
+        too_large = larger_than_cluster(graph.layers, spec, training)
+        if too_large is not None:  # (no configuration fits: say so, not how to shard)
+            raise PlannerError("does-not-fit", too_large.message + written, too_large.remedies)
         raise PlannerError("does-not-fit", "This configuration does not fit in memory: "
                            + "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else ".")
                            + written, memory_remedies(plan.pipelines, plan.cluster))

@@ -80,6 +80,8 @@ def test_top_k_says_when_fewer_plans_exist():
     (["--dp", "0"], "--dp must be at least 1 (got 0)"),
     (["--pp", "2", "--interleave", "2", "--schedule", "1f1b"],
      "--interleave 2 runs interleaved 1F1B, which contradicts --schedule 1f1b"),
+    # no configuration fits: say so (it led with how ZeRO shards across types)
+    (["--ffn", "99999999999"], "The model is larger than the whole cluster's memory"),
 ])
 def test_estimate_refuses(args, needle):
     result = runner.invoke(app, ["estimate", "gpt-tiny", "--cluster", CLUSTER, *args])

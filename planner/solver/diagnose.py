@@ -27,28 +27,42 @@ from planner.types.training import Recompute
 MORE_DEVICES = "add devices, or devices with more memory"
 
 
-def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSpec,
-             costs: CostModel, limits: Limits | None = None, space: Space | None = None,
-             excluded: Sequence[str] = ()) -> Infeasible:
-    limits, space = limits or Limits(), space or Space()
-    unexclude = ([f"use the nodes left out with --exclude ({', '.join(excluded)})"]
-                 if excluded else [])
+def _unexclude(excluded: Sequence[str]) -> list[str]:
+    return ([f"use the nodes left out with --exclude ({', '.join(excluded)})"]
+            if excluded else [])
+
+
+def larger_than_cluster(layers: Sequence[Layer], cluster: ClusterSpec,
+                        training: TrainingSpec, excluded: Sequence[str] = ()
+                        ) -> Infeasible | None:
+    """The error where the model's weights, gradients and optimizer states alone exceed
+    the memory of every device of the cluster together (no plan can fit); else None."""
     weight = float(dtype_bytes(training.dtype))
     per_param = weight + (training.optimizer.grad_bytes or weight) + optimizer_state_bytes(
         training)
     params = sum(layer.params for layer in layers)
     room = sum(n.devices * (n.device.memory - framework_reserve(n.device))
                for n in cluster.nodes)
-    if params * per_param > room:
-        holders = (f"the {cluster.num_devices} devices of cluster {cluster.name} have"
-                   if cluster.num_devices > 1 else f"the one device of cluster {cluster.name} has")
-        return Infeasible(
-            f"The model is larger than the whole cluster's memory: {params / 1e9:.3g}B "
-            f"parameters need {params * per_param / GIB:,.0f} GiB for weights, gradients and "
-            f"optimizer states ({per_param:g} bytes each), and {holders} "
-            f"{room / GIB:,.0f} GiB after the framework reserve.",
-            [MORE_DEVICES, *unexclude, "train in a smaller dtype or with a lighter optimizer"],
-            memory=True)
+    if params * per_param <= room:
+        return None
+    holders = (f"the {cluster.num_devices} devices of cluster {cluster.name} have"
+               if cluster.num_devices > 1 else f"the one device of cluster {cluster.name} has")
+    return Infeasible(
+        f"The model is larger than the whole cluster's memory: {params / 1e9:.3g}B "
+        f"parameters need {params * per_param / GIB:,.0f} GiB for weights, gradients and "
+        f"optimizer states ({per_param:g} bytes each), and {holders} "
+        f"{room / GIB:,.0f} GiB after the framework reserve.",
+        [MORE_DEVICES, *_unexclude(excluded),
+         "train in a smaller dtype or with a lighter optimizer"], memory=True)
+
+
+def diagnose(layers: Sequence[Layer], cluster: ClusterSpec, training: TrainingSpec,
+             costs: CostModel, limits: Limits | None = None, space: Space | None = None,
+             excluded: Sequence[str] = ()) -> Infeasible:
+    limits, space = limits or Limits(), space or Space()
+    unexclude = _unexclude(excluded)
+    if (too_large := larger_than_cluster(layers, cluster, training, excluded)) is not None:
+        return too_large
     devices = [n for n in cluster.nodes for _ in range(n.devices)]
     stages = min(len(layers), len(devices))
     worst = None
