@@ -215,6 +215,10 @@ def _device(fields: Fields, node_name: str) -> DeviceSpec:
             device = catalog.device(value)
         except PlannerError as exc:
             raise fields.error(exc.message, "device", list(exc.remedies)) from None
+    elif not isinstance(value, dict):
+        raise fields.error(f"must be a catalog device name (like V100-16G) or a mapping for "
+                           f"a custom device (got {type(value).__name__} {value!r})", "device",
+                           ["run `planner devices` for the catalog's names"])
     else:
         sub = fields.sub("device", value)
         base = sub.get("base")

@@ -117,6 +117,8 @@ def test_units():
     ("nodes: [{name: a, device: A100-80G, devices: 8, colour: red}]", "unknown field 'colour'"),
     ("nodes: [{name: a, device: A100-80G, devices: 8, group: rack}]", "unknown group 'rack'"),
     ("nodes: [{name: a, devices: 8}]", "is missing field 'device'"),
+    ("nodes:\n  - name: a\n    device: [V100-16G]\n    devices: 2\n",
+     "line 3, nodes[0].device: must be a catalog device name (like V100-16G) or a mapping"),
     ("nodes:\n  - name: a\n    device: A100-80G\n    devcies: 8\n",
      "line 4, nodes[0].devcies: unknown field 'devcies'"),  # not "missing field 'devices'"
     ("node: [{name: a, device: A100-80G, devices: 8}]", "line 1, node: unknown field 'node'"),
