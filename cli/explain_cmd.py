@@ -14,6 +14,7 @@ from rich.markup import escape
 from cli import options as opt
 
 console = Console(emoji=False)
+MAX_WIDTH = 2000  # columns of the terminal timeline (a million printed megabytes)
 err_console = Console(emoji=False, stderr=True)
 
 PlanArg = Annotated[Path, typer.Argument(
@@ -63,8 +64,9 @@ def explain(
 
     if runners_up < 0:
         raise PlannerError("bad-option", f"--runners-up must be 0 or more (got {runners_up}).")
-    if width is not None and width < 40:
-        raise PlannerError("bad-option", f"--width must be at least 40 (got {width}).")
+    if width is not None and not 40 <= width <= MAX_WIDTH:
+        raise PlannerError("bad-option", f"--width must be between 40 and {MAX_WIDTH:,} "
+                           f"columns (got {width:,}).")
     if html is not None and svg is not None and html.resolve() == svg.resolve():
         raise PlannerError("bad-option", f"--html and --svg both name {str(html)!r}; give "
                            "them different files.")

@@ -200,6 +200,14 @@ def test_explain_and_compare_refuse_options_that_cannot_apply(plans, tmp_path):
     assert result.exit_code == 1 and "which none of the plans uses" in result.stderr
 
 
+@pytest.mark.parametrize("width", ["39", "1000000"])
+def test_explain_width_is_bounded(plans, width):
+    """A million columns printed megabytes of timeline."""
+    result = run("explain", plans / "base.json", "--width", width)
+    assert result.exit_code == 1 and "--width must be between 40 and 2,000 columns" in (
+        result.stderr)
+
+
 def test_names_are_printed_as_written_not_as_markup(tmp_path):
     """Rich reads [..] as markup and :name: as an emoji: a cluster, node or model name
     holding them used to crash the tables ("closing tag '[/]' has nothing to close")
