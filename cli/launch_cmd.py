@@ -47,19 +47,29 @@ def _check_runtime_args(args: list[str]) -> None:
     import io
 
     from planner.errors import PlannerError
-    from planner.runtime.__main__ import parser
+    from planner.runtime.__main__ import options_from, parser
+    from planner.runtime.train import check_options
 
     if not args:
         return
+    if any(a == "--plan" or a.startswith("--plan=") for a in args):
+        raise PlannerError("bad-option", "--runtime-arg --plan: the scripts pass the plan "
+                           "they are written with (plan.json beside them).",
+                           ["drop it; launch the plan you want instead"])
     messages = io.StringIO()
     try:
         with contextlib.redirect_stderr(messages):
-            parser().parse_args(["--plan", "plan.json", *args])
+            parsed = parser().parse_args(["--plan", "plan.json", *args])
     except SystemExit:
         problem = messages.getvalue().strip().splitlines()[-1:] or ["not understood"]
         raise PlannerError("bad-option", f"--runtime-arg {' '.join(args)}: the runtime "
                            f"would refuse it ({problem[0].removeprefix('usage: ')}).",
                            ["see python -m planner.runtime --help"]) from None
+    try:
+        check_options(options_from(parsed))
+    except PlannerError as exc:
+        raise PlannerError("bad-option", f"--runtime-arg {' '.join(args)}: the runtime would "
+                           f"refuse it: {exc.message}", exc.remedies) from None
 
 
 def launch(
@@ -133,6 +143,9 @@ def launch(
                            f"{checkpoint_every}).")
     if not lr > 0 or lr == float("inf"):
         raise PlannerError("bad-option", f"--lr must be a positive number (got {lr}).")
+    if not 0 <= seed < 2**63:
+        raise PlannerError("bad-option", f"--seed must be between 0 and 2**63 - 1 (got "
+                           f"{seed}).")
     module, colon, function = (data or "").partition(":")
     if data is not None and not (colon and module and function):
         raise PlannerError("bad-option", f"--data {data!r} must name a data hook as "

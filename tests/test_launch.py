@@ -286,9 +286,15 @@ def test_launch_refuses_plans_that_cannot_run(tmp_path, hetero_plan):
                         (["--lr", "nan"], "--lr must be a positive number"),
                         (["--data", "nomodule"], "must name a data hook as package.module"),
                         (["--sbatch=--partition=x"], "the torchrun target has none"),
-                        (["--runtime-arg=--bogus"], "unrecognized arguments: --bogus")):
+                        (["--runtime-arg=--bogus"], "unrecognized arguments: --bogus"),
+                        # values the runtime refuses, refused here once (not on every rank)
+                        (["--runtime-arg=--timeout=inf"], "--timeout must be positive"),
+                        (["--runtime-arg=--steps=0"], "--steps must be at least 1"),
+                        (["--runtime-arg=--plan=x.json"], "the scripts pass the plan"),
+                        (["--seed", str(10**20)], "--seed must be between 0 and 2**63 - 1")):
         result = runner.invoke(app, ["launch", str(plan), "--out", str(out), *bad])
-        assert result.exit_code == 1 and needle in result.stderr, result.output
+        assert result.exit_code == 1 and needle in " ".join(result.stderr.split()), (
+            result.output)
     for sbatch, needle in (("--partition=gpu queue", "without spaces"),
                            ("--nodes=4", "sets --nodes itself")):
         with pytest.raises(PlannerError, match=needle):

@@ -2,6 +2,7 @@
 model chain check, deterministic initialization and data slicing."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,26 @@ def test_environment_mismatch_lists_expected_and_found():
         validate_environment(plan, layout, _env(PLANNER_NODE="gpu"))
     with pytest.raises(PlannerError, match="not started by torchrun"):
         validate_environment(plan, layout, {})
+    # (torch raised ValueError on these)
+    for port, found in (("abc", "expected an integer, found 'abc'"),
+                        ("99999", "expected a TCP port (1-65535), found 99999")):
+        with pytest.raises(PlannerError, match=re.escape(f"MASTER_PORT: {found}")):
+            validate_environment(plan, layout, _env(MASTER_PORT=port))
+
+
+@pytest.mark.parametrize("change, needle", [
+    # an infinite timeout and a seed past 64 bits were tracebacks on every rank
+    ({"timeout": float("inf")}, "--timeout must be positive seconds, at most 604,800"),
+    ({"seed": 10**20}, "--seed must be between 0 and 2**63 - 1"),
+    ({"run_dir": Path(__file__)}, "is a file, not a folder"),
+    ({"run_dir": Path(__file__) / "sub"}, "is a file, not a folder"),
+])
+def test_run_options_out_of_range_are_named(tmp_path, change, needle):
+    from planner.runtime.train import RunOptions, run
+
+    options = dataclasses.replace(RunOptions(plan=tmp_path / "plan.json"), **change)
+    with pytest.raises(PlannerError, match=re.escape(needle)):
+        run(options, env={})
 
 
 def test_gpu_plans_check_the_device_count_and_type():

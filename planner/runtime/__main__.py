@@ -11,8 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.errors import PlannerError
+
+if TYPE_CHECKING:
+    from planner.runtime.train import RunOptions
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,18 +52,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    from planner.runtime.train import RunOptions, run
+def options_from(args: argparse.Namespace) -> RunOptions:
+    """The run options the parsed arguments give."""
+    from planner.runtime.train import RunOptions
 
-    options = RunOptions(
+    return RunOptions(
         plan=args.plan, run_dir=args.run_dir, steps=args.steps,
         checkpoint_every=args.checkpoint_every, final_checkpoint=not args.no_final_checkpoint,
         resume=args.resume, data=args.data, seed=args.seed, lr=args.lr,
         optimizer=args.optimizer, cpu=args.cpu, check_device_type=not args.ignore_device_type,
         warmup=args.warmup, timeout=args.timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from planner.runtime.train import run
+
     try:
-        run(options)
+        run(options_from(args))
     except PlannerError as exc:
         if args.debug:
             raise

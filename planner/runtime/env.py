@@ -90,6 +90,9 @@ def validate_environment(plan: Plan, layout: Layout, env: Mapping[str, str], *,
     local = _int(env, "LOCAL_RANK", problems)
     local_world = _int(env, "LOCAL_WORLD_SIZE", problems)
     node_rank = _int(env, "GROUP_RANK", problems)
+    port = _int(env, "MASTER_PORT", problems)
+    if port is not None and not 0 < port < 65536:
+        problems.append(f"MASTER_PORT: expected a TCP port (1-65535), found {port}")
     if world is not None and world != layout.world_size:
         problems.append(f"WORLD_SIZE: expected {layout.world_size} (one rank per device the "
                         f"plan uses), found {world}")

@@ -58,6 +58,9 @@ from planner.runtime.summary import StepLog, log, peak_memory, timing, write_sum
 FP16_SCALE = 2.0**12
 
 
+MAX_TIMEOUT = 7 * 24 * 3600  # seconds a collective may wait at most (torch takes whole ms)
+
+
 @dataclass(frozen=True)
 class RunOptions:
     plan: Path
@@ -79,7 +82,8 @@ class RunOptions:
         return self.run_dir or Path("runs") / self.plan.stem
 
 
-def _check_options(options: RunOptions) -> None:
+def check_options(options: RunOptions) -> None:
+    """An error naming the first option out of range."""
     if options.steps < 1:
         raise PlannerError("bad-option", f"--steps must be at least 1 (got {options.steps}).")
     if options.checkpoint_every < 0:
@@ -89,9 +93,13 @@ def _check_options(options: RunOptions) -> None:
         raise PlannerError("bad-option", f"--lr must be a positive number (got {options.lr}).")
     if options.warmup < 0:
         raise PlannerError("bad-option", f"--warmup must be 0 or more (got {options.warmup}).")
-    if not options.timeout > 0:
-        raise PlannerError("bad-option", f"--timeout must be positive seconds (got "
-                           f"{options.timeout}).")
+    if not 0 < options.timeout <= MAX_TIMEOUT:
+        raise PlannerError("bad-option", f"--timeout must be positive seconds, at most "
+                           f"{MAX_TIMEOUT:,} (a week) (got {options.timeout}).")
+    if not 0 <= options.seed < 2**63:
+        raise PlannerError("bad-option", f"--seed must be between 0 and 2**63 - 1 (got "
+                           f"{options.seed}).")
+
     if options.optimizer not in (None, "adamw", "sgd"):
         raise PlannerError("bad-option", f"--optimizer must be adamw or sgd (got "
                            f"{options.optimizer!r}).")
@@ -115,13 +123,18 @@ def _to_device(tree: Any, device: torch.device) -> Any:
 def run(options: RunOptions, env: dict[str, str] | None = None) -> dict[str, Any] | None:
     """Train with the plan; rank 0 returns the run summary (other ranks None)."""
     env = dict(os.environ if env is None else env)
-    _check_options(options)
+    check_options(options)
+    run_dir = options.resolved_run_dir()
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists() and not folder.is_dir():
+            raise PlannerError("bad-path", f"--run-dir {str(run_dir)!r}: {str(folder)!r} is a "
+                               "file, not a folder; the run writes its checkpoints, logs and "
+                               "summary there.", ["give a folder, e.g. --run-dir runs/try"])
     plan = read_plan(options.plan)
     layout = rank_layout(plan)
     place = validate_environment(plan, layout, env, cpu=options.cpu,
                                  check_device_name=options.check_device_type)
     rank = place.slot.rank
-    run_dir = options.resolved_run_dir()
     attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if place.device.type == "cuda":
         torch.cuda.set_device(place.device)
