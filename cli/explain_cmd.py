@@ -14,7 +14,6 @@ from rich.markup import escape
 from cli import options as opt
 
 console = Console(emoji=False)
-MAX_WIDTH = 2000  # columns of the terminal timeline (a million printed megabytes)
 err_console = Console(emoji=False, stderr=True)
 
 PlanArg = Annotated[Path, typer.Argument(
@@ -61,6 +60,7 @@ def explain(
     from planner.explain import analysis_dict, analyze, retrace
     from planner.files import check_writable
     from planner.planfile import read_plan
+    from planner.timeline import MAX_WIDTH
 
     if runners_up < 0:
         raise PlannerError("bad-option", f"--runners-up must be 0 or more (got {runners_up}).")

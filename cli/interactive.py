@@ -60,7 +60,7 @@ class Terminal:
         from cli.render_explain import render_reply
 
         if self.echo:
-            self.console.print(f"[bold]planner>[/] {line}", highlight=False)
+            self.console.print(f"[bold]planner>[/] {escape(line)}", highlight=False)
         if self.console.is_terminal:
             with self.console.status("Working...", spinner="dots") as status:
                 self.session.progress = status.update

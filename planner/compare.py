@@ -12,7 +12,6 @@ samples; with prices (dollars per device-hour by device type) also dollars.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -55,6 +54,9 @@ def memory_headroom(plan: Plan) -> tuple[float, float, str]:
     return best if best is not None else (0.0, 0.0, "-")
 
 
+MAX_PRICE = 1e6  # dollars per device-hour (1e308 made the cost table infinite)
+
+
 def parse_prices(items: Sequence[str] | None) -> dict[str, float]:
     """`TYPE=DOLLARS_PER_HOUR` items (device type names as `planner devices` lists)."""
     prices: dict[str, float] = {}
@@ -65,7 +67,8 @@ def parse_prices(items: Sequence[str] | None) -> dict[str, float]:
         if priced is None:
             shaped = sep and kind.strip() and _is_number(value)
             raise PlannerError("bad-option", f"--price {item!r}: " + (
-                f"{value.strip()} is not a price (a finite number of dollars, 0 or more)."
+                f"{value.strip()} is not a price (dollars per device-hour, 0 to "
+                f"{MAX_PRICE:,.0f})."
                 if shaped else "must look like TYPE=DOLLARS, dollars per device-hour, e.g. "
                 "--price A100-80G-SXM=2.5."))
         if priced[0] in given:
@@ -94,7 +97,7 @@ def parse_price(kind: str, value: str) -> tuple[str, float] | None:
         price = float(value)
     except ValueError:
         return None
-    if not kind.strip() or not math.isfinite(price) or price < 0:
+    if not kind.strip() or not 0 <= price <= MAX_PRICE:  # (NaN too)
         return None
     try:
         return catalog.device(kind.strip()).name, price

@@ -685,9 +685,12 @@ class Session:
         key, value = args[0].lower().replace("_", "-"), args[1]
         state = self.state
         if key in ("global-batch", "batch", "b"):
+            from planner.solver import MAX_GLOBAL_BATCH
+
             number = parse_int(value, "global-batch")
-            if number < 1:
-                raise PlannerError("bad-value", f"global-batch must be positive (got {number}).")
+            if not 1 <= number <= MAX_GLOBAL_BATCH:
+                raise PlannerError("bad-value", f"global-batch must be between 1 and "
+                                   f"{MAX_GLOBAL_BATCH:,} (got {number:,}).")
             state = dataclasses.replace(state, global_batch=number)
         elif key == "seq-len":
             seq = None if value == "default" else parse_int(value, "seq-len")
@@ -703,8 +706,9 @@ class Session:
             except ValueError:
                 raise PlannerError("bad-value", f"time-limit must be seconds or none (got "
                                    f"{value!r}).") from None
-            if seconds is not None and seconds <= 0:
-                raise PlannerError("bad-value", "time-limit must be positive.")
+            if seconds is not None and not 0 < seconds < float("inf"):  # (NaN too)
+                raise PlannerError("bad-value", f"time-limit must be a positive number of "
+                                   f"seconds, or none (got {value!r}).")
             reply.add("text", f"Solves stop after {seconds} s." if seconds else
                       "Solves run to optimality (no time limit).")
             return dataclasses.replace(state, time_limit=seconds)
@@ -849,13 +853,13 @@ class Session:
         return self._constrained(c, reply)
 
     def _cmd_price(self, args: list[str], reply: Reply) -> State:
-        from planner.compare import parse_price
+        from planner.compare import MAX_PRICE, parse_price
 
         usage = "price TYPE DOLLARS_PER_HOUR, e.g. price A100-80G-SXM 2.5"
         priced = parse_price(*args) if len(args) == 2 else None
         if priced is None:
-            raise PlannerError("bad-command", f"Use {usage} (a price is a non-negative "
-                               "number of dollars per device-hour).")
+            raise PlannerError("bad-command", f"Use {usage} (a price is 0 to {MAX_PRICE:,.0f} "
+                               "dollars per device-hour).")
         types = sorted({node.device.name for node in self._need_cluster().nodes})
         kind = priced[0]
         if kind not in types and kind.split("@")[0] not in {t.split("@")[0] for t in types}:
@@ -921,9 +925,13 @@ class Session:
         return None
 
     def _cmd_timeline(self, args: list[str], reply: Reply) -> None:
+        from planner.timeline import MAX_WIDTH
         from planner.whatif import parse_int
 
         width = parse_int(args[0], "width") if args else 0
+        if args and not 40 <= width <= MAX_WIDTH:
+            raise PlannerError("bad-value", f"timeline width must be between 40 and "
+                               f"{MAX_WIDTH:,} columns (got {width:,}).")
         reply.add("timeline", (self.analysis().timeline, width))
         return None
 

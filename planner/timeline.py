@@ -34,6 +34,8 @@ NAMES = {FWD: "forward", BWD: "backward (with recompute)", SEND: "activation sen
 FILL = {FWD: "▓", BWD: "█", SEND: ">", SEND_GRAD: "<", SYNC: "≈", OPTIMIZER: "o"}
 IDLE = "·"
 
+MAX_WIDTH = 2000  # columns of a terminal timeline (a million printed megabytes)
+
 
 @dataclass(frozen=True)
 class Lane:

@@ -71,6 +71,9 @@ def test_load_solve_whatif_save(tracer, tmp_path):
                  "show constraints", "show runners-up", "show plan", "models llama",
                  "devices v100", "examples", "help", "help add"):
         assert session.run(line).ok, line
+    for width in ("0", "-5", "99999999"):  # (a default width, and a hang at the last)
+        assert "timeline width must be between 40 and 2,000" in session.run(
+            f"timeline {width}").error.message
     # saving: plan, cluster, report, transcript; nothing half-written
     plan_path, cluster_path = tmp_path / "plan.json", tmp_path / "cluster.yaml"
     assert session.run(f"save plan {plan_path}").ok
@@ -134,7 +137,7 @@ def test_bad_input_is_one_clear_error_and_changes_nothing(tracer):
     cases = {
         "solev": "did you mean 'solve'",
         "set global-batch many": "whole number",
-        "set global-batch 0": "positive",
+        "set global-batch 0": "between 1 and",
         "set colour blue": "Cannot set",
         "constrain tp=two": "whole number",
         "constrain tq=2": "did you mean 'tp'",
@@ -153,8 +156,14 @@ def test_bad_input_is_one_clear_error_and_changes_nothing(tracer):
         "model gpt-tiny --layer 2": "did you mean --layers",
         'model "gpt-tiny': "Cannot read the command",
         "price A100-80G": "Use price TYPE DOLLARS_PER_HOUR",
-        "price A100-80G nan": "non-negative number",
+        "price A100-80G nan": "a price is 0 to 1,000,000 dollars per device-hour",
+        "price A100-80G 1e308": "a price is 0 to 1,000,000",  # (an infinite cost table)
         "price H100-80G-SXM 3": "has no H100-80G-SXM devices",
+        # accepted, they failed the next solve (nan, inf) or at the solver's limit
+        "set time-limit nan": "time-limit must be a positive number of seconds",
+        "set time-limit inf": "time-limit must be a positive number of seconds",
+        "set global-batch 99999999999999999999999": "global-batch must be between 1 and "
+                                                    "1,000,000,000",
     }
     for line, message in cases.items():
         reply = session.run(line)
