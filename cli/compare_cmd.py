@@ -29,8 +29,7 @@ def _names(paths: list[Path]) -> list[str]:
 
 def compare(
     plans: Annotated[list[Path], typer.Argument(
-        metavar="PLAN...", help="Two or more plan files; the first is the reference.",
-        dir_okay=False)],
+        metavar="PLAN...", help="Two or more plan files; the first is the reference.")],
     json_out: opt.JsonOut = False,
     price: Price = None,
     only_differences: Annotated[bool, typer.Option(
@@ -85,8 +84,7 @@ def compare(
 
 
 def what_if(
-    plan_file: Annotated[Path, typer.Argument(metavar="PLAN", help="The plan to start from.",
-                                              dir_okay=False)],
+    plan_file: Annotated[Path, typer.Argument(metavar="PLAN", help="The plan to start from.")],
     add: Annotated[list[str] | None, typer.Option(
         "--add", metavar="NODESxDEVICESxTYPE", help="Add nodes, e.g. --add 4x8xV100-32G "
         "(repeatable).", rich_help_panel="Cluster edits")] = None,
@@ -132,7 +130,7 @@ def what_if(
     time_limit: opt.TimeLimit = 60.0,
     output: Output = None,
     cluster_out: Annotated[Path | None, typer.Option(
-        "--cluster-out", help="Also write the edited cluster as YAML.", dir_okay=False)] = None,
+        "--cluster-out", help="Also write the edited cluster as YAML.")] = None,
     price: Price = None,
     json_out: opt.JsonOut = False,
     force: opt.Force = False,

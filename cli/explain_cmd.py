@@ -17,18 +17,16 @@ console = Console(emoji=False)
 err_console = Console(emoji=False, stderr=True)
 
 PlanArg = Annotated[Path, typer.Argument(
-    metavar="PLAN", help="A plan file written by `planner solve -o` (or estimate, what-if).",
-    dir_okay=False)]
+    metavar="PLAN", help="A plan file written by `planner solve -o` (or estimate, what-if).")]
 
 
 def explain(
     plan_file: PlanArg,
     html: Annotated[Path | None, typer.Option(
         "--html", help="Write a self-contained HTML report (timeline, tables, explanation); "
-        "it opens offline.", dir_okay=False)] = None,
+        "it opens offline.")] = None,
     svg: Annotated[Path | None, typer.Option(
-        "--svg", help="Write the timeline of one step as a self-contained SVG.",
-        dir_okay=False)] = None,
+        "--svg", help="Write the timeline of one step as a self-contained SVG.")] = None,
     json_out: opt.JsonOut = False,
     force: opt.Force = False,
     width: Annotated[int | None, typer.Option(

@@ -18,6 +18,11 @@ def check_writable(path: Path, *, force: bool) -> None:
         raise PlannerError("file-exists", f"{str(path)!r} already exists; it was left as it is.",
                            ["add --force to overwrite it", "choose another file name"])
     if not path.parent.is_dir():  # Path("x").parent is Path(".")
+        blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise PlannerError("bad-path", f"{str(path)!r} cannot be written: "
+                               f"{str(blocking)!r} is a file, not a folder.",
+                               ["choose another path"])
         raise PlannerError("bad-path", f"Folder {str(path.parent)!r} does not exist.",
                            ["create it first", "choose another path"])
 

@@ -77,6 +77,10 @@ def _nested(hint: Any) -> list:
 
 def read_plan(path: Path) -> Plan:
     """A validated Plan; a clear error for a missing, corrupted or foreign file."""
+    if path.is_dir():
+        raise PlannerError("bad-plan", f"{str(path)!r} is a folder, not a plan file.",
+                           ["give the plan file in it, e.g. "
+                            f"{str(path / 'plan.json')!r}"])
     if not path.is_file():
         raise PlannerError("bad-plan", f"Plan file {str(path)!r} does not exist.",
                            ["check the path", "make one with `planner solve ... -o plan.json`"])

@@ -200,6 +200,20 @@ def test_explain_and_compare_refuse_options_that_cannot_apply(plans, tmp_path):
     assert result.exit_code == 1 and "which none of the plans uses" in result.stderr
 
 
+def test_folders_and_paths_under_files_are_named(plans, tmp_path):
+    """A folder given as a plan read "does not exist" (launch) or got Click's boxed error
+    (explain, compare, what-if); a path under a file read "Folder ... does not exist"."""
+    for args in (["explain", tmp_path], ["compare", tmp_path, plans / "base.json"],
+                 ["what-if", tmp_path], ["launch", tmp_path, "--dry-run"]):
+        result = run(*args)
+        assert result.exit_code == 1, args
+        assert f"'{tmp_path}' is a folder, not a plan file" in result.stderr, args
+    blocked = plans / "base.json" / "x.html"
+    result = run("explain", plans / "base.json", "--html", blocked)
+    assert result.exit_code == 1
+    assert f"'{plans / 'base.json'}' is a file, not a folder" in result.stderr
+
+
 @pytest.mark.parametrize("width", ["39", "1000000"])
 def test_explain_width_is_bounded(plans, width):
     """A million columns printed megabytes of timeline."""
