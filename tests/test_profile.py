@@ -150,6 +150,7 @@ def test_cli_writes_a_profile_and_refuses_to_overwrite(tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["--processes", "1"], "--processes must be at least 2"),
+    (["--processes", "1000"], "--processes must be at most 16 (got 1000)"),
     (["--dtype", "fp8"], "Unknown dtype 'fp8'"),
 ])
 def test_cli_rejects_bad_options_before_measuring(args, words):

@@ -127,11 +127,19 @@ def _devices(selection: str) -> list[torch.device]:
             "all": [torch.device("cpu"), *gpus]}[selection]
 
 
+MAX_PROCESSES = 16  # local processes of the communication benchmark (or one per GPU)
+
+
 def _comm_device(selection: str, processes: int) -> str:
     """"cuda" (nccl) when each process can have its own GPU, else "cpu" (gloo)."""
     if processes < 2:
         raise PlannerError("bad-value", f"--processes must be at least 2 to measure "
                            f"communication (got {processes}).", ["pass --no-comm to skip it"])
+    most = max(MAX_PROCESSES, torch.cuda.device_count())
+    if processes > most:  # (1,000 CPU processes ran for minutes without an end)
+        raise PlannerError("bad-value", f"--processes must be at most {most} (got "
+                           f"{processes}): one process per device of a node is what a plan "
+                           "runs.", [f"pass --processes {min(8, most)}"])
     gpus = torch.cuda.device_count()
     if selection != "cpu" and gpus >= processes:
         return "cuda"
