@@ -360,8 +360,14 @@ def _render_local(setup: _Setup) -> str:
         '  elif grep -qs EADDRINUSE "$LOGS"/*.log; then',
         '    echo "run-local.sh: port $PORT is in use (another run?): run again with" \\',
         '      "PLANNER_MASTER_PORT set to a free port" >&2',
-        "  else",
-        '    tail -q -n 1 "$LOGS"/*.log >&2 || true',
+        "  else  # a traceback's last line (the exception), else each log's last line",
+        '    cause=$(grep -hE \'^(\\[rank[0-9]+\\]: )?[A-Za-z_.]*(Error|Exception): \' '
+        '"$LOGS"/*.log 2>/dev/null | head -n 1 || true)',
+        '    if [ -n "$cause" ]; then',
+        '      printf \'run-local.sh: the first error in the logs: %s\\n\' "$cause" >&2',
+        "    else",
+        '      tail -q -n 1 "$LOGS"/*.log >&2 || true',
+        "    fi",
         "  fi",
         "fi",
         'exit "$status"']

@@ -272,6 +272,32 @@ def test_a_failed_local_run_prints_the_runtimes_error(tmp_path):
     assert run.stderr.startswith("run-local.sh: a node failed")
 
 
+def test_a_failed_local_run_prints_the_exception_of_a_traceback(tmp_path):
+    """A rank that dies in a traceback (here a data hook returning lists) logs no error
+    paragraph: the terminal gets the exception's line, not torchrun's separator."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    (tmp_path / "badhook.py").write_text(
+        "def rows(step, start, stop, *, seq_len, seed):\n"
+        "    return [[0] * seq_len] * (stop - start), [[0] * seq_len] * (stop - start)\n")
+    write_plan(tiny_plan("1x2xcpu", pp=2, shares=None), tmp_path / "plan.json")
+    out = tmp_path / "launch"
+    result = CliRunner().invoke(app, [
+        "launch", str(tmp_path / "plan.json"), "--out", str(out), "--target", "local",
+        "--steps", "1", "--data", "badhook:rows", "--python", sys.executable])
+    assert result.exit_code == 0, result.output
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run(["bash", str(out / "run-local.sh")], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert run.returncode == 1
+    assert "run-local.sh: the first error in the logs: " in run.stderr, run.stderr
+    assert "Error: " in run.stderr.split("the first error in the logs: ")[1]
+
+
 def test_a_local_run_on_a_taken_port_says_so(tmp_path):
     """torchrun fails before the runtime starts when another run holds the port: the
     terminal gets that cause and the setting that moves the port."""
