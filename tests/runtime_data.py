@@ -37,3 +37,22 @@ class Residual(torch.nn.Module):
 
 def residual_model(width: int = 16, depth: int = 3) -> Residual:
     return Residual(width, depth)
+
+
+def floats(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    """Token inputs as floats (the model's embedding takes integer ids)."""
+    ids, targets = tokens(step, start, stop, seq_len=seq_len, seed=seed)
+    return (ids[0].float(),), targets
+
+
+def lists(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    ids, targets = tokens(step, start, stop, seq_len=seq_len, seed=seed)
+    return (ids[0].tolist(),), targets
+
+
+def no_targets(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    return tokens(step, start, stop, seq_len=seq_len, seed=seed)[0], None
+
+
+def longer(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    return tokens(step, start, stop, seq_len=seq_len + 7, seed=seed)

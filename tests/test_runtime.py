@@ -273,8 +273,9 @@ def test_a_failed_local_run_prints_the_runtimes_error(tmp_path):
 
 
 def test_a_failed_local_run_prints_the_exception_of_a_traceback(tmp_path):
-    """A rank that dies in a traceback (here a data hook returning lists) logs no error
-    paragraph: the terminal gets the exception's line, not torchrun's separator."""
+    """A rank that dies in a traceback (here on a data hook's token ids past the
+    vocabulary) logs no error paragraph: the terminal gets the exception's line, not
+    torchrun's separator."""
     import os
 
     from typer.testing import CliRunner
@@ -282,8 +283,9 @@ def test_a_failed_local_run_prints_the_exception_of_a_traceback(tmp_path):
     from cli.main import app
 
     (tmp_path / "badhook.py").write_text(
-        "def rows(step, start, stop, *, seq_len, seed):\n"
-        "    return [[0] * seq_len] * (stop - start), [[0] * seq_len] * (stop - start)\n")
+        "import torch\n\n\ndef rows(step, start, stop, *, seq_len, seed):\n"
+        "    ids = torch.full((stop - start, seq_len), 10**6)\n"
+        "    return (ids,), ids\n")
     write_plan(tiny_plan("1x2xcpu", pp=2, shares=None), tmp_path / "plan.json")
     out = tmp_path / "launch"
     result = CliRunner().invoke(app, [

@@ -249,6 +249,16 @@ def test_a_data_hook_with_wrong_rows_is_reported(tmp_path):
         bad.get(0, 0, 4)
     with pytest.raises(PlannerError, match="data hook"):
         Batches(loaded, global_batch=8, seed=0, hook="tests.nowhere:fn")
+    # batches unlike the model's own inputs failed deep in the model, on every rank
+    for hook, needle in (("floats", "input 0 as torch.float32 where the model takes "
+                                    "torch.int64"),
+                         ("lists", "input 0 as list, not a tensor"),
+                         ("no_targets", "the targets as NoneType, not a tensor"),
+                         ("longer", "input 0 of shape (4, 39) where the model takes (4, 32)")):
+        wrong = Batches(loaded, global_batch=8, seed=0, hook=f"tests.runtime_data:{hook}")
+        with pytest.raises(PlannerError, match=re.escape(
+                f"Data hook 'tests.runtime_data:{hook}' returned {needle}")):
+            wrong.get(0, 0, 4)
 
 
 def test_an_existing_run_is_not_restarted_from_scratch(tmp_path):

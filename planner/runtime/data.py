@@ -98,4 +98,30 @@ class Batches:
                     "bad-data", f"Data hook {self.hook_name!r} returned a tensor of shape "
                     f"{tuple(tensor.shape)} for samples {start}-{stop} of step {step}; every "
                     f"tensor needs {stop - start} rows.")
+        self._check_like(inputs, targets, stop - start)
         return inputs, targets
+
+    def _check_like(self, inputs: tuple, targets: Any, rows: int) -> None:
+        """An error naming the hook where its batch differs from the model's own example
+        inputs in count, type, integer-or-float dtype or the shape past the rows (they
+        failed deep in the model, in a traceback on every rank)."""
+        args, _, wanted = self.loaded.example(rows, "meta")
+        pairs = [(f"input {i}", got, want) for i, (got, want) in
+                 enumerate(zip(inputs, args, strict=False))]
+        if len(inputs) != len(args):
+            self._bad(f"{len(inputs)} input(s) where the model takes {len(args)}")
+        if isinstance(wanted, torch.Tensor):
+            pairs.append(("the targets", targets, wanted))
+        for what, got, want in pairs:
+            if not isinstance(got, torch.Tensor):
+                self._bad(f"{what} as {type(got).__name__}, not a tensor")
+            if got.dtype.is_floating_point != want.dtype.is_floating_point:
+                self._bad(f"{what} as {got.dtype} where the model takes {want.dtype}")
+            if got.shape[1:] != want.shape[1:]:
+                self._bad(f"{what} of shape {tuple(got.shape)} where the model takes "
+                          f"{tuple(want.shape)} (rows first)")
+
+    def _bad(self, problem: str) -> None:
+        raise PlannerError("bad-data", f"Data hook {self.hook_name!r} returned {problem}.",
+                           ["make it return what the model's own inputs look like (the "
+                            "synthetic data: run without --data)"])
