@@ -61,6 +61,7 @@ class Batches:
         self.hook = load_hook(hook) if hook else None
         self.hook_name = hook
         self._cache: tuple[int, Any, Any] | None = None
+        self._example: tuple | None = None  # the model's own inputs, one sample on meta
 
     def _synthetic(self, step: int) -> tuple[tuple, Any]:
         if self._cache is not None and self._cache[0] == step:
@@ -105,7 +106,9 @@ class Batches:
         """An error naming the hook where its batch differs from the model's own example
         inputs in count, type, integer-or-float dtype or the shape past the rows (they
         failed deep in the model, in a traceback on every rank)."""
-        args, _, wanted = self.loaded.example(rows, "meta")
+        if self._example is None:  # (one sample on meta: only dtypes and shapes count)
+            self._example = self.loaded.example(1, "meta")
+        args, _, wanted = self._example
         pairs = [(f"input {i}", got, want) for i, (got, want) in
                  enumerate(zip(inputs, args, strict=False))]
         if len(inputs) != len(args):
@@ -119,7 +122,7 @@ class Batches:
                 self._bad(f"{what} as {got.dtype} where the model takes {want.dtype}")
             if got.shape[1:] != want.shape[1:]:
                 self._bad(f"{what} of shape {tuple(got.shape)} where the model takes "
-                          f"{tuple(want.shape)} (rows first)")
+                          f"{(rows, *want.shape[1:])} (rows first)")
 
     def _bad(self, problem: str) -> None:
         raise PlannerError("bad-data", f"Data hook {self.hook_name!r} returned {problem}.",
