@@ -429,18 +429,27 @@ def _tails_in_memory(table: CostTable, kind: str, tp: int, config: Config, space
         with np.errstate(divide="ignore", invalid="ignore"):
             mosts.append(np.where(acts > 0, room / acts, np.where(room >= 0, INF, -INF)))
         times.append(busy + band(costs.recompute[policy]))
-    # [q]: the cheapest policy that fits q + 1 micro-batches, for every stage q from the end
-    flights = np.arange(1, most_stages + 1)[:, None, None, None]
-    cost = np.where(np.array(mosts)[None] >= flights, np.array(times)[None], INF).min(axis=1)
+
+    def cost(q: int) -> np.ndarray:
+        """The cheapest policy's time that fits q + 1 micro-batches, stage q from the end."""
+        return np.minimum.reduce([np.where(m >= q + 1, t, INF) for m, t in zip(
+            mosts, times, strict=True)])
+
+    def next_stage(values: np.ndarray) -> np.ndarray:
+        """values[a + d + 1] at [a, d] (the stage after range [a, a + d + 1)), infinite
+        past the layers: a view, not a copy."""
+        padded = np.concatenate([values[1:], np.full(width, INF)])
+        return np.lib.stride_tricks.sliding_window_view(padded, width)[:len(starts)]
+
     last = layers - starts - 1  # the column of [a, L), where the band holds it
     whole = (last >= 0) & (last < width)
     alone = np.full(len(starts), INF)
-    alone[whole] = cost[0][whole, last[whole]]
+    alone[whole] = cost(0)[whole, last[whole]]
     largest, sums = [alone], [alone]
     for q in range(1, most_stages):
-        largest.append(np.maximum(cost[q], np.where(inside, largest[-1][after], INF)).min(
-            axis=1, initial=INF))
-        sums.append((cost[q] + np.where(inside, sums[-1][after], INF)).min(axis=1, initial=INF))
+        here = cost(q)
+        largest.append(np.maximum(here, next_stage(largest[-1])).min(axis=1, initial=INF))
+        sums.append((here + next_stage(sums[-1])).min(axis=1, initial=INF))
     table.cache[key] = (np.array(largest) * (1 - 1e-9), np.array(sums) * (1 - 1e-9))
     return table.cache[key]
 
