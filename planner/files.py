@@ -25,6 +25,14 @@ def check_writable(path: Path, *, force: bool) -> None:
                                ["choose another path"])
         raise PlannerError("bad-path", f"Folder {str(path.parent)!r} does not exist.",
                            ["create it first", "choose another path"])
+    try:  # a folder may refuse new files (read-only, /proc) even to root, whom os.access lets by
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise PlannerError("bad-path", f"{str(path)!r} cannot be written: folder "
+                           f"{str(path.parent)!r} takes no new files ({exc.strerror or exc}).",
+                           ["choose another path"]) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_atomic(path: Path, text: str, *, force: bool) -> None:

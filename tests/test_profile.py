@@ -2,6 +2,7 @@
 time attribution, the alpha-beta fit, profile validation and the CLI."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,6 +157,17 @@ def test_cli_writes_a_profile_and_refuses_to_overwrite(tmp_path):
 def test_cli_rejects_bad_options_before_measuring(args, words):
     result = runner.invoke(app, ["profile", "--quick", *args])
     assert result.exit_code == 1 and words in result.output
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc, a folder that takes no files")
+def test_an_output_folder_that_takes_no_files_is_named_before_measuring(monkeypatch):
+    """`-o /proc/x.json` passed the checks (the folder exists) and failed after the profile."""
+    def measure(**_):
+        raise AssertionError("measured before the output path was checked")
+    monkeypatch.setattr("cost_models.profile.run_profile", measure)
+    result = runner.invoke(app, ["profile", "--quick", "--no-comm", "-o", "/proc/x.json"])
+    assert result.exit_code == 1, result.output
+    assert "'/proc/x.json' cannot be written: folder '/proc' takes no new files" in result.output
 
 
 def test_a_bad_model_fails_before_any_measurement():

@@ -742,7 +742,8 @@ def test_output_path_is_checked_before_solving(tmp_path):
     taken = tmp_path / "taken.json"
     taken.write_text("mine")
     for target, needle in ((taken, "already exists"), (tmp_path, "is a folder"),
-                           (tmp_path / "no" / "p.json", "does not exist")):
+                           (tmp_path / "no" / "p.json", "does not exist"),
+                           ("/proc/p.json", "folder '/proc' takes no new files")):
         result = runner.invoke(app, ["solve", "no-such-model", "-o", str(target)])
         assert result.exit_code == 1 and needle in result.stderr, result.output
     assert taken.read_text() == "mine"
