@@ -696,6 +696,11 @@ class Session:
             seq = None if value == "default" else parse_int(value, "seq-len")
             if seq is not None and seq < 1:
                 raise PlannerError("bad-value", f"seq-len must be positive (got {seq}).")
+            if seq is not None and state.model is not None:  # the model's checks, as solve's
+                from planner.models import load_model
+
+                self.progress(f"Building {state.model.describe()}...")
+                load_model(state.model, seq_len=seq)
             state = dataclasses.replace(state, seq_len=seq)
         elif key == "dtype":
             dtype = "auto" if value == "auto" else canonical_dtype(value)

@@ -164,6 +164,7 @@ def test_bad_input_is_one_clear_error_and_changes_nothing(tracer):
         "set time-limit inf": "time-limit must be a positive number of seconds",
         "set global-batch 99999999999999999999999": "global-batch must be between 1 and "
                                                     "1,000,000,000",
+        "set seq-len 100000": "seq_len (100000) exceeds the 64 learned positions",
     }
     for line, message in cases.items():
         reply = session.run(line)
