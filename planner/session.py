@@ -685,7 +685,7 @@ class Session:
         key, value = args[0].lower().replace("_", "-"), args[1]
         state = self.state
         if key in ("global-batch", "batch", "b"):
-            from planner.solver import MAX_GLOBAL_BATCH
+            from planner.solver.limits import MAX_GLOBAL_BATCH
 
             number = parse_int(value, "global-batch")
             if not 1 <= number <= MAX_GLOBAL_BATCH:

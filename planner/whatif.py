@@ -196,12 +196,11 @@ def edit_training(training: TrainingSpec, *, global_batch: int | None = None,
                   seq_len: int | None = None, dtype: str | None = None) -> TrainingSpec:
     """The training setup with the given fields changed (None: unchanged)."""
     from planner.dtypes import canonical_dtype
+    from planner.solver.limits import check_global_batch
 
     changes: dict = {}
     if global_batch is not None:
-        if global_batch < 1:
-            raise PlannerError("bad-value", f"The global batch (global-batch) must be "
-                               f"positive (got {global_batch}).")
+        check_global_batch(global_batch)
         changes["global_batch"] = global_batch
     if seq_len is not None:
         if seq_len < 1:

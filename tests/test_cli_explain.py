@@ -118,7 +118,8 @@ def test_what_if_adds_nodes_and_writes_files(plans):
                           (["--add", "1x4xA100-80G", "-o", out], "already exists"),
                           # (0 was taken as "unchanged": the plan's own, solved again)
                           (["-s", "0"], "sequence length (seq-len) must be positive (got 0)"),
-                          (["-B", "0"], "global batch (global-batch) must be positive")):
+                          (["-B", "0"], "--global-batch must be between 1 and "
+                                        "1,000,000,000 samples per step (got 0)")):
         bad = run("what-if", plans / "base.json", *args)
         assert bad.exit_code == 1, args
         assert message in bad.stderr, (args, bad.stderr)

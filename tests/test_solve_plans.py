@@ -676,7 +676,10 @@ def test_stage_pins_place_the_first_and_last_stages(tmp_path):
      "This configuration does not fit in memory"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "0"], "--tp must be at least 1"),
     (["estimate", "gpt-tiny", "--cluster", CLUSTER, "-B", "0"],
-     "--global-batch must be at least 1 (got 0)"),
+     "--global-batch must be between 1 and 1,000,000,000 samples per step (got 0)"),
+    (["estimate", "gpt-tiny", "--cluster", CLUSTER, "-B", str(10**10)],  # (solve's limit)
+     "--global-batch must be between 1 and 1,000,000,000 samples per step (got "
+     "10,000,000,000)"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--micro-batch", "0"],
      "--micro-batch must be at least 1"),
     (["solve", "gpt-tiny", "--cluster", CLUSTER, "--tp", "3"], "use one of --tp 1, 2, 4"),

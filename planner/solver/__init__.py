@@ -26,14 +26,12 @@ from planner.solver.build import from_evaluation
 from planner.solver.diagnose import diagnose
 from planner.solver.evaluate import Space
 from planner.solver.interleave import choices
-from planner.solver.limits import Limits, schedule_name
+from planner.solver.limits import Limits, check_global_batch, schedule_name
 from planner.solver.search import SEARCH_SPACE, Progress, SearchResult, search
 from planner.solver.table import CostTable, build_table, check_tp_divides
 from planner.types import ClusterSpec, ModelGraph, Plan, Schedule, SolverReport, TrainingSpec
 
 __all__ = ["Limits", "Progress", "SolveOptions", "Space", "solve"]
-
-MAX_GLOBAL_BATCH = 10**9  # samples per step; the lower bound's LP loses precision beyond
 
 
 @dataclass(frozen=True)
@@ -51,10 +49,7 @@ class SolveOptions:
 
 def _check(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
            options: SolveOptions) -> ClusterSpec:
-    if not 1 <= training.global_batch <= MAX_GLOBAL_BATCH:
-        raise PlannerError("bad-option", f"--global-batch must be between 1 and "
-                           f"{MAX_GLOBAL_BATCH:,} samples per step (got "
-                           f"{training.global_batch:,}).")
+    check_global_batch(training.global_batch)
     limits = options.limits
     for flag, value in (("--tp", limits.tp), ("--max-tp", limits.max_tp), ("--pp", limits.pp),
                         ("--dp", limits.dp), ("--max-dp", limits.max_dp),

@@ -7,6 +7,16 @@ from dataclasses import dataclass
 from planner.errors import PlannerError
 from planner.types import Schedule
 
+MAX_GLOBAL_BATCH = 10**9  # samples per step; the lower bound's LP loses precision beyond
+
+
+def check_global_batch(samples: int) -> None:
+    """An error naming --global-batch unless it is 1 to MAX_GLOBAL_BATCH samples per step
+    (solve, estimate and what-if alike)."""
+    if not 1 <= samples <= MAX_GLOBAL_BATCH:
+        raise PlannerError("bad-option", f"--global-batch must be between 1 and "
+                           f"{MAX_GLOBAL_BATCH:,} samples per step (got {samples:,}).")
+
 
 @dataclass(frozen=True)
 class Limits:

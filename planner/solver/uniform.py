@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from cost_models.model import CostModel
 from planner.errors import PlannerError
 from planner.solver.build import FIXED, assemble, stage_plan
+from planner.solver.limits import check_global_batch
 from planner.solver.table import check_tp_divides
 from planner.types import (
     ClusterSpec,
@@ -64,8 +65,9 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                       must_fit: bool = False) -> list[PipelinePlan] | None:
     """The uniform recipe's pipelines, stage memory included but not yet priced (None
     with `must_fit` if a device's memory overflows)."""
-    for name, value in (("--global-batch", training.global_batch), ("--tp", tp), ("--pp", pp),
-                        ("--micro-batch", micro_batch), ("--interleave", interleave)):
+    check_global_batch(training.global_batch)
+    for name, value in (("--tp", tp), ("--pp", pp), ("--micro-batch", micro_batch),
+                        ("--interleave", interleave)):
         if value < 1:
             raise PlannerError("bad-option", f"{name} must be at least 1 (got {value}).")
     if interleave > 1 and schedule is Schedule.GPIPE:
