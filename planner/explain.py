@@ -451,6 +451,9 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
                 worst = (frac, p.index, s, cap)
     binding = ""
     fixed = plan.solver.status == "fixed"  # `planner estimate`: the user chose the layout
+    # a plan `estimate` wrote all the same, or one edited by hand: its stored memory is
+    # over a device's, whatever the savers would save
+    over = worst is not None and worst[0] > 1
     for saver in ("recompute", "zero"):
         users = [(p, s) for p in plan.pipelines for s in p.stages
                  if (s.recompute is not Recompute.NONE if saver == "recompute" else s.zero > 0)]
@@ -468,7 +471,11 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
         what = (f"recompute ({', '.join(kinds)})" if saver == "recompute"
                 else " and ".join(kinds))
         where = f"{len(users)} of {sum(len(x.stages) for x in plan.pipelines)} stages"
-        if frac > 1:
+        if over:
+            _, p_index, w, _ = worst
+            verdict = (f"even with it, pipeline {p_index} stage {w.index} does not fit "
+                       f"{w.devices.node} ({w.device_type})")
+        elif frac > 1:
             binding = binding or (f"memory: {what} is needed to fit {s.device_type} "
                                   f"(stage {s.index} of pipeline {p.index})")
             verdict = (f"without it stage {s.index} of pipeline {p.index} ({s.device_type}) "
@@ -488,16 +495,25 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
     if worst is not None:
         frac, p_index, s, cap = worst
         term = s.memory.largest()
+        largest = f"its largest term is {term} ({fmt_bytes(s.memory.terms()[term])})"
         tight = frac >= 0.85
-        if tight:
-            binding = binding or (f"memory: {s.devices.node} ({s.device_type}) is {frac:.0%} "
-                                  "full")
-        reasons.append(Reason("memory", (
-            f"Memory {'binds' if tight else 'does not bind'}: the fullest device (pipeline "
-            f"{p_index} stage {s.index} on {s.devices.node}, {s.device_type}) holds "
-            f"{fmt_bytes(s.memory.total)} of {fmt_bytes(cap)} ({frac:.0%}); its largest term "
-            f"is {term} ({fmt_bytes(s.memory.terms()[term])})."
-            + (" Fewer stages or bigger micro-batches would not fit." if tight else ""))))
+        if over:
+            binding = (f"memory: pipeline {p_index} stage {s.index} does not fit "
+                       f"{s.devices.node} ({s.device_type})")
+            text = (f"The plan does not fit: pipeline {p_index} stage {s.index} holds "
+                    f"{fmt_bytes(s.memory.total)} per device on {s.devices.node} "
+                    f"({s.device_type}), which has {fmt_bytes(cap)} ({frac:.0%}); {largest}. "
+                    "`planner launch` refuses it.")
+        else:
+            if tight:
+                binding = binding or (f"memory: {s.devices.node} ({s.device_type}) is "
+                                      f"{frac:.0%} full")
+            text = (f"Memory {'binds' if tight else 'does not bind'}: the fullest device "
+                    f"(pipeline {p_index} stage {s.index} on {s.devices.node}, "
+                    f"{s.device_type}) holds {fmt_bytes(s.memory.total)} of {fmt_bytes(cap)} "
+                    f"({frac:.0%}); {largest}."
+                    + (" Fewer stages or bigger micro-batches would not fit." if tight else ""))
+        reasons.append(Reason("memory", text))
     # what the step time is made of
     shares = {t: getattr(pred, t) / step for t in TERMS}
     top = max(shares, key=shares.__getitem__)

@@ -58,6 +58,26 @@ def test_explain_json_is_machine_output_only(plans):
     assert len(data["devices"]) == plan.cluster.num_devices
 
 
+def test_explain_of_a_plan_over_a_devices_memory_says_it_does_not_fit(plans):
+    """A stage's stored memory past its device's (a plan edited by hand, or one `estimate`
+    wrote all the same) read "ZeRO-2: everything would fit without it (at most 1%)"."""
+    data = json.loads((plans / "base.json").read_text())
+    data["pipelines"][0]["stages"][0]["memory"]["activations"] = 933 * 2**30
+    (plans / "big.json").write_text(json.dumps(data))
+    result = run("explain", plans / "big.json", "--json")
+    assert result.exit_code == 0, result.output
+    explanation = json.loads(result.stdout)["explanation"]
+    assert explanation["binding"] == ("memory: pipeline 0 stage 0 does not fit a100-80g-sxm-0 "
+                                      "(A100-80G-SXM)")
+    memory = [r["text"] for r in explanation["reasons"] if r["kind"] == "memory"]
+    assert memory == [
+        "ZeRO-2 on 4 of 4 stages: even with it, pipeline 0 stage 0 does not fit "
+        "a100-80g-sxm-0 (A100-80G-SXM).",
+        "The plan does not fit: pipeline 0 stage 0 holds 934 GiB per device on a100-80g-sxm-0 "
+        "(A100-80G-SXM), which has 80 GiB (1168%); its largest term is activations (933 GiB). "
+        "`planner launch` refuses it."]
+
+
 @pytest.mark.parametrize("content,message", [
     (None, "does not exist"),
     ("{not json", "not JSON"),
