@@ -1188,3 +1188,50 @@ def test_placement_is_first_fit_in_canonical_order(seed):
     assert (placement is None) == (expected is None)
     if placement is not None:
         assert [[[(s.node, s.first) for s in p] for p in c] for c in placement] == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**9))
+def test_room_is_the_most_pipelines_place_puts_after_the_classes_before(seed):
+    """`structure.room`: how many pipelines of a class, up to its count, `place` fits
+    after the classes placed before it (0 where those do not fit)."""
+    from planner.solver.structure import ClassShape, place, room
+
+    rng = random.Random(seed)
+    types = [(k, [rng.choice([1, 2, 4, 8]) for _ in range(rng.randint(1, 6))])
+             for k in "ab"[:rng.randint(1, 2)]]
+    table = random_table(seed, layers=4, types=types)
+    *placed, last = (ClassShape(tuple(sorted(rng.choice([k for k, _ in types])
+                                             for _ in range(rng.randint(1, 6)))),
+                                rng.randint(1, 8), rng.choice([1, 2]))
+                     for _ in range(rng.randint(1, 3)))
+    fits = [n for n in range(1, last.n + 1)
+            if place(table, (*placed, dataclasses.replace(last, n=n))) is not None]
+    assert room(table, tuple(placed), last) == max(fits, default=0)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_the_search_queues_no_structure_placement_cannot_fit(seed):
+    """A child stands for 1..n pipelines of its new class: n is what `place` fits beside
+    the node's classes, not only what the devices left hold (a block longer than a node
+    takes whole nodes and leaves the rest of the last one idle), and a node whose
+    classes do not fit has no children."""
+    search_module = importlib.import_module("planner.solver.search")
+    rng = random.Random(seed)
+    table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(3, 5)),
+                                                ("b", [1] * rng.randint(3, 5))])
+    queued = []
+    children = search_module._Search.children
+
+    def spy(self, node):
+        out = children(self, node)
+        queued.extend((self.view(c.config), c) for c in out if c.chosen)
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(search_module._Search, "children", spy)
+        search(table, 8, limits=Limits(max_stages=3), space=Space(zeros=(0,)))
+    assert queued
+    for view, child in queued:
+        assert search_module.place(view, search_module._shapes(child)) is not None

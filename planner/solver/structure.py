@@ -59,21 +59,39 @@ def _free_devices(table: CostTable) -> dict[str, list[list]]:
 
 def place(table: CostTable, shapes: tuple[ClassShape, ...]) -> Placement | None:
     """Slots for every stage of every pipeline, or None if the structure does not fit."""
-    free = _free_devices(table)
-    skip: dict[tuple, int] = {}  # see `_take`
+    free, skip = _free_devices(table), {}  # (skip: see `_take`)
     out = []
     for shape in shapes:
-        pipelines = []
-        for _ in range(shape.n):
-            stages: list[Slot] = []
-            for kind, count in shape.blocks():
-                taken = _take(free[kind], count, shape.tp, skip, kind)
-                if taken is None:
-                    return None
-                stages.extend(taken)
-            pipelines.append(tuple(stages))
-        out.append(tuple(pipelines))
+        pipelines = _pipelines(free, skip, shape)
+        if len(pipelines) < shape.n:
+            return None
+        out.append(pipelines)
     return tuple(out)
+
+
+def room(table: CostTable, placed: tuple[ClassShape, ...], shape: ClassShape) -> int:
+    """How many pipelines of `shape`, at most its n, `place` puts after the classes
+    `placed` (0 if those do not fit): their first n' fit where n' do."""
+    free, skip = _free_devices(table), {}
+    if any(len(_pipelines(free, skip, s)) < s.n for s in placed):
+        return 0
+    return len(_pipelines(free, skip, shape))
+
+
+def _pipelines(free: dict[str, list[list]], skip: dict[tuple, int], shape: ClassShape
+               ) -> tuple[tuple[Slot, ...], ...]:
+    """The slots of the shape's pipelines, taken from the free devices, as many of its n
+    as fit (a pipeline whose blocks do not all fit ends the class)."""
+    pipelines = []
+    for _ in range(shape.n):
+        stages: list[Slot] = []
+        for kind, count in shape.blocks():
+            taken = _take(free[kind], count, shape.tp, skip, kind)
+            if taken is None:
+                return tuple(pipelines)
+            stages.extend(taken)
+        pipelines.append(tuple(stages))
+    return tuple(pipelines)
 
 
 def _take(nodes: list[list], count: int, tp: int, skip: dict[tuple, int], kind: str
