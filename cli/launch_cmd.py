@@ -10,10 +10,12 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from cli import options as opt
 
 console = Console(emoji=False)
+err_console = Console(emoji=False, stderr=True)
 
 
 class Target(str, Enum):
@@ -165,6 +167,14 @@ def launch(
         entries = parse_hosts({name: {"host": e.host, "addr": e.addr, "cpus": e.cpus,
                                       "ifname": e.ifname, "env": dict(e.env)}
                                for name, e in entries.items()}, "--hosts/--cpus")
+    # the stages' modules as every rank will build them, checked once here
+    from planner.models import load_model
+    from planner.runtime.stage import check_modules
+
+    with err_console.status(f"Building {escape(loaded.model.describe())} on meta to check "
+                            "the plan's stages...", spinner="dots"):
+        model = load_model(loaded.model, seq_len=loaded.training.seq_len, device="meta")
+    check_modules(loaded, model.module, str(plan))
     args = ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr)]
     if checkpoint_every:
         args += ["--checkpoint-every", str(checkpoint_every)]

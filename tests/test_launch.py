@@ -301,6 +301,20 @@ def test_launch_refuses_plans_that_cannot_run(tmp_path, hetero_plan):
             render_launch(hetero_plan, target="slurm", sbatch=[sbatch])
 
 
+def test_launch_refuses_a_plan_whose_stage_names_a_module_the_model_lacks(tmp_path,
+                                                                          hetero_plan):
+    """A hand-edited stage module failed on every rank (or blamed the model's support);
+    launch builds the model on meta and names the pipeline, stage and module instead."""
+    plan = tmp_path / "plan.json"
+    write_plan(_edited(hetero_plan, modules=("embed", "layers.9")), plan)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["launch", str(plan), "--out", str(out), "--target", "local"])
+    assert result.exit_code == 1 and not out.exists()
+    assert (f"{plan}: Pipeline 0 stage 0 names module 'layers.9', which model gpt-tiny does "
+            "not have.") in " ".join(result.stderr.split())
+    assert "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("change, needle", [
     (dict(device_type="H100-SXM"), "says it runs on H100-SXM, but node"),
     (dict(devices=DeviceGroup(node="a100-80g-sxm-0", devices=(0, 7))), "uses device 7"),

@@ -211,6 +211,17 @@ def test_a_model_whose_layers_do_not_chain_is_refused():
         inspect_model(plan)
 
 
+def test_a_stage_module_the_model_lacks_is_named_with_its_stage():
+    plan = tiny_plan("1x2xcpu", pp=2)
+    p0 = plan.pipelines[0]
+    s1 = dataclasses.replace(p0.stages[1], modules=("layers.2", "layers.9", "head"))
+    plan = dataclasses.replace(plan, pipelines=(dataclasses.replace(p0, stages=(
+        p0.stages[0], s1)),))
+    with pytest.raises(PlannerError, match=r"Pipeline 0 stage 1 names module 'layers\.9', "
+                       "which model gpt-tiny does not have"):
+        inspect_model(plan)
+
+
 def test_a_stage_gets_the_whole_models_values_and_its_tied_weight():
     plan = tiny_plan("1x2xcpu", pp=2)
     info = inspect_model(plan)

@@ -30,7 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from planner.errors import PlannerError
+from planner.errors import PlannerError, closest
 from planner.models import LoadedModel, load_model
 from planner.types import Plan, Recompute, StagePlan
 
@@ -75,6 +75,25 @@ def layer_modules(plan: Plan) -> tuple[str, ...]:
     return tuple(by_layer[i] for i in range(len(by_layer)))
 
 
+def check_modules(plan: Plan, model: nn.Module, source: str = "") -> None:
+    """An error naming the pipeline, stage and module where a stage's `modules` name one
+    that `model` does not have (a hand-edited plan, or one for another model), naming
+    `source` (the plan file) if given."""
+    for p in plan.pipelines:
+        for s in p.stages:
+            for path in s.modules:
+                try:
+                    model.get_submodule(path)
+                except AttributeError:
+                    near = closest(path, [name for name, _ in model.named_modules() if name])
+                    hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+                    raise PlannerError(
+                        "bad-plan", (f"{source}: " if source else "")
+                        + f"Pipeline {p.index} stage {s.index} names module {path!r}, which "
+                        f"model {plan.model.describe()} does not have.{hint}",
+                        ["regenerate the plan for this model with `planner solve`"]) from None
+
+
 class _ParamReads(TorchFunctionMode):
     """Records the parameters torch functions receive while a layer runs."""
 
@@ -99,8 +118,9 @@ def inspect_model(plan: Plan) -> ModelInfo:
         raise PlannerError("unsupported-model", f"Model {plan.model.describe()} has no "
                            "training loss; the runtime trains with the model's loss.",
                            ["give the module a loss(output, targets) method"])
-    paths = layer_modules(plan)
     model = loaded.module
+    check_modules(plan, model)
+    paths = layer_modules(plan)
     names: dict[int, str] = {}
     owner: dict[str, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -111,12 +131,7 @@ def inspect_model(plan: Plan) -> ModelInfo:
     mode = _ParamReads(names, uses)
     handles = []
     for index, path in enumerate(paths):
-        try:
-            sub = model.get_submodule(path)
-        except AttributeError:
-            raise PlannerError("bad-plan", f"Layer {index} is module {path!r}, which model "
-                               f"{plan.model.describe()} does not have.",
-                               ["regenerate the plan for this model"]) from None
+        sub = model.get_submodule(path)
 
         def pre(_m: nn.Module, args: tuple, index: int = index) -> None:
             mode.current = index
