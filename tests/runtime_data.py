@@ -56,3 +56,18 @@ def no_targets(step: int, start: int, stop: int, *, seq_len: int, seed: int):
 
 def longer(step: int, start: int, stop: int, *, seq_len: int, seed: int):
     return tokens(step, start, stop, seq_len=seq_len + 7, seed=seed)
+
+
+def past_vocab(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    """Token ids of a tokenizer with a larger vocabulary than the model's (512 + 88)."""
+    (ids,), targets = tokens(step, start, stop, seq_len=seq_len, seed=seed)
+    ids = ids.clone()
+    ids[0, 1] = VOCAB + 88
+    return (ids,), targets
+
+
+def negative_ids(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    (ids,), targets = tokens(step, start, stop, seq_len=seq_len, seed=seed)
+    ids = ids.clone()
+    ids[-1, -1] = -3
+    return (ids,), targets

@@ -272,6 +272,23 @@ def test_a_data_hook_with_wrong_rows_is_reported(tmp_path):
             wrong.get(0, 0, 4)
 
 
+def test_a_data_hooks_token_ids_outside_the_vocabulary_are_named():
+    """Ids past the embedding table (or negative) failed inside it with an IndexError on
+    every rank; the model's input is checked against the table it indexes."""
+    info = inspect_model(tiny_plan("1x2xcpu", pp=2))
+    assert info.vocab == {0: 512}  # gpt-tiny's token table, indexed by input 0
+    for hook, needle in (("past_vocab", "token id 600"), ("negative_ids", "token id -3")):
+        batches = Batches(info.loaded, global_batch=8, seed=0, vocab=info.vocab,
+                          hook=f"tests.runtime_data:{hook}")
+        with pytest.raises(PlannerError, match=re.escape(
+                f"Data hook 'tests.runtime_data:{hook}' returned input 0 with {needle}, "
+                "outside the model's vocabulary of 512 (ids 0-511)")):
+            batches.get(0, 0, 4)
+    good = Batches(info.loaded, global_batch=8, seed=0, vocab=info.vocab,
+                   hook="tests.runtime_data:tokens")
+    assert good.get(0, 0, 4)[0][0].max() < 512
+
+
 def test_an_existing_run_is_not_restarted_from_scratch(tmp_path):
     from planner.runtime.checkpoint import complete_steps
 

@@ -23,7 +23,7 @@ inputs and the targets), and a resumed run calls it again for the same steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -56,8 +56,9 @@ class Batches:
     """Slices of each step's global batch (see the module docstring)."""
 
     def __init__(self, loaded: LoadedModel, *, global_batch: int, seed: int,
-                 hook: str | None = None) -> None:
+                 hook: str | None = None, vocab: Mapping[int, int] | None = None) -> None:
         self.loaded, self.global_batch, self.seed = loaded, global_batch, seed
+        self.vocab = dict(vocab or {})  # input -> rows of the embedding it indexes
         self.hook = load_hook(hook) if hook else None
         self.hook_name = hook
         self._cache: tuple[int, Any, Any] | None = None
@@ -104,8 +105,9 @@ class Batches:
 
     def _check_like(self, inputs: tuple, targets: Any, rows: int) -> None:
         """An error naming the hook where its batch differs from the model's own example
-        inputs in count, type, integer-or-float dtype or the shape past the rows (they
-        failed deep in the model, in a traceback on every rank)."""
+        inputs in count, type, integer-or-float dtype or the shape past the rows, or holds
+        token ids outside the embedding an input indexes (`vocab`): they failed deep in the
+        model, in a traceback on every rank."""
         if self._example is None:  # (one sample on meta: only dtypes and shapes count)
             self._example = self.loaded.example(1, "meta")
         args, _, wanted = self._example
@@ -123,8 +125,16 @@ class Batches:
             if got.shape[1:] != want.shape[1:]:
                 self._bad(f"{what} of shape {tuple(got.shape)} where the model takes "
                           f"{(rows, *want.shape[1:])} (rows first)")
+        for i, size in self.vocab.items():
+            if i < len(inputs) and inputs[i].numel():
+                low, high = (int(v) for v in torch.aminmax(inputs[i]))
+                if low < 0 or high >= size:
+                    self._bad(f"input {i} with token id {high if high >= size else low}, "
+                              f"outside the model's vocabulary of {size:,} (ids 0-{size - 1:,}"
+                              ")", ["encode the text with the model's own tokenizer",
+                                    "or solve for a model with a vocabulary that large"])
 
-    def _bad(self, problem: str) -> None:
+    def _bad(self, problem: str, remedies: list[str] | None = None) -> None:
         raise PlannerError("bad-data", f"Data hook {self.hook_name!r} returned {problem}.",
-                           ["make it return what the model's own inputs look like (the "
-                            "synthetic data: run without --data)"])
+                           remedies or ["make it return what the model's own inputs look like "
+                                        "(the synthetic data: run without --data)"])

@@ -43,6 +43,7 @@ class ModelInfo:
     layer_modules: tuple[str, ...]  # one module path per layer
     uses: tuple[frozenset[str], ...]  # parameter names each layer reads
     owner: dict[str, str]  # parameter name -> path of the module that owns it
+    vocab: dict[int, int]  # model input (by position) -> rows of the table it indexes
 
     @property
     def module(self) -> nn.Module:
@@ -95,15 +96,23 @@ def check_modules(plan: Plan, model: nn.Module, source: str = "") -> None:
 
 
 class _ParamReads(TorchFunctionMode):
-    """Records the parameters torch functions receive while a layer runs."""
+    """Records the parameters torch functions receive while a layer runs, and the rows of
+    the embedding tables the model's `inputs` index unchanged."""
 
     def __init__(self, names: dict[int, str], uses: list[set[str]]) -> None:
         super().__init__()
         self.names, self.uses = names, uses
         self.current: int | None = None
+        self.inputs: tuple = ()
+        self.vocab: dict[int, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is nn.functional.embedding and args:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            for i, given in enumerate(self.inputs):
+                if args[0] is given and isinstance(weight, torch.Tensor):
+                    self.vocab[i] = min(self.vocab.get(i, weight.shape[0]), weight.shape[0])
         if self.current is not None:
             for leaf in tree_leaves((args, kwargs)):
                 if isinstance(leaf, nn.Parameter) and id(leaf) in self.names:
@@ -143,6 +152,7 @@ def inspect_model(plan: Plan) -> ModelInfo:
 
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
     args, kwargs, _ = loaded.example(1, "meta")
+    mode.inputs = tuple(args)
     try:
         with torch.no_grad(), mode:
             output = model(*args, **kwargs)
@@ -151,7 +161,8 @@ def inspect_model(plan: Plan) -> ModelInfo:
             handle.remove()
     _check_chain(plan, paths, calls, args, kwargs, output)
     return ModelInfo(loaded=loaded, layer_modules=paths,
-                     uses=tuple(frozenset(u) for u in uses), owner=owner)
+                     uses=tuple(frozenset(u) for u in uses), owner=owner,
+                     vocab=dict(mode.vocab))
 
 
 def _check_chain(plan: Plan, paths: Sequence[str], calls: list, args: tuple, kwargs: dict,
