@@ -63,7 +63,7 @@ class Terminal:
             self.console.print(f"[bold]planner>[/] {escape(line)}", highlight=False)
         if self.console.is_terminal:
             with self.console.status("Working...", spinner="dots") as status:
-                self.session.progress = status.update
+                self.session.progress = lambda message: status.update(escape(message))
                 try:
                     reply = self.session.run(line)
                 finally:
@@ -175,7 +175,7 @@ class Terminal:
             try:
                 name = catalog.device(kind).name
             except PlannerError as exc:
-                self.console.print(f"[red]{exc.message}[/]")
+                self.console.print(f"[red]{escape(exc.message)}[/]")
                 continue
             nodes = self.ask_int(f"How many {name} nodes", 1)
             per = self.ask_int(f"{name} devices per node", 8)
@@ -436,7 +436,8 @@ def _goodbye(session: object, why: str, record: Path | None) -> None:
     console.print()
     console.print(f"Left the session ({why})."
                   + (f" Saved: {', '.join(saved)}." if saved else " Nothing was saved.")
-                  + (f" Transcript: {record}." if record else ""), highlight=False)
+                  + (f" Transcript: {record}." if record else ""), highlight=False,
+                  markup=False)  # (file names as written)
 
 
 def start() -> None:

@@ -48,7 +48,7 @@ def compare_table(rows: Sequence[Row], names: Sequence[str], *, title: str,
     table = Table(title=title, title_justify="left")
     table.add_column("", style="bold")
     for name in names:
-        table.add_column(escape(name), overflow="fold")
+        table.add_column(name, overflow="fold")
     for row in rows:
         if only_differences and not row.differs and row.key not in ("step_time",
                                                                      "samples_per_s"):
@@ -146,7 +146,7 @@ def device_map_table(analysis: Analysis, *, max_nodes: int = 64) -> FitWords:
                 cells.append("  ")
             cells.append(f"[{d.device}] ", style="dim")
             cells.append(d.role, style="dim" if d.role == "idle" else "")
-        table.add_row(escape(node), devs[0].device_type, cells)
+        table.add_row(node, devs[0].device_type, cells)
     return fit_words(table)
 
 
@@ -169,7 +169,7 @@ def memory_table(analysis: Analysis, *, width: int = 40) -> FitWords:
         bar.append("·" * max(0, width - cells), style="dim")
         bar.append("|")
         over = m.fraction > 1
-        table.add_row(describe_pipelines(m.pipelines), str(m.stage), escape(m.node),
+        table.add_row(describe_pipelines(m.pipelines), str(m.stage), m.node,
                       m.device_type,
                       bar, Text(f"{fmt_bytes(m.total)} / {fmt_bytes(m.capacity)} "
                                 f"({m.fraction:.0%})", style="bold red" if over else ""))
@@ -272,7 +272,7 @@ def render_reply(console: Console, reply: Reply) -> None:
         elif kind == "warning":
             console.print(Text(value, style="bold yellow"))
         elif kind == "table" and isinstance(value, Tabular):
-            table = Table(title=value.title, title_justify="left")
+            table = Table(title=escape(value.title), title_justify="left")
             for column in value.columns:
                 table.add_column(column, overflow="fold")
             for row in value.rows:

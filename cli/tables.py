@@ -10,7 +10,9 @@ class FitWords:
     """A table without rules (its padding between columns, bold headers) whose columns
     are narrowed, widest first, down to their longest word, so cells wrap between
     words rather than inside them (rich alone narrows every column in proportion); where
-    the longest words do not fit either, the widest columns are folded first."""
+    the longest words do not fit either, the widest columns are folded first. Cells are
+    text as written, never markup: names in them (nodes, device types, files) may hold
+    [..] or :name:."""
 
     def __init__(self, table: Table) -> None:
         table.box, table.pad_edge = None, False
@@ -35,7 +37,7 @@ class FitWords:
             widths[widest] -= 1
         for column, width in zip(columns, widths, strict=True):
             column.width = width
-        yield self.table
+        yield from console.render(self.table, options.update(markup=False))
 
 
 def fit_words(table: Table) -> FitWords:

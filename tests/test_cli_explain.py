@@ -244,12 +244,13 @@ def test_explain_width_is_bounded(plans, width):
 
 
 def test_names_are_printed_as_written_not_as_markup(tmp_path):
-    """Rich reads [..] as markup and :name: as an emoji: a cluster, node or model name
+    """Rich reads [..] as markup and :name: as an emoji: a cluster, node, device or model name
     holding them used to crash the tables ("closing tag '[/]' has nothing to close")
     or change on screen."""
     cluster = tmp_path / "lab.yaml"
     cluster.write_text('schema_version: 1\nname: "lab[/]"\nnetwork: 100Gbps\nnodes:\n'
-                       '  - {name: "n[/]", device: V100-16G, devices: 2}\n'
+                       '  - {name: "n[/]", device: {base: V100-16G, name: "v[/]:smile:"}, '
+                       'devices: 2}\n'
                        '  - {name: "m:smile:", device: A100-40G-SXM, devices: 2}\n')
     plan = tmp_path / "p.json"
     solved = run("solve", "gpt-tiny", "--cluster", cluster, "--time-limit", "3", "-o", plan)
@@ -258,6 +259,7 @@ def test_names_are_printed_as_written_not_as_markup(tmp_path):
     explained = run("explain", plan)
     assert explained.exit_code == 0, explained.output
     assert "m:smile:" in explained.stdout and "n[/]" in explained.stdout
+    assert "v[/]:smile:" in solved.stdout and "v[/]:smile:" in explained.stdout
     edited = run("what-if", plan, "--time-limit", "3", "--remove", "n[/]")
     assert edited.exit_code == 0, edited.output
     assert "remove n[/]" in edited.stdout

@@ -239,6 +239,45 @@ def test_launch_scripts_use_planner_launch_when_it_is_there(tracer, tmp_path, mo
     assert session.run(f"save launch {out} --force").ok and calls[-1] == ("torchrun", None)
 
 
+def test_names_at_the_terminal_print_as_written_not_as_markup(tracer, tmp_path, monkeypatch):
+    """Rich reads [..] as markup and :name: as an emoji: a cluster, node, device type or
+    file name holding them crashed `show cluster` and the plan's tables (an internal
+    error), the progress line and a mistyped device type at the guided start, or changed
+    on screen in the goodbye line."""
+    import io
+
+    from rich.console import Console
+
+    from cli import interactive
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, color_system=None, emoji=False,
+                      highlight=False, width=150)
+    (tmp_path / "lab.yaml").write_text(
+        'schema_version: 1\nname: "lab[/]"\nnetwork: 100Gbps\nnodes:\n'
+        '  - {name: "n[/]", device: {base: V100-16G, name: "gpu[/]:smile:"}, devices: 2}\n'
+        '  - {name: "m:smile:", device: A100-40G-SXM, devices: 2}\n')
+    monkeypatch.chdir(tmp_path)
+    terminal = interactive.Terminal(Session(time_limit=20, tracer=tracer), console)
+    # a progress message holding the model's overrides, and the plan's tables
+    assert not terminal.do("model gpt-tiny --set note=x[/]").ok
+    for line in ("model gpt-tiny", "cluster lab.yaml", "solve", "show cluster",
+                 'save plan "p[bold].json"'):
+        assert terminal.do(line).ok, line
+    answers = iter(["[/]", "V100-16G", "100Gbps"])
+    monkeypatch.setattr(terminal, "ask", lambda *a, **k: next(answers))
+    monkeypatch.setattr(terminal, "ask_int", lambda question, default: 1)
+    monkeypatch.setattr(terminal, "confirm", lambda question: False)
+    assert terminal._build_cluster() == "1x1xV100-16G@100Gbps"
+    monkeypatch.setattr(interactive, "console", console)
+    interactive._goodbye(terminal.session, "quit", tmp_path / "t[bold].txt")
+    text = out.getvalue()
+    assert "Cluster lab[/]: network" in text and "n[/]  " in text and "m:smile:  " in text
+    assert "gpu[/]:smile:  " in text and "Saved the plan to p[bold].json" in text
+    assert "Unknown device '[/]'" in text and "Building gpt-tiny (note=x[/])" in text
+    assert f"Saved: p[bold].json. Transcript: {tmp_path / 't[bold].txt'}." in text
+
+
 def test_reply_data_is_json(tracer):
     session = start(tracer, "solve")
     for line in ("add 1x4xV100-32G", "explain", "show runners-up", "bogus"):
