@@ -167,14 +167,22 @@ def launch(
         entries = parse_hosts({name: {"host": e.host, "addr": e.addr, "cpus": e.cpus,
                                       "ifname": e.ifname, "env": dict(e.env)}
                                for name, e in entries.items()}, "--hosts/--cpus")
-    # the stages' modules as every rank will build them, checked once here
+    # the stages' modules as every rank will build them, checked once here where the
+    # model can be built (a user's package may live on the nodes only)
+    from planner.errors import PlannerError
     from planner.models import load_model
     from planner.runtime.stage import check_modules
 
-    with err_console.status(f"Building {escape(loaded.model.describe())} on meta to check "
-                            "the plan's stages...", spinner="dots"):
-        model = load_model(loaded.model, seq_len=loaded.training.seq_len, device="meta")
-    check_modules(loaded, model.module, str(plan))
+    try:
+        with err_console.status(f"Building {escape(loaded.model.describe())} on meta to "
+                                "check the plan's stages...", spinner="dots"):
+            model = load_model(loaded.model, seq_len=loaded.training.seq_len, device="meta")
+    except PlannerError as exc:
+        err_console.print(f"[yellow]note:[/] the plan's stages were not checked against its "
+                          f"model, which cannot be built here: {escape(exc.message)} Every "
+                          "rank checks them when it starts.", highlight=False)
+    else:
+        check_modules(loaded, model.module, str(plan))
     args = ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr)]
     if checkpoint_every:
         args += ["--checkpoint-every", str(checkpoint_every)]

@@ -315,6 +315,23 @@ def test_launch_refuses_a_plan_whose_stage_names_a_module_the_model_lacks(tmp_pa
     assert "Traceback" not in result.output
 
 
+def test_launch_of_a_plan_whose_model_cannot_be_built_here_notes_it_and_writes(tmp_path,
+                                                                              hetero_plan):
+    """A user's package may live on the nodes only: launch then says it did not check
+    the stages' modules (each rank does) and writes the scripts."""
+    from planner.types.model import ModelSpec
+
+    plan = tmp_path / "plan.json"
+    write_plan(dataclasses.replace(hetero_plan, model=ModelSpec(
+        source="factory", name="no_such_package_here.models:build")), plan)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["launch", str(plan), "--out", str(out), "--target", "local"])
+    assert result.exit_code == 0, result.output
+    assert "the plan's stages were not checked against its model" in " ".join(
+        result.stderr.split())
+    assert (out / "run-local.sh").exists()
+
+
 @pytest.mark.parametrize("change, needle", [
     (dict(device_type="H100-SXM"), "says it runs on H100-SXM, but node"),
     (dict(devices=DeviceGroup(node="a100-80g-sxm-0", devices=(0, 7))), "uses device 7"),
