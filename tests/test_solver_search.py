@@ -1195,7 +1195,7 @@ def test_placement_is_first_fit_in_canonical_order(seed):
 def test_room_is_the_most_pipelines_place_puts_after_the_classes_before(seed):
     """`structure.room`: how many pipelines of a class, up to its count, `place` fits
     after the classes placed before it (0 where those do not fit)."""
-    from planner.solver.structure import ClassShape, place, room
+    from planner.solver.structure import ClassShape, free_after, place, room
 
     rng = random.Random(seed)
     types = [(k, [rng.choice([1, 2, 4, 8]) for _ in range(rng.randint(1, 6))])
@@ -1207,11 +1207,13 @@ def test_room_is_the_most_pipelines_place_puts_after_the_classes_before(seed):
                      for _ in range(rng.randint(1, 3)))
     fits = [n for n in range(1, last.n + 1)
             if place(table, (*placed, dataclasses.replace(last, n=n))) is not None]
-    assert room(table, tuple(placed), last) == max(fits, default=0)
+    free = free_after(table, tuple(placed))
+    assert (0 if free is None else room(free, last)) == max(fits, default=0)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
+@example(301)  # a dive's node stands for 1..n pipelines; its children for n of them
 def test_the_search_queues_no_structure_placement_cannot_fit(seed):
     """A child stands for 1..n pipelines of its new class: n is what `place` fits beside
     the node's classes, not only what the devices left hold (a block longer than a node

@@ -77,7 +77,7 @@ from planner.solver.evaluate import (
 from planner.solver.interleave import choices, fold
 from planner.solver.limits import Limits
 from planner.solver.partition import INF, optimize, zero3_first
-from planner.solver.structure import ClassShape, place, room
+from planner.solver.structure import ClassShape, free_after, place, room
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
 from planner.types import Schedule
@@ -293,10 +293,8 @@ class _Search:
             for kind in f.types:
                 used[kind] = used.get(kind, 0) + n * f.tp
         options: list[tuple[Family | None, int]] = [(None, 0)]
-        # the node's classes as placed, a last one that shrinks at its fewest pipelines
-        placed = _shapes(dataclasses.replace(node, counts=(*node.counts[:-1], 1)) if
-                         self.shrinks(node) else node)
-        if placed and place(self.view(node.config), placed) is None:
+        free = free_after(self.view(node.config), _shapes(node))  # (its children's counts)
+        if free is None:
             return []  # (nor does any structure that adds classes: each keeps its place)
         for f in levels[node.level]:
             if f.min_busy == float("inf"):
@@ -308,8 +306,9 @@ class _Search:
                        for k in set(f.types)]
                     + ([most - sum(node.counts)] if (most := self.limits.most_pipelines)
                        is not None else []))
-            if n >= 1:  # and as `place` puts beside the node's classes
-                n = self.room(node.config, placed, ClassShape(f.types, n, f.tp))
+            if n >= 1:  # and as `place` puts beside the node's classes (the mixed
+                # one first, the others on their own types' nodes)
+                n = room(free, ClassShape(f.types, n, f.tp))
             if n >= 1:
                 options.append((f, n))
         after = self.next_level(levels, node.level + 1)
@@ -331,18 +330,6 @@ class _Search:
                                  node.counts + ((n,) if f else ()),
                                  frozenset([f.key]) if f else frozenset()))
         return out
-
-    def room(self, config: Config, placed: tuple[ClassShape, ...], shape: ClassShape) -> int:
-        """`structure.room` for a class added to `placed`: where `place` puts it, after
-        the classes placed before it (the other ones' types are not its own: they do
-        not change its room). Cached."""
-        order = _placement_order(shape)
-        before = tuple(s for s in placed if _placement_order(s) < order)
-        table = self.view(config)
-        key = ("room", before, shape)
-        if key not in table.cache:
-            table.cache[key] = room(table, before, shape)
-        return table.cache[key]
 
     @staticmethod
     def next_level(levels: list[list[Family]], level: int) -> int:

@@ -59,6 +59,39 @@ def _free_devices(table: CostTable) -> dict[str, list[list]]:
 
 def place(table: CostTable, shapes: tuple[ClassShape, ...]) -> Placement | None:
     """Slots for every stage of every pipeline, or None if the structure does not fit."""
+    placed = _place(table, shapes)
+    return placed and placed[0]
+
+
+def free_after(table: CostTable, shapes: tuple[ClassShape, ...]) -> dict[str, list] | None:
+    """Per type, [node, next free device, devices] of each node once `place` has put
+    these classes (None if they do not fit): what `room` counts on."""
+    placed = _place(table, shapes)
+    return placed and placed[1]
+
+
+def room(free: dict[str, list], shape: ClassShape) -> int:
+    """How many pipelines of `shape`, at most its n, `place` puts on the devices left
+    free (`free_after` the classes placed before it; its blocks' types none of theirs
+    after it): as many as each of its blocks (one per type) fits. A block takes the
+    first node with room for it while any has, then whole empty nodes in order, each
+    too small alone, as many as it needs (`_take`)."""
+    fits = shape.n
+    for kind, count in shape.blocks():
+        nodes = free[kind]
+        inside = sum(((total - start) // shape.tp) // count for _, start, total in nodes)
+        whole, gathered = 0, 0
+        for _, start, total in nodes:
+            if start == 0 and shape.tp <= total and total // shape.tp < count:
+                gathered += total // shape.tp
+                if gathered >= count:
+                    whole, gathered = whole + 1, 0
+        fits = min(fits, inside + whole)
+    return fits
+
+
+def _place(table: CostTable, shapes: tuple[ClassShape, ...]
+           ) -> tuple[Placement, dict[str, list]] | None:
     free, skip = _free_devices(table), {}  # (skip: see `_take`)
     out = []
     for shape in shapes:
@@ -66,16 +99,7 @@ def place(table: CostTable, shapes: tuple[ClassShape, ...]) -> Placement | None:
         if len(pipelines) < shape.n:
             return None
         out.append(pipelines)
-    return tuple(out)
-
-
-def room(table: CostTable, placed: tuple[ClassShape, ...], shape: ClassShape) -> int:
-    """How many pipelines of `shape`, at most its n, `place` puts after the classes
-    `placed` (0 if those do not fit): their first n' fit where n' do."""
-    free, skip = _free_devices(table), {}
-    if any(len(_pipelines(free, skip, s)) < s.n for s in placed):
-        return 0
-    return len(_pipelines(free, skip, shape))
+    return tuple(out), free
 
 
 def _pipelines(free: dict[str, list[list]], skip: dict[tuple, int], shape: ClassShape
