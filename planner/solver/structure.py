@@ -14,6 +14,7 @@ collectives follow from its structure alone.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from planner.solver.table import CostTable
@@ -63,27 +64,41 @@ def place(table: CostTable, shapes: tuple[ClassShape, ...]) -> Placement | None:
     return placed and placed[0]
 
 
-def free_after(table: CostTable, shapes: tuple[ClassShape, ...]) -> dict[str, list] | None:
-    """Per type, [node, next free device, devices] of each node once `place` has put
-    these classes (None if they do not fit): what `room` counts on."""
+class Free:
+    """What `place` leaves free on each type's nodes once it has put some classes:
+    how many nodes have each number of free devices, and the sizes of the empty ones
+    in order (what `room` counts on)."""
+
+    def __init__(self, nodes: dict[str, list[list]]) -> None:
+        self.spans = {k: Counter(total - start for _, start, total in v)
+                      for k, v in nodes.items()}
+        self.empty = {k: [total for _, start, total in v if start == 0]
+                      for k, v in nodes.items()}
+
+
+def free_after(table: CostTable, shapes: tuple[ClassShape, ...]) -> Free | None:
+    """The devices `place` leaves free after these classes (None if they do not fit)."""
     placed = _place(table, shapes)
-    return placed and placed[1]
+    return placed and Free(placed[1])
 
 
-def room(free: dict[str, list], shape: ClassShape) -> int:
+def room(free: Free, shape: ClassShape) -> int:
     """How many pipelines of `shape`, at most its n, `place` puts on the devices left
-    free (`free_after` the classes placed before it; its blocks' types none of theirs
-    after it): as many as each of its blocks (one per type) fits. A block takes the
-    first node with room for it while any has, then whole empty nodes in order, each
-    too small alone, as many as it needs (`_take`)."""
-    fits = shape.n
+    `free` by the classes placed before it (those placed after it hold none of its
+    types' devices): as many as each of its blocks (one per type) fits. A block takes
+    the first node with room for it while any has, then whole empty nodes in order,
+    each too small alone, as many as it needs (`_take`)."""
+    fits, tp = shape.n, shape.tp
     for kind, count in shape.blocks():
-        nodes = free[kind]
-        inside = sum(((total - start) // shape.tp) // count for _, start, total in nodes)
+        inside = sum(nodes * ((span // tp) // count)
+                     for span, nodes in free.spans[kind].items())
+        short = [total // tp for total in free.empty[kind] if tp <= total < count * tp]
         whole, gathered = 0, 0
-        for _, start, total in nodes:
-            if start == 0 and shape.tp <= total and total // shape.tp < count:
-                gathered += total // shape.tp
+        if short and min(short) == max(short):  # (nodes alike: whole multiples)
+            whole = len(short) // -(-count // short[0])
+        else:
+            for slots in short:
+                gathered += slots
                 if gathered >= count:
                     whole, gathered = whole + 1, 0
         fits = min(fits, inside + whole)
@@ -91,31 +106,22 @@ def room(free: dict[str, list], shape: ClassShape) -> int:
 
 
 def _place(table: CostTable, shapes: tuple[ClassShape, ...]
-           ) -> tuple[Placement, dict[str, list]] | None:
+           ) -> tuple[Placement, dict[str, list[list]]] | None:
+    """The placement and the devices it leaves free (None if the classes do not fit)."""
     free, skip = _free_devices(table), {}  # (skip: see `_take`)
     out = []
     for shape in shapes:
-        pipelines = _pipelines(free, skip, shape)
-        if len(pipelines) < shape.n:
-            return None
-        out.append(pipelines)
+        pipelines = []
+        for _ in range(shape.n):
+            stages: list[Slot] = []
+            for kind, count in shape.blocks():
+                taken = _take(free[kind], count, shape.tp, skip, kind)
+                if taken is None:
+                    return None
+                stages.extend(taken)
+            pipelines.append(tuple(stages))
+        out.append(tuple(pipelines))
     return tuple(out), free
-
-
-def _pipelines(free: dict[str, list[list]], skip: dict[tuple, int], shape: ClassShape
-               ) -> tuple[tuple[Slot, ...], ...]:
-    """The slots of the shape's pipelines, taken from the free devices, as many of its n
-    as fit (a pipeline whose blocks do not all fit ends the class)."""
-    pipelines = []
-    for _ in range(shape.n):
-        stages: list[Slot] = []
-        for kind, count in shape.blocks():
-            taken = _take(free[kind], count, shape.tp, skip, kind)
-            if taken is None:
-                return tuple(pipelines)
-            stages.extend(taken)
-        pipelines.append(tuple(stages))
-    return tuple(pipelines)
 
 
 def _take(nodes: list[list], count: int, tp: int, skip: dict[tuple, int], kind: str
