@@ -63,8 +63,8 @@ def compare(
                            "the plans uses.", [f"price the types the plans use: "
                                                f"{', '.join(used)}"])
     if prices and (missing := [k for k in used if k not in prices]):
-        err_console.print(f"[yellow]note:[/] no --price for {', '.join(missing)}: plans that use "
-                      "them show no dollar cost.", soft_wrap=True)
+        err_console.print(f"[yellow]note:[/] no --price for {escape(', '.join(missing))}: "
+                          "plans that use them show no dollar cost.", soft_wrap=True)
     rows = compare_plans(loaded, prices)
     if only_differences:
         rows = [r for r in rows if r.differs or r.key in ("step_time", "samples_per_s")]
@@ -80,7 +80,8 @@ def compare(
     console.print(compare_table(rows, _names(plans), title=title))
     if len(models) > 1:
         console.print(f"[yellow]Note:[/] the plans are for different models "
-                      f"({', '.join(sorted(models))}); step times are not comparable work.")
+                      f"({escape(', '.join(sorted(models)))}); step times are not "
+                      "comparable work.")
 
 
 def what_if(
@@ -242,7 +243,8 @@ def what_if(
     render(console, new, [layer.name for layer in graph.layers])
     for path, what in ((output, "plan"), (cluster_out, "cluster")):
         if path is not None:
-            console.print(f"Wrote the {what} to {path}", soft_wrap=True, highlight=False)
+            console.print(f"Wrote the {what} to {path}", soft_wrap=True, highlight=False,
+                          markup=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -115,7 +115,8 @@ def explain(
     render_analysis(console, analysis, width=width)
     for path, what in ((html, "HTML report"), (svg, "SVG timeline")):
         if path is not None:
-            console.print(f"Wrote the {what} to {path}", soft_wrap=True, highlight=False)
+            console.print(f"Wrote the {what} to {path}", soft_wrap=True, highlight=False,
+                          markup=False)
 
 
 def register(app: typer.Typer) -> None:

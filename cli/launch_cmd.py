@@ -203,14 +203,15 @@ def launch(
     assert out is not None
     write_launch(files, out, force=force)
     main_file = {"local": "run-local.sh", "slurm": "launch.sbatch"}.get(target.value)
-    console.print(f"Wrote {len(files)} files to {out}: " + ", ".join(files), soft_wrap=True)
+    console.print(f"Wrote {len(files)} files to {out}: " + ", ".join(files), soft_wrap=True,
+                  markup=False)
     if main_file:  # sbatch from inside the folder: the job finds its scripts there
         run = (f"bash {shlex.quote(str(out / main_file))}" if target is Target.local else
                f"cd {shlex.quote(str(out))} && sbatch {main_file}")
-        console.print(f"Run: {run}  (see {out / 'README.md'})", soft_wrap=True)
+        console.print(f"Run: {run}  (see {out / 'README.md'})", soft_wrap=True, markup=False)
     else:
         console.print(f"Run each node's script on its host (see {out / 'README.md'}).",
-                      soft_wrap=True)
+                      soft_wrap=True, markup=False)
     if max_restarts and not checkpoint_every:
         console.print("[yellow]note:[/] --max-restarts without --checkpoint-every: a restart "
                       "resumes from the last checkpoint, and only the final step saves one.",

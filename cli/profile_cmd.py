@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -80,7 +81,7 @@ def profile(
         check_writable(output, force=force)
     if devices is Devices.all and not torch.cuda.is_available():
         err_console.print("no CUDA device: profiling the CPU")
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     start = time.perf_counter()
     with Progress(*columns, console=err_console, transient=True) as bar:
@@ -101,7 +102,7 @@ def profile(
         return
     _render(doc, elapsed)
     if output is not None:
-        console.print(f"Wrote the profile to {output}", soft_wrap=True)
+        console.print(f"Wrote the profile to {output}", soft_wrap=True, markup=False)
 
 
 def _render(doc: dict, elapsed: float) -> None:
@@ -131,7 +132,7 @@ def _render(doc: dict, elapsed: float) -> None:
 def _render_layers(dev: dict) -> None:
     layers = dev["layers"]
     batches = [s["micro_batch"] for s in layers["steps"]]
-    table = Table(title=f"Layer times on {_label(dev)}: {layers['model']}, seq "
+    table = Table(title=f"Layer times on {_label(dev)}: {escape(layers['model'])}, seq "
                         f"{layers['seq_len'] or '-'}, {layers['dtype']} (median)")
     table.add_column("layer")
     for b in batches:
@@ -196,7 +197,7 @@ def merge(
                  + yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False), force=force)
     nodes, devices = len(cluster.nodes), cluster.num_devices
     console.print(f"Wrote cluster {cluster.name} ({nodes} node{'s' * (nodes != 1)}, "
-                  f"{devices} device{'s' * (devices != 1)}) to {output}")
+                  f"{devices} device{'s' * (devices != 1)}) to {output}", markup=False)
 
 
 def register(app: typer.Typer) -> None:

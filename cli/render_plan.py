@@ -99,7 +99,7 @@ def solver_panel(plan: Plan) -> Panel:
                 f", gap {r.gap:.2%}\n"
                 f"no plan of any shape can beat {fmt_seconds(r.lower_bound)} "
                 "(LP bound without communication or bubbles)\n"
-                f"[dim]search space: {r.search_space}[/]")
+                f"[dim]search space: {escape(r.search_space)}[/]")
     return Panel(text, title="Solver", title_align="left")
 
 

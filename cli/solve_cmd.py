@@ -44,7 +44,7 @@ def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dty
     dtype = resolve_dtype(dtype, spec)
     slow = sorted(k for k, d in spec.device_types().items() if rate_dtype(d, dtype) != dtype)
     if slow:
-        err_console.print(f"[yellow]note:[/] {', '.join(slow)} list no {dtype} throughput "
+        err_console.print(f"[yellow]note:[/] {escape(', '.join(slow))} list no {dtype} throughput "
                           "(measured or in the catalog): their layers are priced at fp32 "
                           "speed (--dtype auto picks a dtype every device runs fast).",
                           soft_wrap=True)
@@ -69,7 +69,7 @@ def _emit(plan: Plan, graph: ModelGraph, output: Path | None, force: bool,
 
     render(console, plan, [layer.name for layer in graph.layers])
     if output is not None:
-        console.print(f"Wrote the plan to {output}")
+        console.print(f"Wrote the plan to {output}", markup=False)
 
 
 def _policies(recompute: str | None) -> tuple:

@@ -112,14 +112,14 @@ def trace(
         return
     _render(traced, elapsed, all_layers)
     if graph is not None:
-        console.print(f"Wrote the op graph ({fmt}) to {graph}")
+        console.print(f"Wrote the op graph ({fmt}) to {graph}", markup=False)
 
 
 def _render(traced: ModelGraph, elapsed: float, all_layers: bool) -> None:
     from planner.trace.summary import count_blocks, flop_check, layer_runs
 
     batch = traced.batch
-    title = (f"{traced.spec.describe()}: {fmt_count(traced.params)} parameters, "
+    title = (f"{escape(traced.spec.describe())}: {fmt_count(traced.params)} parameters, "
              f"{count_blocks(traced)} blocks, seq {traced.seq_len or '-'}, {traced.dtype}")
     table = Table(title=title, caption="FLOPs, activations and boundaries are per sample.")
     for column in ("#", "layer", "kind", "×", "params", "fwd FLOP", "bwd FLOP",

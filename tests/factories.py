@@ -21,6 +21,11 @@ def mlp(width: int = 32, depth: int = 3):
         torch.zeros(batch, width, device=device),)
 
 
+def named(name: str = "mlp", width: int = 32, depth: int = 3):
+    """`mlp` with a name, which the model's description shows (`name=...`)."""
+    return mlp(width, depth)
+
+
 def module_only():
     return TinyMLP()
 

@@ -243,25 +243,56 @@ def test_explain_width_is_bounded(plans, width):
         result.stderr)
 
 
-def test_names_are_printed_as_written_not_as_markup(tmp_path):
-    """Rich reads [..] as markup and :name: as an emoji: a cluster, node, device or model name
-    holding them used to crash the tables ("closing tag '[/]' has nothing to close")
-    or change on screen."""
-    cluster = tmp_path / "lab.yaml"
-    cluster.write_text('schema_version: 1\nname: "lab[/]"\nnetwork: 100Gbps\nnodes:\n'
-                       '  - {name: "n[/]", device: {base: V100-16G, name: "v[/]:smile:"}, '
-                       'devices: 2}\n'
-                       '  - {name: "m:smile:", device: A100-40G-SXM, devices: 2}\n')
-    plan = tmp_path / "p.json"
-    solved = run("solve", "gpt-tiny", "--cluster", cluster, "--time-limit", "3", "-o", plan)
+def test_names_are_printed_as_written_not_as_markup(tmp_path, monkeypatch):
+    """Rich reads [..] as markup and :name: as an emoji: a cluster, node, device, model or
+    file name holding them used to crash the tables and notes ("closing tag '[/]' has
+    nothing to close") or change on screen (the "Wrote ... to r[bold].html" lines printed
+    "rx.html")."""
+    monkeypatch.chdir(tmp_path)  # short paths: each "Wrote" line fits on one line
+    for folder in ("s[", "c["):  # so that "s[/]x.svg" names a file
+        Path(folder).mkdir()
+    Path("lab.yaml").write_text('schema_version: 1\nname: "lab[/]"\nnetwork: 100Gbps\nnodes:\n'
+                                '  - {name: "n[/]", device: {base: V100-16G, name: "v[/]:smile:"}, '
+                                'devices: 2}\n'
+                                '  - {name: "m:smile:", device: A100-40G-SXM, devices: 2}\n')
+    plan = "p[bold].json"
+    solved = run("solve", "gpt-tiny", "--cluster", "lab.yaml", "--time-limit", "3", "-o", plan)
     assert solved.exit_code == 0, solved.output
-    assert "cluster lab[/]" in solved.stdout
-    explained = run("explain", plan)
+    assert "cluster lab[/]" in solved.stdout and "Wrote the plan to p[bold].json" in solved.stdout
+    doc = json.loads(Path(plan).read_text())  # a plan file's text is the user's too
+    doc["solver"]["search_space"] = "as [/] written :smile:"
+    Path(plan).write_text(json.dumps(doc))
+    explained = run("explain", plan, "--html", "r[bold].html", "--svg", "s[/]x.svg")
     assert explained.exit_code == 0, explained.output
     assert "m:smile:" in explained.stdout and "n[/]" in explained.stdout
     assert "v[/]:smile:" in solved.stdout and "v[/]:smile:" in explained.stdout
-    edited = run("what-if", plan, "--time-limit", "3", "--remove", "n[/]")
+    assert "search space: as [/] written :smile:" in explained.stdout
+    assert "Wrote the HTML report to r[bold].html" in explained.stdout
+    assert "Wrote the SVG timeline to s[/]x.svg" in explained.stdout
+    edited = run("what-if", plan, "--time-limit", "3", "--remove", "n[/]", "-o", "w[bold].json",
+                 "--cluster-out", "c[/]x.yaml")
     assert edited.exit_code == 0, edited.output
-    assert "remove n[/]" in edited.stdout
+    assert "remove n[/]" in edited.stdout and "Wrote the plan to w[bold].json" in edited.stdout
+    assert "Wrote the cluster to c[/]x.yaml" in edited.stdout
+    launched = run("launch", plan, "--out", "la[bold]x")
+    assert launched.exit_code == 0, launched.output
+    assert " files to la[bold]x: " in launched.stdout
+    assert "(see la[bold]x/README.md)" in launched.stdout
+    doc["model"] = {"source": "factory", "name": "my[/]pkg:build:smile:", "overrides": {}}
+    Path("q.json").write_text(json.dumps(doc))
+    compared = run("compare", plan, "q.json", "--price", "A100-40G-SXM=2")
+    assert compared.exit_code == 0, compared.output
+    assert "(gpt-tiny, my[/]pkg:build:smile:)" in compared.stdout
+    assert "no --price for v[/]:smile:" in compared.stderr
+    estimated = run("estimate", "gpt-tiny", "--cluster", "lab.yaml", "--dtype", "bf16", "-o",
+                    "e[bold].json")
+    assert estimated.exit_code == 0, estimated.output
+    assert "note: v[/]:smile: list no bf16 throughput" in estimated.stderr
+    assert "Wrote the plan to e[bold].json" in estimated.stdout
     traced = run("trace", "[/]")
     assert traced.exit_code == 1 and "Unknown model '[/]'" in traced.stderr
+    traced = run("trace", "tests.factories:named", "--set", 'name="x[/]:smile:"', "--graph",
+                 "g[bold].json")
+    assert traced.exit_code == 0, traced.output
+    assert "tests.factories:named (name=x[/]:smile:): " in traced.stdout
+    assert "Wrote the op graph (json) to g[bold].json" in traced.stdout

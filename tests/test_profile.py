@@ -131,7 +131,7 @@ def test_load_profile_rejects_non_json(tmp_path):
 
 
 def test_cli_writes_a_profile_and_refuses_to_overwrite(tmp_path):
-    out = tmp_path / "node.json"
+    out = tmp_path / "node[bold].json"  # printed as written, not as Rich markup
     result = runner.invoke(app, ["profile", "--quick", "--no-comm", "-o", str(out)])
     assert result.exit_code == 0, result.output
     doc = load_profile(out)
@@ -147,6 +147,18 @@ def test_cli_writes_a_profile_and_refuses_to_overwrite(tmp_path):
                                  "--json", "--force", "-o", str(out)])
     assert forced.exit_code == 0, forced.output
     assert json.loads(forced.stdout) == load_profile(out) != json.loads(written)
+
+
+def test_layer_times_name_the_model_as_written(capsys):
+    """The model's name (a config.json path, a factory's settings) may hold [..] or
+    :name:, which Rich would read as markup in the table's title."""
+    from cli.profile_cmd import _render_layers
+
+    _render_layers({"kind": "cpu", "layers": {
+        "model": "m[/]:smile:", "seq_len": 8, "dtype": "fp32",
+        "timings": [{"layer": "x", "fwd": 1e-3, "bwd": 2e-3}],
+        "steps": [{"micro_batch": 1, "seconds": 1e-2}]}})
+    assert "Layer times on cpu: m[/]:smile:, seq 8" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("args, words", [

@@ -1,6 +1,7 @@
 """`planner profile merge`: per-node profiles become a cluster spec, measurements kept."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -62,17 +63,20 @@ def test_merge_keeps_measurements(tmp_path, tiny):
     assert (t.fwd, t.bwd, t.source) == (pytest.approx(0.002), pytest.approx(0.004), "measured")
 
 
-def test_merge_cli_writes_a_loadable_cluster(tmp_path):
+def test_merge_cli_writes_a_loadable_cluster(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a short path: the "Wrote" line fits on one line
     paths = []
     for host in ("node-a", "node-b"):
         path = tmp_path / f"{host}.json"
         path.write_text(json.dumps(profile(host, speed=1.0)))
         paths.append(str(path))
-    out = tmp_path / "lab.yaml"
+    out = Path("lab[bold].yaml")  # names print as written, not as Rich markup
     runner = CliRunner()
     result = runner.invoke(app, ["profile", "merge", *paths, "--network", "25Gbps/10us",
-                                 "-o", str(out)])
+                                 "--name", "lab[/]:smile:", "-o", str(out)])
     assert result.exit_code == 0, result.output
+    assert ("Wrote cluster lab[/]:smile: (2 nodes, 2 devices) to lab[bold].yaml"
+            in result.stdout)
     cluster = load_cluster(str(out))
     assert [n.host for n in cluster.nodes] == ["node-a", "node-b"]
     assert cluster.network.bandwidth == 25e9 / 8
