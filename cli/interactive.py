@@ -141,8 +141,8 @@ class Terminal:
     def _ask_cluster(self) -> None:
         from cost_models.cluster import example_names
 
-        self.console.print("[bold]2. The cluster.[/] [e] an example, [f] a YAML file, "
-                           "[b] build it by answering questions, [i] an inline spec.")
+        self.console.print("[bold]2. The cluster.[/] \\[e] an example, \\[f] a YAML file, "
+                           "\\[b] build it by answering questions, \\[i] an inline spec.")
         while True:
             how = self.ask("Cluster", choices=["e", "f", "b", "i"], default="e")
             if how == "e":

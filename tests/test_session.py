@@ -278,6 +278,25 @@ def test_names_at_the_terminal_print_as_written_not_as_markup(tracer, tmp_path, 
     assert f"Saved: p[bold].json. Transcript: {tmp_path / 't[bold].txt'}." in text
 
 
+def test_the_guided_cluster_question_shows_its_keys(monkeypatch):
+    """Its choices' keys, [e] [f] [b] [i], are not Rich markup (they used to vanish)."""
+    import io
+
+    from rich.console import Console
+
+    from cli import interactive
+
+    out = io.StringIO()
+    console = Console(file=out, color_system=None, emoji=False, highlight=False, width=150)
+    terminal = interactive.Terminal(Session(time_limit=20), console)
+    answers = iter(["i", "1x1xV100-16G@100Gbps"])
+    monkeypatch.setattr(terminal, "ask", lambda *a, **k: next(answers))
+    terminal._ask_cluster()
+    assert ("2. The cluster. [e] an example, [f] a YAML file, [b] build it by answering "
+            "questions, [i] an inline spec.") in out.getvalue()
+    assert terminal.session.state.cluster.num_devices == 1
+
+
 def test_reply_data_is_json(tracer):
     session = start(tracer, "solve")
     for line in ("add 1x4xV100-32G", "explain", "show runners-up", "bogus"):
