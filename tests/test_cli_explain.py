@@ -278,17 +278,18 @@ def test_names_are_printed_as_written_not_as_markup(tmp_path, monkeypatch):
     assert launched.exit_code == 0, launched.output
     assert " files to la[bold]x: " in launched.stdout
     assert "(see la[bold]x/README.md)" in launched.stdout
-    doc["model"] = {"source": "factory", "name": "my[/]pkg:build:smile:", "overrides": {}}
-    Path("q.json").write_text(json.dumps(doc))
-    compared = run("compare", plan, "q.json", "--price", "A100-40G-SXM=2")
-    assert compared.exit_code == 0, compared.output
-    assert "(gpt-tiny, my[/]pkg:build:smile:)" in compared.stdout
-    assert "no --price for v[/]:smile:" in compared.stderr
     estimated = run("estimate", "gpt-tiny", "--cluster", "lab.yaml", "--dtype", "bf16", "-o",
-                    "e[bold].json")
+                    "e[bold].json")  # (every device a replica: both types used)
     assert estimated.exit_code == 0, estimated.output
     assert "note: v[/]:smile: list no bf16 throughput" in estimated.stderr
     assert "Wrote the plan to e[bold].json" in estimated.stdout
+    other = json.loads(Path("e[bold].json").read_text())
+    other["model"] = {"source": "factory", "name": "my[/]pkg:build:smile:", "overrides": {}}
+    Path("q.json").write_text(json.dumps(other))
+    compared = run("compare", "e[bold].json", "q.json", "--price", "A100-40G-SXM=2")
+    assert compared.exit_code == 0, compared.output
+    assert "(gpt-tiny, my[/]pkg:build:smile:)" in compared.stdout
+    assert "no --price for v[/]:smile:" in compared.stderr
     traced = run("trace", "[/]")
     assert traced.exit_code == 1 and "Unknown model '[/]'" in traced.stderr
     traced = run("trace", "tests.factories:named", "--set", 'name="x[/]:smile:"', "--graph",
