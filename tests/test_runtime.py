@@ -273,8 +273,8 @@ def test_a_failed_local_run_prints_the_runtimes_error(tmp_path):
 
 
 def test_a_failed_local_run_prints_the_exception_of_a_traceback(tmp_path):
-    """A rank that dies in a traceback (here on a data hook's token ids past the
-    vocabulary) logs no error paragraph: the terminal gets the exception's line, not
+    """A rank that dies in a traceback (here in the loss, on a data hook's targets past
+    the vocabulary) logs no error paragraph: the terminal gets the exception's line, not
     torchrun's separator."""
     import os
 
@@ -284,8 +284,8 @@ def test_a_failed_local_run_prints_the_exception_of_a_traceback(tmp_path):
 
     (tmp_path / "badhook.py").write_text(
         "import torch\n\n\ndef rows(step, start, stop, *, seq_len, seed):\n"
-        "    ids = torch.full((stop - start, seq_len), 10**6)\n"
-        "    return (ids,), ids\n")
+        "    ids = torch.zeros((stop - start, seq_len), dtype=torch.long)\n"
+        "    return (ids,), ids + 10**6\n")
     write_plan(tiny_plan("1x2xcpu", pp=2, shares=None), tmp_path / "plan.json")
     out = tmp_path / "launch"
     result = CliRunner().invoke(app, [
