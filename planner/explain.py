@@ -453,11 +453,24 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
     fixed = plan.solver.status == "fixed"  # `planner estimate`: the user chose the layout
     # a plan `estimate` wrote all the same, or one edited by hand: its stored memory is
     # over a device's, whatever the savers would save
-    over = worst is not None and worst[0] > 1
+    unfit = None
+    if worst is not None and worst[0] > 1:
+        _, p_index, s, _ = worst
+        unfit = (f"pipeline {p_index} stage {s.index} does not fit {s.devices.node} "
+                 f"({s.device_type})")
     for saver in ("recompute", "zero"):
         users = [(p, s) for p in plan.pipelines for s in p.stages
                  if (s.recompute is not Recompute.NONE if saver == "recompute" else s.zero > 0)]
         if not users:
+            continue
+        kinds = sorted({s.recompute.value if saver == "recompute" else f"ZeRO-{s.zero}"
+                        for _, s in users})
+        what = (f"recompute ({', '.join(kinds)})" if saver == "recompute"
+                else " and ".join(kinds))
+        where = f"{len(users)} of {sum(len(x.stages) for x in plan.pipelines)} stages"
+        headline = f"{what.capitalize() if saver == 'recompute' else what} on {where}"
+        if unfit:  # (what it would take without the saver says nothing then)
+            reasons.append(Reason("memory", f"{headline}: even with it, {unfit}."))
             continue
         needs = []
         for p, s in users:
@@ -466,16 +479,7 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
             needs.append((_memory_without(plan, p.index, s, layers, costs, **change) / cap,
                           p, s, cap))
         frac, p, s, cap = max(needs, key=lambda x: x[0])
-        kinds = sorted({s.recompute.value if saver == "recompute" else f"ZeRO-{s.zero}"
-                        for _, s in users})
-        what = (f"recompute ({', '.join(kinds)})" if saver == "recompute"
-                else " and ".join(kinds))
-        where = f"{len(users)} of {sum(len(x.stages) for x in plan.pipelines)} stages"
-        if over:
-            _, p_index, w, _ = worst
-            verdict = (f"even with it, pipeline {p_index} stage {w.index} does not fit "
-                       f"{w.devices.node} ({w.device_type})")
-        elif frac > 1:
+        if frac > 1:
             binding = binding or (f"memory: {what} is needed to fit {s.device_type} "
                                   f"(stage {s.index} of pipeline {p.index})")
             verdict = (f"without it stage {s.index} of pipeline {p.index} ({s.device_type}) "
@@ -490,16 +494,14 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
         else:
             verdict = (f"everything would fit without it (at most {frac:.0%} of a device); "
                        "sharding also splits the optimizer step, so it costs nothing here")
-        reasons.append(Reason("memory", f"{what.capitalize() if saver == 'recompute' else what}"
-                              f" on {where}: {verdict}."))
+        reasons.append(Reason("memory", f"{headline}: {verdict}."))
     if worst is not None:
         frac, p_index, s, cap = worst
         term = s.memory.largest()
         largest = f"its largest term is {term} ({fmt_bytes(s.memory.terms()[term])})"
         tight = frac >= 0.85
-        if over:
-            binding = (f"memory: pipeline {p_index} stage {s.index} does not fit "
-                       f"{s.devices.node} ({s.device_type})")
+        if unfit:
+            binding = f"memory: {unfit}"
             text = (f"The plan does not fit: pipeline {p_index} stage {s.index} holds "
                     f"{fmt_bytes(s.memory.total)} per device on {s.devices.node} "
                     f"({s.device_type}), which has {fmt_bytes(cap)} ({frac:.0%}); {largest}. "
