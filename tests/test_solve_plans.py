@@ -5,6 +5,7 @@ import dataclasses
 import json
 import random
 import re
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -151,7 +152,9 @@ def test_tp_per_class_starts_from_the_best_plans_of_one_degree(setup, monkeypatc
     monkeypatch.setattr(solver, "_search", spy)
     graph, cluster, training, _ = setup
     options = SolveOptions(gap=0.0, limits=Limits(tp_per_class=True), with_baselines=False)
+    start = time.perf_counter()
     plan = solve(graph, cluster, training, options)[0]
+    elapsed = time.perf_counter() - start
     assert [call[:2] for call in calls] == [
         (1, False), (2, False), (2, True)]  # the fastest type alone, one degree, any
     one = calls[1][3].best[0]
@@ -160,7 +163,8 @@ def test_tp_per_class_starts_from_the_best_plans_of_one_degree(setup, monkeypatc
     assert calls[2][4] is calls[1][5]  # (the cost table and what it memoised go on)
     # the report counts both searches: the larger one began with the one-degree one
     assert plan.solver.explored == calls[1][3].explored + calls[2][3].explored
-    assert plan.solver.wall_time == pytest.approx(calls[1][3].wall_time + calls[2][3].wall_time)
+    # and its wall time holds all three searches, cost tables and all
+    assert sum(call[3].wall_time for call in calls) <= plan.solver.wall_time <= elapsed
     calls.clear()
     solve(graph, load_cluster("2x4xA100-40G"), training, options)
     assert [call[:2] for call in calls] == [(2, False)]

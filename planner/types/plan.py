@@ -142,6 +142,9 @@ class SolverReport:
     objective:   predicted step time of the plan (seconds).
     best_bound:  no plan in the search space is faster than this.
     gap:         (objective - best_bound) / objective.
+    wall_time:   seconds the solve took to find it: its cost tables and searches
+                 (the fastest device type alone, then the whole cluster), not the
+                 baselines and predictions after.
     lower_bound: no plan of any shape is faster than this (an LP relaxation
                  that ignores communication and pipeline bubbles).
     """
