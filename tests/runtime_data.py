@@ -71,3 +71,28 @@ def negative_ids(step: int, start: int, stop: int, *, seq_len: int, seed: int):
     ids = ids.clone()
     ids[-1, -1] = -3
     return (ids,), targets
+
+
+def past_classes(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    """Next-token targets of a tokenizer with a larger vocabulary than the model's output
+    (512 + 88), beside input ids the model's table holds."""
+    inputs, targets = tokens(step, start, stop, seq_len=seq_len, seed=seed)
+    targets = targets.clone()
+    targets[1, 2] = VOCAB + 88
+    return inputs, targets
+
+
+def negative_targets(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    inputs, targets = tokens(step, start, stop, seq_len=seq_len, seed=seed)
+    targets = targets.clone()
+    targets[0, 0] = -1
+    return inputs, targets
+
+
+def ignored_targets(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    """Targets the loss skips (-100, cross-entropy's ignore index) on the first half of
+    every sample, like a prompt the model is not trained to produce."""
+    inputs, targets = tokens(step, start, stop, seq_len=seq_len, seed=seed)
+    targets = targets.clone()
+    targets[:, : seq_len // 2] = -100
+    return inputs, targets

@@ -289,6 +289,28 @@ def test_a_data_hooks_token_ids_outside_the_vocabulary_are_named():
     assert good.get(0, 0, 4)[0][0].max() < 512
 
 
+def test_a_data_hooks_targets_outside_the_output_classes_are_named():
+    """Targets past the classes of the model's output failed inside the loss (cross-entropy)
+    on every rank; integer targets are checked against the output's last dimension, and
+    -100, the index cross-entropy skips, is accepted."""
+    info = inspect_model(tiny_plan("1x2xcpu", pp=2))
+    assert info.classes == 512  # gpt-tiny's logits: one per token of its vocabulary
+    for hook, needle in (("past_classes", "target 600"), ("negative_targets", "target -1")):
+        batches = Batches(info.loaded, global_batch=8, seed=0, vocab=info.vocab,
+                          classes=info.classes, hook=f"tests.runtime_data:{hook}")
+        with pytest.raises(PlannerError, match=re.escape(
+                f"Data hook 'tests.runtime_data:{hook}' returned {needle}, outside the 512 "
+                "classes of the model's output (0-511, or -100 for a position the loss "
+                "skips)")) as caught:
+            batches.get(0, 0, 4)
+        assert caught.value.kind == "bad-data"
+    skipped = Batches(info.loaded, global_batch=8, seed=0, vocab=info.vocab,
+                      classes=info.classes, hook="tests.runtime_data:ignored_targets")
+    _, targets = skipped.get(0, 0, 4)
+    assert (targets == -100).any()
+    assert torch.isfinite(info.loaded.loss(torch.randn(4, 32, 512), targets))
+
+
 def test_an_existing_run_is_not_restarted_from_scratch(tmp_path):
     from planner.runtime.checkpoint import complete_steps
 

@@ -34,6 +34,10 @@ from planner.models.user import _import_target
 
 Hook = Callable[..., tuple[Any, Any]]
 
+# The target the zoo and transformers losses skip: F.cross_entropy's default ignore_index,
+# which they all keep (padding, prompt tokens).
+IGNORED_TARGET = -100
+
 
 def load_hook(target: str) -> Hook:
     try:
@@ -47,6 +51,12 @@ def _rows(tree: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def _is_integer(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` holds integers that can name a class (not floats, complex or bools)."""
+    return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex
+                or tensor.dtype == torch.bool)
+
+
 def _take(tree: Any, start: int, stop: int) -> Any:
     return torch.utils._pytree.tree_map(
         lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, tree)
@@ -56,9 +66,11 @@ class Batches:
     """Slices of each step's global batch (see the module docstring)."""
 
     def __init__(self, loaded: LoadedModel, *, global_batch: int, seed: int,
-                 hook: str | None = None, vocab: Mapping[int, int] | None = None) -> None:
+                 hook: str | None = None, vocab: Mapping[int, int] | None = None,
+                 classes: int | None = None) -> None:
         self.loaded, self.global_batch, self.seed = loaded, global_batch, seed
         self.vocab = dict(vocab or {})  # input -> rows of the embedding it indexes
+        self.classes = classes  # classes the loss takes integer targets from (or None)
         self.hook = load_hook(hook) if hook else None
         self.hook_name = hook
         self._cache: tuple[int, Any, Any] | None = None
@@ -106,8 +118,9 @@ class Batches:
     def _check_like(self, inputs: tuple, targets: Any, rows: int) -> None:
         """An error naming the hook where its batch differs from the model's own example
         inputs in count, type, integer-or-float dtype or the shape past the rows, or holds
-        token ids outside the embedding an input indexes (`vocab`): they failed deep in the
-        model, in a traceback on every rank."""
+        token ids outside the embedding an input indexes (`vocab`) or integer targets
+        outside the loss's classes (`classes`): they failed deep in the model or the loss,
+        in a traceback on every rank."""
         if self._example is None:  # (one sample on meta: only dtypes and shapes count)
             self._example = self.loaded.example(1, "meta")
         args, _, wanted = self._example
@@ -133,6 +146,25 @@ class Batches:
                               f"outside the model's vocabulary of {size:,} (ids 0-{size - 1:,}"
                               ")", ["encode the text with the model's own tokenizer",
                                     "or solve for a model with a vocabulary that large"])
+        if self.classes is not None and isinstance(targets, torch.Tensor):
+            self._check_classes(targets, self.classes)
+
+    def _check_classes(self, targets: torch.Tensor, classes: int) -> None:
+        """Integer targets must be a class of the loss (0 to classes - 1) or the index it
+        ignores; float targets (soft labels, regression) are the loss's own business."""
+        if not _is_integer(targets):
+            return
+        counted = targets[targets != IGNORED_TARGET]
+        if not counted.numel():
+            return
+        low, high = (int(v) for v in torch.aminmax(counted))
+        if low < 0 or high >= classes:
+            self._bad(f"target {high if high >= classes else low}, outside "
+                      f"the {classes:,} classes of the model's output (0-{classes - 1:,}, or "
+                      f"{IGNORED_TARGET} for a position the loss skips)",
+                      [f"make the targets class indices below {classes:,} (for a language "
+                       "model: the next token ids, from the model's own tokenizer)",
+                       f"mark positions the loss should skip with {IGNORED_TARGET}"])
 
     def _bad(self, problem: str, remedies: list[str] | None = None) -> None:
         raise PlannerError("bad-data", f"Data hook {self.hook_name!r} returned {problem}.",

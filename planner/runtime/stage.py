@@ -44,6 +44,7 @@ class ModelInfo:
     uses: tuple[frozenset[str], ...]  # parameter names each layer reads
     owner: dict[str, str]  # parameter name -> path of the module that owns it
     vocab: dict[int, int]  # model input (by position) -> rows of the table it indexes
+    classes: int | None  # classes the loss takes integer targets from (`loss_classes`)
 
     @property
     def module(self) -> nn.Module:
@@ -151,7 +152,7 @@ def inspect_model(plan: Plan) -> ModelInfo:
             calls.append((index, (), out))
 
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
-    args, kwargs, _ = loaded.example(1, "meta")
+    args, kwargs, targets = loaded.example(1, "meta")
     mode.inputs = tuple(args)
     try:
         with torch.no_grad(), mode:
@@ -162,7 +163,20 @@ def inspect_model(plan: Plan) -> ModelInfo:
     _check_chain(plan, paths, calls, args, kwargs, output)
     return ModelInfo(loaded=loaded, layer_modules=paths,
                      uses=tuple(frozenset(u) for u in uses), owner=owner,
-                     vocab=dict(mode.vocab))
+                     vocab=dict(mode.vocab), classes=loss_classes(loaded, output, targets))
+
+
+def loss_classes(loaded: LoadedModel, output: object, targets: object) -> int | None:
+    """The number of classes the model's loss takes integer targets from: the last
+    dimension of the model's output (`output`, for the example's `targets`), since every
+    loss of the zoo and transformers models is a cross-entropy over it. None where the
+    targets are not integers (nothing to count) or the loss is a user factory's own (its
+    targets may index something else, so no range can be assumed)."""
+    if loaded.spec.source == "factory" or not isinstance(output, torch.Tensor):
+        return None
+    if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point:
+        return None
+    return output.shape[-1] if output.dim() else None
 
 
 def _check_chain(plan: Plan, paths: Sequence[str], calls: list, args: tuple, kwargs: dict,

@@ -280,7 +280,7 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
             if rank == 0:
                 log(rank, f"resumed from step {found} ({checkpoint.step_dir(run_dir, found)})")
     batches = Batches(info.loaded, global_batch=plan.training.global_batch, seed=options.seed,
-                      hook=options.data, vocab=info.vocab)
+                      hook=options.data, vocab=info.vocab, classes=info.classes)
     offset = sum(p.batch_share for p in plan.pipelines[:me.pipeline])
     share = pipeline.batch_share
     step_log = StepLog(run_dir, attempt, enabled=rank == 0, fresh=first == 0)
