@@ -13,7 +13,7 @@ from planner.planfile import write_plan
 from planner.runtime.data import Batches
 from planner.runtime.env import validate_environment
 from planner.runtime.layout import rank_layout
-from planner.runtime.reference import build_reference
+from planner.runtime.reference import build_reference, train_reference
 from planner.runtime.stage import build_stage, inspect_model
 from planner.types import DeviceGroup
 from tests.runtime_helpers import tiny_plan
@@ -309,6 +309,18 @@ def test_a_data_hooks_targets_outside_the_output_classes_are_named():
     _, targets = skipped.get(0, 0, 4)
     assert (targets == -100).any()
     assert torch.isfinite(info.loaded.loss(torch.randn(4, 32, 512), targets))
+
+
+def test_the_single_process_reference_checks_a_data_hook_like_the_runtime():
+    """The reference (what a distributed run is compared against) fed a bad hook's ids to
+    the embedding and died in an IndexError; it checks them as the runtime does."""
+    plan = tiny_plan("1x2xcpu", pp=2)
+    for hook, needle in (("past_vocab", "input 0 with token id 600"),
+                         ("past_classes", "target 600")):
+        with pytest.raises(PlannerError, match=re.escape(
+                f"Data hook 'tests.runtime_data:{hook}' returned {needle}, outside")) as caught:
+            train_reference(plan, steps=1, data=f"tests.runtime_data:{hook}")
+        assert caught.value.kind == "bad-data"
 
 
 def test_an_existing_run_is_not_restarted_from_scratch(tmp_path):

@@ -8,37 +8,37 @@ parameters to floating-point tolerance.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from planner.models import load_model
 from planner.runtime.data import Batches
-from planner.runtime.stage import materialize
+from planner.runtime.stage import ModelInfo, inspect_model, materialize
 from planner.types import Plan
 
 
-def build_reference(plan: Plan, seed: int) -> tuple[Any, nn.Module]:
-    loaded = load_model(plan.model, seq_len=plan.training.seq_len, device="meta")
-    return loaded, materialize(loaded.module, seed)
+def build_reference(plan: Plan, seed: int) -> tuple[ModelInfo, nn.Module]:
+    """The model as the runtime inspects it (so a data hook's batches are checked against
+    the same vocabulary and classes) and the whole of it initialized as the stages are."""
+    info = inspect_model(plan)
+    return info, materialize(info.module, seed)
 
 
 def train_reference(plan: Plan, *, steps: int, seed: int = 0, lr: float = 1e-3,
                     optimizer: str = "adamw", data: str | None = None
                     ) -> tuple[list[float], nn.Module]:
     """Per-step losses and the trained model (fp32 on the CPU)."""
-    loaded, model = build_reference(plan, seed)
+    info, model = build_reference(plan, seed)
     model.train()
     batch = plan.training.global_batch
-    batches = Batches(loaded, global_batch=batch, seed=seed, hook=data)
+    batches = Batches(info.loaded, global_batch=batch, seed=seed, hook=data, vocab=info.vocab,
+                      classes=info.classes)
     params = list(model.parameters())
     opt = (torch.optim.SGD(params, lr=lr) if optimizer == "sgd"
            else torch.optim.AdamW(params, lr=lr, weight_decay=0.0))
     losses = []
     for step in range(steps):
         inputs, targets = batches.get(step, 0, batch)
-        loss = loaded.loss(model(*inputs), targets)
+        loss = info.loaded.loss(model(*inputs), targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
