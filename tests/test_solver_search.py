@@ -297,13 +297,34 @@ def test_configurations_past_the_deadline_wait_at_the_floor_until_taken():
     assert cut.bound <= seed.step_time * (1 + 1e-12)
 
 
+def test_past_the_deadline_the_first_plan_is_its_classes_first_splits():
+    """Pricing a structure's best splits can take seconds on a thousand layers; past the
+    deadline even the first plan stops at its classes' first splits (`Priced.upper`,
+    an achievable plan), and what refining it would have found is bounded by the
+    structure's lower bound, not left out."""
+    from planner.solver.search import _leaf, _Node
+
+    table = random_table(5, layers=5, types=[("a", [3, 3]), ("b", [3, 3]), ("c", [2])])
+    limits, space = Limits(max_stages=4), Space()
+    plan = search(table, 6, limits=limits).best[0]
+    node = _Node(0.0, 0, plan.config, 0.0, 0, tuple((s.types, s.tp) for s in plan.shapes),
+                 tuple(s.n for s in plan.shapes))
+    priced = price(table, plan.config, space, plan.shapes, 6 // plan.config.mb)
+    best: list = []
+    assert _leaf(table, node, 6, limits, space, best, 1, 0.0, deadline=0.0) == priced.lower
+    assert best == [priced.upper]
+    refined: list = []
+    assert _leaf(table, node, 6, limits, space, refined, 1, 0.0, deadline=None) == float("inf")
+    assert refined[0].step_time == plan.step_time <= priced.upper.step_time
+
+
 @pytest.mark.parametrize("cut", [{"gap": 0.05}, {"time_limit": 0.0}])
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_a_search_cut_short_keeps_its_bound_honest(cut, seed):
     """With a gap, refine leaves out splits under a parameter cap that can beat a
     structure's best by less than the gap; past the time limit, the pricing of a
-    structure stops with what it found (after the first plan). Either way the search's
+    structure stops with what it found (the first plan: its first splits). Either way the search's
     bound and plan enclose the optimum, the plan within the gap."""
     rng = random.Random(seed)
     table, batch, limits = random_instance(rng)

@@ -782,7 +782,7 @@ def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Spac
           best: list[Evaluation], top_k: int, gap: float, deadline: float | None) -> float:
     """Price a whole structure; add it to `best` where it is among the k best. The
     least step of the splits it left out only for `gap` or the deadline (inf if
-    none; the first plan is priced whole, as the search goes on to one)."""
+    none; past the deadline, the first plan is its classes' first splits)."""
     if limits.dp is not None and sum(node.counts) != limits.dp:
         return INF
     if limits.max_dp is not None and sum(node.counts) > limits.max_dp:
@@ -798,8 +798,7 @@ def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Spac
     threshold = best[top_k - 1].step_time if len(best) >= top_k else float("inf")
     if priced.lower >= threshold:
         return INF
-    evaluation, skipped = refine(table, priced, microbatches, threshold, gap,
-                                 deadline if best else None)
+    evaluation, skipped = refine(table, priced, microbatches, threshold, gap, deadline)
     if evaluation is None:
         return skipped
     if any((e.config, e.shapes) == (evaluation.config, evaluation.shapes) for e in best):
