@@ -73,8 +73,8 @@ def main() -> None:
                    "search, 1F1B only", "closed form vs simulator"], rows) + "\n"
             "The default search tries 1F1B, GPipe (in plans of one pipeline class) and "
             "interleaved 1F1B as `--max-interleave` allows (1: none); `--schedule 1f1b` "
-            "searches 1F1B alone. Search: the branch and bound of the full cluster (the "
-            "report's wall time), one run.")
+            "searches 1F1B alone. Search: the cost tables and searches, "
+            "the fastest type's and the whole cluster's (the report's wall time), one run.")
     write_section("schedules", "python benchmarks/schedules.py", body)
 
 

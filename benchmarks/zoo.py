@@ -59,9 +59,10 @@ def main() -> None:
                    "plan"], rows) + "\n"
             f"`planner solve MODEL` on the example cluster {CLUSTER} (50 GPUs of three "
             f"types in 7 nodes on 100 Gb/s Ethernet), global batch {BATCH}, fp16, the CLI's "
-            f"defaults ({TIME_LIMIT:g} s time limit, 0.5% gap). Search: the branch and bound "
-            "alone, one run. Large models solve in about a second; small ones take longer "
-            "to prove: their best plans are found early (Ctrl-C then returns them), but "
+            f"defaults ({TIME_LIMIT:g} s time limit, 0.5% gap). Search: the cost tables and "
+            "searches (the report's wall time), one run. Large models solve in about a "
+            "second; small ones take longer to prove: their best plans are found early "
+            "(Ctrl-C then returns them), but "
             "many structures mixing pipeline classes stay within a few percent of them, "
             "and the bound of a structure whose classes are still open leaves out most of "
             "the gradient sync those classes pay together.")
