@@ -1258,3 +1258,33 @@ def test_the_search_queues_no_structure_placement_cannot_fit(seed):
     assert queued
     for view, child in queued:
         assert search_module.place(view, search_module._shapes(child)) is not None
+
+
+def test_open_levels_count_the_pipelines_placement_fits_beside_the_fixed_classes():
+    """Below the root, each open level may add a class of its own type, placed after the
+    mixed one on its own type's nodes: it fits no more pipelines than `place` puts on
+    what the fixed classes leave (a mixed block of two stages on a node of four leaves
+    two devices a block of three cannot use), fewer than the devices left hold. The
+    bound counts those (`Bound._open_done`'s `fits`), and the search still finds the
+    brute-force optimum."""
+    bound_module = importlib.import_module("planner.solver.bound")
+    open_done = bound_module.Bound._open_done
+    capped = []
+
+    def spy(self, open_levels, later, free, per_slot=False, fits=None):
+        if fits is not None:
+            *_, homes, n_max, _, _, _, size, _, _ = self._open_families(open_levels)
+            held = np.minimum(n_max[None, :], np.floor(free[:, homes] / size[None, :] + 1e-9))
+            capped.append(bool((np.broadcast_to(fits, held.shape) < held).any()))
+        return open_done(self, open_levels, later, free, per_slot, fits)
+
+    limits, space = Limits(max_stages=3), Space(zeros=(0,))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bound_module.Bound, "_open_done", spy)
+        for seed in (3, 4, 5):
+            rng = random.Random(seed)
+            table = random_table(seed, layers=4, types=[
+                ("a", [4] * rng.randint(1, 2)), ("b", [rng.randint(1, 2)] * rng.randint(1, 3))])
+            found = search(table, 6, limits=limits, space=space).best[0].step_time
+            assert found == pytest.approx(brute_force(table, 6, limits, space), rel=1e-9)
+    assert any(capped)

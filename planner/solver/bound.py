@@ -687,7 +687,9 @@ class Bound:
     with each of the one mixed class's pipelines (at most n_max) adding what its c_f
     exceeds its slots' worth by. Where only homogeneous levels are open (below the
     root), each adds one class on its own type's free slots, so it finishes at most
-    what its best family's whole pipelines that fit do (`_open_done`). The bound is
+    what its best family's whole pipelines that fit do (`_open_done`): in the devices
+    left, and as placement puts them beside the fixed classes (`fits`, from the search:
+    a block of a mixed pipeline may leave part of a node a longer block cannot use). The bound is
     the smallest t at which fixed and open pipelines can have finished the global
     number of micro-batches (found fluidly, then walked on to the next time a fixed
     pipeline completes one while even the open levels' count by then falls short,
@@ -837,6 +839,11 @@ class Bound:
                   for i in (1, 5, 6)))
         return self._open[key]
 
+    def open_families(self, open_levels: Sequence[int]) -> list[Family]:
+        """The families of the open homogeneous levels, in the order `fits` takes them."""
+        return [f for level in open_levels if self.levels[level] and not self._is_mixed(level)
+                for f in self.levels[level]]
+
     def _open_families(self, open_levels: Sequence[int]) -> tuple[np.ndarray, ...]:
         """Per family of the open homogeneous levels (in `_homogeneous`'s order): its
         type as a mask, its stages, its optimizer floor, its type's index and its most
@@ -865,16 +872,17 @@ class Bound:
         return self._families[key]
 
     def _open_done(self, open_levels: Sequence[int], later: np.ndarray | float,
-                   free: np.ndarray, per_slot: bool = False
+                   free: np.ndarray, per_slot: bool = False, fits: np.ndarray | None = None
                    ) -> Callable[[np.ndarray, bool], tuple[np.ndarray, np.ndarray | None]]:
         """The function of (t, whole) that gives, per open homogeneous level (a column;
         a row per t), the most micro-batches it can finish by t on `free` slots per type
         (a row each), and (if `per_slot`) the most per slot of its type. A level adds
-        one class, so at most the best of its families' pipelines that fit, an open
-        family starting `later` [row, family, rung]: a rung stands for its counts above
-        the rung below, all paying at least the sync of the smallest (more nodes never
-        sync faster), so none finishes more than the rung's most at that sync; per
-        slot, the first rung's pace."""
+        one class, so at most the best of its families' pipelines that fit (in its
+        type's devices and, where given, as placement puts them beside the classes
+        before: `fits`, per family), an open family starting `later` [row, family,
+        rung]: a rung stands for its counts above the rung below, all paying at least
+        the sync of the smallest (more nodes never sync faster), so none finishes more
+        than the rung's most at that sync; per slot, the first rung's pace."""
         _, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
         _, _, _, homes, n_max, caps, lows, _, size, _, _ = self._open_families(open_levels)
         if not len(size):
@@ -882,6 +890,8 @@ class Bound:
             return lambda t, whole: (empty, empty if per_slot else None)
         n = np.minimum(n_max[None, :], np.floor(
             np.maximum(free[:, homes], 0.0) / size[None, :] + 1e-9))
+        if fits is not None:
+            n = np.minimum(n, fits)
         if np.ndim(later) < 3:  # no sync beyond the fixed classes': the most pipelines
             pipes, begins, pace = n[:, :, None], (total + later)[..., None], inv_busy[:, None]
         else:
@@ -934,12 +944,14 @@ class Bound:
 
     def many(self, fixed: Sequence[tuple[Family, int]],
              candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-             fewer: bool = False, at_least: tuple[float, float] = (0.0, 0.0)
-             ) -> tuple[np.ndarray, np.ndarray]:
+             fewer: bool = False, at_least: tuple[float, float] = (0.0, 0.0),
+             fits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The bound of `fixed` plus each candidate class (f, n) (None: no class), all at
         once, and the same without the fixed classes' sync floor (the base); with
         `fewer`, a candidate stands for 1..n pipelines. `at_least`: a bound and base
-        already known for all of them (e.g. the parent's).
+        already known for all of them (e.g. the parent's). `fits`: per family of the
+        open homogeneous levels (`Bound.open_families`), the most pipelines placement
+        puts beside the fixed classes and any candidate (see `_open_done`).
 
         Sync is one term of the step, so each class's floor is added on its own: the
         class pays its sync floor, or its largest stage is on ZeRO-3 and the bound
@@ -947,11 +959,12 @@ class Bound:
         the largest over the classes of the smaller of the two."""
         # families that cannot run have infinite times, and no micro-batches: (t - inf) * 0
         with np.errstate(divide="ignore", invalid="ignore"):
-            return self._many(fixed, candidates, open_levels, fewer, at_least)
+            return self._many(fixed, candidates, open_levels, fewer, at_least, fits)
 
     def _many(self, fixed: Sequence[tuple[Family, int]],
               candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-              fewer: bool, at_least: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+              fewer: bool, at_least: tuple[float, float], fits: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray]:
         rows = len(candidates)
         if self.single and open_levels:  # then nothing is fixed and no candidate live
             full, base = self._best_alone(open_levels)
@@ -980,9 +993,9 @@ class Bound:
                                       for f, _ in candidates])))
         joiner = self._joiner(open_levels)
         if joiner is None or not classes:
-            base = self._core(fixed, candidates, open_levels, fewer, at_least[1])
+            base = self._core(fixed, candidates, open_levels, fewer, at_least[1], fits=fits)
             full = self._synced(fixed, candidates, open_levels, fewer, at_least[1], base,
-                                classes, live)
+                                classes, live, fits=fits)
         else:  # the open levels add a class, whose sync joins the fixed ones', or none
             stages, mask = joiner
             ones = np.ones(rows)
@@ -992,9 +1005,9 @@ class Bound:
             terms = self.sync.terms(joined)
             shift = None if self.sync.zero3 else self._open_shift(
                 open_levels, classes, terms, live, len(fixed) if live.any() else -1)
-            base = self._core(fixed, candidates, open_levels, fewer, at_least[1], shift)
+            base = self._core(fixed, candidates, open_levels, fewer, at_least[1], shift, fits)
             full = self._synced(fixed, candidates, open_levels, fewer, at_least[1], base,
-                                joined, live, terms)
+                                joined, live, terms, fits)
             if shift is not None:  # that base holds some sync: the parent's stays valid
                 base = np.full(rows, at_least[1])
             alone = self._core(fixed, candidates, (), fewer, at_least[1])
@@ -1050,7 +1063,8 @@ class Bound:
     def _synced(self, fixed: Sequence[tuple[Family, int]],
                 candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
                 fewer: bool, at_least: float, base: np.ndarray, classes: list,
-                live: np.ndarray, terms: list | None = None) -> np.ndarray:
+                live: np.ndarray, terms: list | None = None, fits: np.ndarray | None = None
+                ) -> np.ndarray:
         """`many`'s bound from its base and the sync floors of the classes (the fixed
         ones, the candidates' if any is live, then maybe one the open levels add, which
         never takes ZeRO-3: they are searched without it where they join others);
@@ -1068,7 +1082,7 @@ class Bound:
             cheaper = (sharded < paid) & (c < searched)
             if cheaper.any():
                 raised = self._raised(fixed, candidates, open_levels, fewer, at_least, c,
-                                      period, cheaper, base)
+                                      period, cheaper, base, fits)
                 term = np.where(cheaper, np.minimum(term, raised + sharded), term)
             full = np.maximum(full, term)
         return full
@@ -1083,7 +1097,8 @@ class Bound:
     def _raised(self, fixed: Sequence[tuple[Family, int]],
                 candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
                 fewer: bool, at_least: float, c: int, period: np.ndarray,
-                rows: np.ndarray, base: np.ndarray) -> np.ndarray:
+                rows: np.ndarray, base: np.ndarray, fits: np.ndarray | None
+                ) -> np.ndarray:
         """The base bound with class c (a fixed one, or the candidates' if c is past
         them) at least `period` per micro-batch, on the given rows."""
         def slower(f: Family, p: float) -> Family:
@@ -1103,15 +1118,16 @@ class Bound:
                 return base
             candidates = [(slower(f, float(p)) if take else f, n) for (f, n), p, take
                           in zip(candidates, period, rows, strict=True)]
-        return self._core(fixed, candidates, open_levels, fewer, at_least)
+        return self._core(fixed, candidates, open_levels, fewer, at_least, fits=fits)
 
     def _core(self, fixed: Sequence[tuple[Family, int]],
               candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
               fewer: bool, at_least: float,
-              shift: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+              shift: tuple[np.ndarray, np.ndarray] | None = None,
+              fits: np.ndarray | None = None) -> np.ndarray:
         """`many`'s bound before sync; `shift`: per row and open homogeneous family, sync
         it pays beyond the classes' floors, and per family its optimizer floor (see
-        `_open_shift`)."""
+        `_open_shift`); `fits`: as `many`."""
         dead = any(f.min_busy == INF for f, _ in fixed)
         free = np.array([float(self.devices[k]) for k in self.kinds])
         for f, n in fixed:
@@ -1151,7 +1167,7 @@ class Bound:
         pipes, periods, fills = lines
         live, inv_busy = pipes > 0, 1 / periods
 
-        open_done = self._open_done(open_levels, later, free, fewer) if (
+        open_done = self._open_done(open_levels, later, free, fewer, fits) if (
             open_levels and not mixed) else None
 
         def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
@@ -1246,12 +1262,12 @@ class Bound:
                          functools.partial(open_from, times), goal)
 
     def __call__(self, fixed: Sequence[tuple[Family, int]], open_levels: Sequence[int],
-                 fewer: bool = False, at_least: tuple[float, float] = (0.0, 0.0)
-                 ) -> tuple[float, float]:
+                 fewer: bool = False, at_least: tuple[float, float] = (0.0, 0.0),
+                 fits: np.ndarray | None = None) -> tuple[float, float]:
         """The bound and base of one (partial) structure; `fewer` applies to its last
-        class."""
+        class; `fits` as `many`."""
         last = [fixed[-1]] if fixed else [(None, 0)]
-        full, base = self.many(fixed[:-1], last, open_levels, fewer, at_least)
+        full, base = self.many(fixed[:-1], last, open_levels, fewer, at_least, fits)
         return float(full[0]), float(base[0])
 
 

@@ -49,6 +49,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from cost_models.comm import Collective, CommGroup
 from planner.errors import PlannerError
 from planner.solver.bound import (
@@ -196,6 +198,7 @@ class _Search:
         self.best = best
         self.explored = self.pruned = 0
         self.given_up = float("inf")  # smallest bound pruned only because of `gap`
+        self._fits: dict[tuple, np.ndarray | None] = {}  # (`fits`)
         self.floor: float | None = None  # `lower_bound`, once a configuration waits
         self.devices = {t.name: sum(t.node_devices) for t in table.types}
         self.gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
@@ -276,8 +279,11 @@ class _Search:
         if not loose:
             return True
         bound.invalidate()
-        node.bound, node.base = bound(fixed, range(node.level, len(levels)),
-                                      self.shrinks(node), (node.bound, node.base))
+        counts = (*node.counts[:-1], 1) if self.shrinks(node) else node.counts
+        open_levels = range(node.level, len(levels))
+        node.bound, node.base = bound(
+            fixed, open_levels, self.shrinks(node), (node.bound, node.base), self.fits(
+                node.config, _shapes(dataclasses.replace(node, counts=counts)), open_levels))
         return False
 
     @staticmethod
@@ -322,14 +328,33 @@ class _Search:
         for group, level in groups:
             if not group:
                 continue
+            # (a class of one type leaves the other types' nodes as they are)
+            alike = all(f is None or len(set(f.types)) == 1 for f, _ in group)
             bounds, bases = bound.many(fixed, group, range(level, len(levels)), True,
-                                       (node.bound, node.base))
+                                       (node.bound, node.base), self.fits(
+                                           node.config, _shapes(node),
+                                           range(level, len(levels))) if alike else None)
             for (f, n), b, base in zip(group, bounds, bases, strict=True):
                 out.append(_Node(float(b), next(self.counter), node.config, float(base),
                                  level, node.chosen + ((f.key,) if f else ()),
                                  node.counts + ((n,) if f else ()),
                                  frozenset([f.key]) if f else frozenset()))
         return out
+
+    def fits(self, config: Config, shapes: tuple[ClassShape, ...], open_levels: range
+             ) -> np.ndarray | None:
+        """Per family of the open homogeneous levels (`Bound.open_families`), the most
+        pipelines `place` puts on the devices these classes leave (`structure.room`):
+        each level adds a class of its own type, placed after the mixed one, on its own
+        type's nodes, so after these classes whatever the other open levels add. None
+        where the classes do not fit (no structure below does either). Cached."""
+        key = (config, shapes, open_levels.start)
+        if key not in self._fits:
+            free = free_after(self.view(config), shapes)
+            self._fits[key] = None if free is None else np.array([
+                float(room(free, ClassShape(f.types, f.n_max, f.tp)))
+                for f in self.state[config][1].open_families(open_levels)])
+        return self._fits[key]
 
     @staticmethod
     def next_level(levels: list[list[Family]], level: int) -> int:
