@@ -83,6 +83,17 @@ def resplit(plan: Plan, pipeline: int, bounds: Sequence[tuple[int, int]]) -> Pla
     return dataclasses.replace(plan, pipelines=tuple(pipes))
 
 
+def on_devices(plan: Plan, pipeline: int, devices: Sequence[tuple[int, ...]]) -> Plan:
+    """`plan` with pipeline `pipeline`'s stages on these devices of their nodes, each
+    stage's tensor-parallel degree its device count."""
+    p = plan.pipelines[pipeline]
+    stages = tuple(dataclasses.replace(s, tp=len(d), devices=dataclasses.replace(
+        s.devices, devices=tuple(d))) for s, d in zip(p.stages, devices, strict=True))
+    pipes = list(plan.pipelines)
+    pipes[pipeline] = dataclasses.replace(p, stages=stages)
+    return dataclasses.replace(plan, pipelines=tuple(pipes))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,7 +21,7 @@ from planner.runtime.checkpoint import complete_steps, load_full_model
 from planner.runtime.reference import build_reference, train_reference
 from planner.runtime.summary import read_losses
 from planner.types import Recompute, Schedule
-from tests.runtime_helpers import resplit, run_ranks, solver_plan, tiny_plan
+from tests.runtime_helpers import on_devices, resplit, run_ranks, solver_plan, tiny_plan
 
 pytestmark = pytest.mark.slow  # each test starts a few processes (5-20 s)
 
@@ -181,6 +181,26 @@ def test_pipelines_of_different_tensor_parallel_degrees(tmp_path):
     (tmp_path / "adam").mkdir()
     _run(tmp_path / "adam", plan, optimizer="adamw", steps=1)
     assert complete_steps(tmp_path / "adam" / "run") == [1]
+
+
+@pytest.mark.parametrize(("devices", "schedule"), [
+    (((0, 1), (2,)), Schedule.ONE_F_ONE_B),
+    (((0,), (1, 2)), Schedule.ONE_F_ONE_B),
+    (((0,), (1, 2)), Schedule.GPIPE),
+])
+def test_a_pipeline_whose_stages_differ_in_tensor_parallel_degree(tmp_path, devices,
+                                                                   schedule):
+    """One chain pairs the stages' first ranks; the wider stage's second rank follows
+    its first (inputs and output gradients broadcast to it), through 1F1B's steady
+    state (four micro-batches, two stages) or GPipe. The token table is summed between
+    a stage of tp 2 and one of tp 1 (embedding and tied head)."""
+    plan = on_devices(tiny_plan("1x3xcpu", pp=2, schedule=schedule), 0, devices)
+    assert [s.tp for s in plan.pipelines[0].stages] == [len(d) for d in devices]
+    assert plan.pipelines[0].num_microbatches == 4
+    summary = _check_against_reference(plan, _run(tmp_path, plan))
+    per_rank = {r["rank"]: r["params"] for r in summary["ranks"]}
+    wide = 0 if len(devices[0]) == 2 else 1
+    assert per_rank[wide] == per_rank[wide + 1]  # the follower holds its shards
 
 
 def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path):

@@ -13,10 +13,11 @@ from planner.planfile import write_plan
 from planner.runtime.data import Batches
 from planner.runtime.env import validate_environment
 from planner.runtime.layout import rank_layout
+from planner.runtime.parallel import topology
 from planner.runtime.reference import build_reference, train_reference
 from planner.runtime.stage import build_stage, inspect_model
 from planner.types import DeviceGroup
-from tests.runtime_helpers import tiny_plan
+from tests.runtime_helpers import on_devices, tiny_plan
 
 
 def _env(**values):
@@ -77,6 +78,24 @@ def test_layer_errors_name_the_pipeline_and_stage_at_fault():
     with pytest.raises(PlannerError, match=r"Pipeline 1 stage 0 has a chunk \[0, 0\) that "
                        "holds no layers"):
         rank_layout(empty)
+
+
+def test_a_pipeline_of_mixed_degrees_chains_the_ranks_of_its_narrowest_stage():
+    plan = on_devices(tiny_plan("1x4xcpu", pp=2), 0, [(0,), (1, 2, 3)])
+    topo = topology(plan, rank_layout(plan), inspect_model(plan))
+    assert topo.chains(0) == 1 and topo.chain(0, 0) == (0, 1)
+    # the wide stage's first rank leads (in the chain), the others follow it
+    assert topo.following((0, 0)) == () and topo.following((0, 1)) == (1, 2, 3)
+    plan = on_devices(plan, 0, [(0, 1), (2,)])
+    topo = topology(plan, rank_layout(plan), inspect_model(plan))
+    assert topo.following((0, 0)) == (0, 1) and topo.following((0, 1)) == ()
+
+
+def test_an_interleaved_pipeline_of_mixed_degrees_is_refused_by_name():
+    plan = on_devices(tiny_plan("1x3xcpu", pp=2, interleave=2), 0, [(0,), (1, 2)])
+    with pytest.raises(PlannerError, match=r"Pipeline 0 interleaves .* degrees \[1, 2\]") as e:
+        topology(plan, rank_layout(plan), inspect_model(plan))
+    assert "plan it again with --interleave 1" in e.value.remedies
 
 
 def test_environment_matching_the_plan_places_the_rank():

@@ -8,6 +8,7 @@ stage.py:      the model on meta, the chain check, this rank's stage materialize
 data.py:       synthetic batches or a user hook, sliced per pipeline
 parallel.py:   process groups and device meshes, tensor parallel, FSDP2, gradient sums
 schedule.py:   the pipeline schedule (torch.distributed.pipelining)
+follow.py:     a stage's ranks outside its pipeline's chains, mirroring the first
 checkpoint.py: torch.distributed.checkpoint saves and resume
 summary.py:    step logs and the run summary
 train.py:      `run(RunOptions, env)`, the whole thing

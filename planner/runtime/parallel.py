@@ -2,9 +2,11 @@
 
 Groups. Every rank creates every group the plan needs, in one deterministic
 order (torch requires all ranks to take part in creating each group):
-  * per pipeline a 2-D DeviceMesh (pp x tp): its "pp" groups are the chains
-    torch.distributed.pipelining sends activations along (one chain per tensor-
-    parallel index);
+  * per pipeline its chains, the "pp" groups torch.distributed.pipelining sends
+    activations along: one per tensor-parallel index of its narrowest stage, each
+    pairing the stages' ranks of that index (`Topology.chains`); a wider stage's
+    ranks past those indices follow its first rank (`follow.py`), over a group of
+    their own;
   * per stage group (a stage and its replicas: the stages of other pipelines with
     the same layers, device type and tp) a 2-D DeviceMesh (dp x tp): "tp" is the
     stage's tensor-parallel group (DTensor), "dp" its ZeRO group (FSDP2);
@@ -12,8 +14,8 @@ order (torch requires all ranks to take part in creating each group):
     gradients (pipelines may split layers differently, and a head tied to the
     embedding shares its weight with the first stage, so these sets need not form
     a mesh): one per tensor-parallel index where the stages share a tp degree,
-    else one of their first ranks (`GradientSum`). A pipeline's stages share one
-    degree: its chains pair the stages' ranks index by index.
+    else one of their first ranks (`GradientSum`). A pipeline's stages may differ
+    in degree (GPipe or 1F1B; an interleaved schedule needs one degree).
 
 Gradients. Each pipeline's loss for a micro-batch is the model's (mean) loss
 times micro_batch / global_batch, so the losses of all micro-batches of all
@@ -22,8 +24,9 @@ parameter's gradient over every stage holding it therefore gives exactly the
 full-batch gradient: the average over pipelines weighted by their batch share.
 FSDP2 reduce-scatters with a divide factor of 1 (a sum) for the same reason.
 
-ZeRO: stages with zero >= 1 and at least two replicas are wrapped with FSDP2's
-fully_shard over their "dp" mesh dimension: zero 1 and 2 keep parameters
+ZeRO: stages with zero >= 1 and at least two replicas, none of them with followers
+(`follow.py`: they do not mirror FSDP's gathers and reductions yet), are wrapped with
+FSDP2's fully_shard over their "dp" mesh dimension: zero 1 and 2 keep parameters
 gathered from the first forward to the end of backward (reshard_after_forward=
 False: gradients and optimizer states sharded, as ZeRO-2), zero 3 reshards after
 every forward. FSDP issues one all-gather per forward when resharding, so zero 3
@@ -63,6 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from planner.errors import PlannerError
+from planner.runtime.follow import Following
 from planner.runtime.layout import Layout
 from planner.runtime.stage import ChunkModule, ModelInfo, stage_param_names
 from planner.types import Plan, StagePlan
@@ -91,9 +95,20 @@ class Topology:
         return self.layout.stage_ranks(*key)
 
     def chain(self, pipeline: int, tp_rank: int) -> tuple[int, ...]:
-        """The ranks of a pipeline's stages (stage order) at one tensor-parallel index."""
+        """The ranks of a pipeline's stages (stage order) at one tensor-parallel index
+        (below `chains`)."""
         return tuple(self.ranks((pipeline, s.index))[tp_rank]
                      for s in self.plan.pipelines[pipeline].stages)
+
+    def chains(self, pipeline: int) -> int:
+        """How many chains a pipeline runs: its narrowest stage's tp (`follow.py`)."""
+        return min(s.tp for s in self.plan.pipelines[pipeline].stages)
+
+    def following(self, key: StageKey) -> tuple[int, ...]:
+        """A stage's leader (its first rank) and followers (its ranks in no chain),
+        leader first; () where every rank of the stage is in a chain."""
+        ranks, chains = self.ranks(key), self.chains(key[0])
+        return (ranks[0], *ranks[chains:]) if len(ranks) > chains else ()
 
     def replicas_of(self, key: StageKey) -> list[StageKey]:
         return self.replicas[replica_key(self.stage(key))]
@@ -107,14 +122,22 @@ class Topology:
         return [tuple(sorted(self.ranks(k)[t] for k in keys)) for t in indices]
 
 
-def topology(plan: Plan, layout: Layout, info: ModelInfo) -> Topology:
+def check_degrees(plan: Plan) -> None:
+    """An error naming the first pipeline that interleaves chunks on stages of different
+    tensor-parallel degrees: a follower mirrors one chunk (`follow.py`), and torch's
+    interleaved schedule runs several per rank."""
     for p in plan.pipelines:
-        tps = {s.tp for s in p.stages}
-        if len(tps) > 1:
+        tps = sorted({s.tp for s in p.stages})
+        if len(tps) > 1 and (p.interleave > 1 or any(len(s.chunks) > 1 for s in p.stages)):
             raise PlannerError(
-                "unsupported-plan", f"Pipeline {p.index} mixes tensor-parallel degrees "
-                f"{sorted(tps)}; the runtime sends activations between stages of equal tp.",
-                ["solve with a fixed --tp"])
+                "unsupported-plan", f"Pipeline {p.index} interleaves several chunks per "
+                f"stage on stages of different tensor-parallel degrees {tps}; the runtime "
+                "runs such a pipeline with GPipe or plain 1F1B only.",
+                ["plan it again with --interleave 1", "solve with a fixed --tp"])
+
+
+def topology(plan: Plan, layout: Layout, info: ModelInfo) -> Topology:
+    check_degrees(plan)
     params: dict[StageKey, frozenset[str]] = {}
     holders: dict[str, list[StageKey]] = {}
     replicas: dict[tuple, list[StageKey]] = {}
@@ -152,15 +175,16 @@ def written_by_others(topo: Topology, key: StageKey) -> frozenset[str]:
 class Groups:
     """This rank's meshes and groups (see the module docstring)."""
 
-    pipeline_mesh: DeviceMesh  # ("pp", "tp")
     stage_mesh: DeviceMesh  # ("dp", "tp")
     chain: tuple[int, ...]  # global ranks of my pipeline's stages at my tp index
-    sync: list[tuple[tuple[int, ...], dist.ProcessGroup]] = field(default_factory=list)
+    pp: dist.ProcessGroup | None  # my chain's group (None and () on a follower)
+    following: Following | None = None  # where I lead or follow: my stage's ring
     by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
     @property
-    def pp(self) -> dist.ProcessGroup:
-        return self.pipeline_mesh.get_group("pp")
+    def follows(self) -> bool:
+        """Whether this rank follows its stage's leader (in no chain)."""
+        return self.pp is None
 
     @property
     def tp(self) -> int:
@@ -180,11 +204,13 @@ def build_groups(topo: Topology, rank: int, device_type: str) -> Groups:
     plan, layout = topo.plan, topo.layout
     wanted: list[tuple[int, ...]] = []
     for p in plan.pipelines:  # pipeline chains
-        for t in range(p.stages[0].tp):
+        for t in range(topo.chains(p.index)):
             wanted.append(tuple(sorted(topo.chain(p.index, t))))
-    for p in plan.pipelines:  # tensor-parallel groups
+    for p in plan.pipelines:  # tensor-parallel groups, leaders and followers
         for s in p.stages:
             wanted.append(topo.ranks((p.index, s.index)))
+            if topo.following((p.index, s.index)):
+                wanted.append(topo.following((p.index, s.index)))
     for stages in topo.replicas.values():  # replica (ZeRO) groups
         tp = topo.stage(stages[0]).tp
         for t in range(tp):
@@ -205,20 +231,21 @@ def build_groups(topo: Topology, rank: int, device_type: str) -> Groups:
     mine = (me.pipeline, me.stage)
     stage_ranks = topo.ranks(mine)
     tp_group = by_ranks[tuple(sorted(stage_ranks))]
-    chain = topo.chain(me.pipeline, me.tp_rank)
-    pp_group = by_ranks[tuple(sorted(chain))]
-    pipe_mesh = DeviceMesh.from_group(
-        [pp_group, tp_group], device_type,
-        mesh=[list(topo.ranks((me.pipeline, s.index)))
-              for s in plan.pipelines[me.pipeline].stages],
-        mesh_dim_names=("pp", "tp"))
+    chain = (topo.chain(me.pipeline, me.tp_rank)
+             if me.tp_rank < topo.chains(me.pipeline) else ())
+    ring = topo.following(mine)  # (my stage's other chains' ranks neither lead nor follow)
+    ring = ring if rank in ring else ()
+    following = (Following(leader=ring[0], group=by_ranks[tuple(sorted(ring))],
+                           device=torch.device(device_type))  # (cuda: the current one)
+                 if ring else None)
     replicas = topo.replicas_of(mine)
     dp_group = by_ranks[tuple(sorted(topo.ranks(k)[me.tp_rank] for k in replicas))]
     stage_mesh = DeviceMesh.from_group(
         [dp_group, tp_group], device_type, mesh=[list(topo.ranks(k)) for k in replicas],
         mesh_dim_names=("dp", "tp"))
-    return Groups(pipeline_mesh=pipe_mesh, stage_mesh=stage_mesh, chain=chain,
-                  by_ranks=by_ranks)
+    return Groups(stage_mesh=stage_mesh, chain=chain,
+                  pp=by_ranks[tuple(sorted(chain))] if chain else None,
+                  following=following, by_ranks=by_ranks)
 
 
 # --- tensor parallelism -----------------------------------------------------------------

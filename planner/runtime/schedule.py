@@ -14,6 +14,8 @@ process group. Two adjustments:
     loss function already weighs each micro-batch by micro_batch / global_batch.
 
 A pipeline of one stage runs through the same schedules (a group of one rank).
+A stage wider than its pipeline's narrowest runs its chain's schedule on its first
+rank, the leader, which hands its other ranks' work to them (`follow.py`).
 1F1B with fewer micro-batches than stages (torch refuses it) runs as GPipe, which
 is the order 1F1B reduces to then: every forward, then every backward.
 """
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import PlannerError
+from planner.runtime.follow import Following, Leading, LeadingStage
 from planner.runtime.stage import ChunkModule
 from planner.types import PipelinePlan, Schedule, StagePlan
 
@@ -36,7 +39,8 @@ class PipelineRunner:
 
     def __init__(self, pipeline: PipelinePlan, stage: StagePlan, chunks: Sequence[ChunkModule],
                  *, device: torch.device, group: dist.ProcessGroup, chain: Sequence[int],
-                 loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor],
+                 following: Following | None = None) -> None:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -45,6 +49,7 @@ class PipelineRunner:
         )
 
         pp = len(pipeline.stages)
+        self.leading = None if following is None else Leading(chunks[0], following)
         self.is_first = stage.index == 0
         self.is_last = stage.index == pp - 1
         interleaved = len(chunks) > 1  # several chunks per rank need the looped schedule
@@ -63,7 +68,10 @@ class PipelineRunner:
                 self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn,
                                                         scale_grads=False)
             else:
-                one = PipelineStage(chunks[0], stage.index, pp, device, group=group)
+                if self.leading is None:
+                    one = PipelineStage(chunks[0], stage.index, pp, device, group=group)
+                else:  # (interleaved schedules need one degree: `parallel.check_degrees`)
+                    one = LeadingStage(self.leading, stage.index, pp, device, group=group)
                 order = sorted(chain)
                 one.stage_index_to_group_rank = {s: order.index(r) for s, r in enumerate(chain)}
                 # with fewer micro-batches than stages 1F1B never reaches its steady
@@ -88,4 +96,6 @@ class PipelineRunner:
         if self.is_last:
             kwargs = {"target": targets, "losses": losses}
         self.schedule.step(*(args or ()), **kwargs)
+        if self.leading is not None:
+            self.leading.done()
         return losses

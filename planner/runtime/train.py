@@ -10,8 +10,9 @@ Order of work on every rank:
      parallelism, recompute, FSDP2 (in that order);
   5. resume from the latest checkpoint (--resume), else start at step 0;
   6. per step: the pipeline schedule (forward, loss, backward over the micro-
-     batches), gradient sums over the holders of each parameter, optimizer step,
-     the global loss (one all-reduce), logs; a checkpoint every K steps;
+     batches; a follower mirrors its stage's leader instead, `follow.py`),
+     gradient sums over the holders of each parameter, optimizer step, the
+     global loss (one all-reduce), logs; a checkpoint every K steps;
   7. a final checkpoint (unless turned off) and the run summary.
 
 Training dtype: fp32 and tf32 train in fp32 (tf32 allows TF32 matmuls on CUDA);
@@ -40,6 +41,7 @@ from planner.planfile import read_plan
 from planner.runtime import checkpoint
 from planner.runtime.data import Batches
 from planner.runtime.env import validate_environment
+from planner.runtime.follow import Follower
 from planner.runtime.layout import rank_layout
 from planner.runtime.parallel import (
     GradientSum,
@@ -236,7 +238,13 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
                   if reshard and read[name] > 1 and param not in ignored)
     ignored |= {built.root.get_parameter(name) for name in kept}
     managed: set[int] = set()
-    if stage.zero >= 1 and len(replicas) > 1:
+    followed = any(topo.following(k) for k in replicas)
+    if stage.zero >= 1 and len(replicas) > 1 and followed:
+        notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-{stage.zero} shards "
+                     "nothing: the stage (or a replica) is wider than its pipeline's "
+                     "narrowest, and its followers do not run FSDP's gathers and "
+                     "reductions yet, so its gradients are summed unsharded")
+    elif stage.zero >= 1 and len(replicas) > 1:
         if stage.zero == 3 and not reshard:
             notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-3 ran as ZeRO-2 "
                          f"(parameters gathered once per step): its replicas run "
@@ -269,8 +277,12 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
     def loss_fn(output: torch.Tensor, target: Any) -> torch.Tensor:
         return loss_of(output, target) * scale
 
-    runner = PipelineRunner(pipeline, stage, built.chunks, device=device, group=groups.pp,
-                            chain=groups.chain, loss_fn=loss_fn)
+    runner: PipelineRunner | Follower
+    if groups.follows:
+        runner = Follower(built.chunks[0], groups.following)
+    else:
+        runner = PipelineRunner(pipeline, stage, built.chunks, device=device, group=groups.pp,
+                                chain=groups.chain, loss_fn=loss_fn, following=groups.following)
     first = 0
     if options.resume:
         found = checkpoint.latest_step(run_dir)
