@@ -203,6 +203,20 @@ def test_a_pipeline_whose_stages_differ_in_tensor_parallel_degree(tmp_path, devi
     assert per_rank[wide] == per_rank[wide + 1]  # the follower holds its shards
 
 
+def test_replicas_of_a_wide_stage_sum_their_followers_gradients(tmp_path):
+    """Two pipelines of stages tp 2 then tp 1, unequal shares: the followers (tp index
+    1 of each first stage) sum their shards and a slice of the replicated parameters
+    with each other; ZeRO asked for runs unsharded on the wide stages, and says so."""
+    plan = tiny_plan("1x6xcpu", pp=2, dp=2, shares=[3, 1])
+    plan = on_devices(on_devices(plan, 0, [(0, 1), (2,)]), 1, [(3, 4), (5,)])
+    plan = dataclasses.replace(plan, pipelines=tuple(
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(s, zero=1) for s in p.stages))
+        for p in plan.pipelines))
+    summary = _check_against_reference(plan, _run(tmp_path, plan))
+    notes = [n for n in summary["notes"] if "ZeRO" in n]
+    assert len(notes) == 2 and all("wider than its pipeline's narrowest" in n for n in notes)
+
+
 def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path):
     """The generated local launch (torchrun) with restarts: SIGKILL a rank mid-run; the
     restarted ranks resume from the latest checkpoint and the loss curve is the one of
