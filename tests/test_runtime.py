@@ -203,6 +203,14 @@ def test_a_pipeline_whose_stages_differ_in_tensor_parallel_degree(tmp_path, devi
     assert per_rank[wide] == per_rank[wide + 1]  # the follower holds its shards
 
 
+def test_two_chains_and_two_followers(tmp_path):
+    """Stages of tp 2 then tp 4: two chains pair the stages' ranks of index 0 and 1;
+    the last stage's ranks of index 2 and 3 follow its first, and its rank of index 1
+    runs chain 1's schedule, neither leading nor following."""
+    plan = on_devices(tiny_plan("1x6xcpu", pp=2), 0, [(0, 1), (2, 3, 4, 5)])
+    _check_against_reference(plan, _run(tmp_path, plan))
+
+
 def test_replicas_of_a_wide_stage_sum_their_followers_gradients(tmp_path):
     """Two pipelines of stages tp 2 then tp 1, unequal shares: the followers (tp index
     1 of each first stage) sum their shards and a slice of the replicated parameters
