@@ -183,18 +183,20 @@ def test_pipelines_of_different_tensor_parallel_degrees(tmp_path):
     assert complete_steps(tmp_path / "adam" / "run") == [1]
 
 
-@pytest.mark.parametrize(("devices", "schedule"), [
-    (((0, 1), (2,)), Schedule.ONE_F_ONE_B),
-    (((0,), (1, 2)), Schedule.ONE_F_ONE_B),
-    (((0,), (1, 2)), Schedule.GPIPE),
+@pytest.mark.parametrize(("devices", "schedule", "recompute"), [
+    (((0, 1), (2,)), Schedule.ONE_F_ONE_B, Recompute.NONE),
+    (((0,), (1, 2)), Schedule.ONE_F_ONE_B, Recompute.NONE),
+    (((0,), (1, 2)), Schedule.GPIPE, Recompute.FULL),
 ])
 def test_a_pipeline_whose_stages_differ_in_tensor_parallel_degree(tmp_path, devices,
-                                                                   schedule):
+                                                                   schedule, recompute):
     """One chain pairs the stages' first ranks; the wider stage's second rank follows
     its first (inputs and output gradients broadcast to it), through 1F1B's steady
-    state (four micro-batches, two stages) or GPipe. The token table is summed between
+    state (four micro-batches, two stages) or GPipe, where both recompute each block's
+    forward, collectives included, in the backward. The token table is summed between
     a stage of tp 2 and one of tp 1 (embedding and tied head)."""
-    plan = on_devices(tiny_plan("1x3xcpu", pp=2, schedule=schedule), 0, devices)
+    plan = on_devices(tiny_plan("1x3xcpu", pp=2, schedule=schedule, recompute=recompute), 0,
+                      devices)
     assert [s.tp for s in plan.pipelines[0].stages] == [len(d) for d in devices]
     assert plan.pipelines[0].num_microbatches == 4
     summary = _check_against_reference(plan, _run(tmp_path, plan))
