@@ -1232,6 +1232,34 @@ def test_room_is_the_most_pipelines_place_puts_after_the_classes_before(seed):
     assert (0 if free is None else room(free, last)) == max(fits, default=0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**9))
+def test_a_types_free_devices_follow_from_the_classes_blocks_of_that_type_alone(seed):
+    """What `place` leaves free on one type's nodes depends only on the classes' blocks
+    of that type, in order (`_Search.row_fits` reads each open family's count off them:
+    a few distinct block lists where the candidates are many mixed families)."""
+    from planner.solver.structure import ClassShape, free_after
+
+    rng = random.Random(seed)
+    types = [(k, [rng.choice([1, 2, 4, 8]) for _ in range(rng.randint(1, 6))]) for k in "abc"]
+    table = random_table(seed, layers=4, types=types)
+    shapes = []
+    for _ in range(rng.randint(1, 3)):
+        a, b = rng.sample("abc", 2)
+        count = rng.randint(1, 6)
+        cut = rng.randint(1, count)
+        shapes.append(ClassShape((a,) * cut + (b,) * (count - cut), rng.randint(1, 4),
+                                 rng.choice([1, 2])))
+    whole = free_after(table, tuple(shapes))
+    for kind in "abc":
+        alone = free_after(table, tuple(ClassShape((kind,) * count, s.n, s.tp) for s in shapes
+                                        for k, count in s.blocks() if k == kind))
+        if whole is not None:
+            assert alone is not None
+            assert (alone.spans[kind], alone.empty[kind]) == (whole.spans[kind],
+                                                              whole.empty[kind])
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 @example(301)  # a dive's node stands for 1..n pipelines; its children for n of them

@@ -328,18 +328,39 @@ class _Search:
         for group, level in groups:
             if not group:
                 continue
-            # (a class of one type leaves the other types' nodes as they are)
-            alike = all(f is None or len(set(f.types)) == 1 for f, _ in group)
             bounds, bases = bound.many(fixed, group, range(level, len(levels)), True,
-                                       (node.bound, node.base), self.fits(
-                                           node.config, _shapes(node),
-                                           range(level, len(levels))) if alike else None)
+                                       (node.bound, node.base), self.row_fits(
+                                           node, group, range(level, len(levels)), True))
             for (f, n), b, base in zip(group, bounds, bases, strict=True):
                 out.append(_Node(float(b), next(self.counter), node.config, float(base),
                                  level, node.chosen + ((f.key,) if f else ()),
                                  node.counts + ((n,) if f else ()),
                                  frozenset([f.key]) if f else frozenset()))
         return out
+
+    def row_fits(self, node: _Node, candidates: Sequence[tuple[Family | None, int]],
+                 open_levels: range, fewer: bool) -> np.ndarray | None:
+        """`fits` for the node's classes plus each candidate class (with `fewer`, at its
+        fewest pipelines: a prefix of its pipelines leaves the most room): one row per
+        candidate, or one for all where none uses the open levels' types (a class of
+        one type leaves the other types' nodes as they are). A family's count depends on
+        its own type's nodes alone, so each row is read per type off the classes' blocks
+        of that type (few distinct ones, where the candidates are many mixed families)."""
+        if all(f is None or len(set(f.types)) == 1 for f, _ in candidates):
+            return self.fits(node.config, _shapes(node), open_levels)
+        kinds = [f.types[0] for f in self.state[node.config][1].open_families(open_levels)]
+        rows = np.zeros((len(candidates), len(kinds)))
+        for r, (f, n) in enumerate(candidates):
+            shapes = _shapes(node) if f is None else _shapes(dataclasses.replace(
+                node, chosen=(*node.chosen, f.key), counts=(*node.counts, 1 if fewer else n)))
+            for kind in set(kinds):
+                alone = tuple(ClassShape((kind,) * count, s.n, s.tp) for s in shapes
+                              for k, count in s.blocks() if k == kind)
+                found = self.fits(node.config, alone, open_levels)
+                if found is not None:
+                    columns = [i for i, k in enumerate(kinds) if k == kind]
+                    rows[r, columns] = found[columns]
+        return rows
 
     def fits(self, config: Config, shapes: tuple[ClassShape, ...], open_levels: range
              ) -> np.ndarray | None:
@@ -374,10 +395,12 @@ class _Search:
         counted = node.counted
         if not counted:
             family, n = self.state[node.config][2][node.chosen[-1]], node.counts[-1]
+            rows = [(self.crowded(node.config, family, k), k) for k in range(1, n + 1)]
+            parent = dataclasses.replace(node, chosen=node.chosen[:-1], counts=node.counts[:-1])
             counted = tuple(zip(*bound.many(
-                self.fixed(node)[:-1],
-                [(self.crowded(node.config, family, k), k) for k in range(1, n + 1)],
-                range(node.level, len(levels)), False, (node.bound, node.base)), strict=True))
+                self.fixed(node)[:-1], rows, range(node.level, len(levels)), False,
+                (node.bound, node.base), self.row_fits(
+                    parent, rows, range(node.level, len(levels)), False)), strict=True))
             if self.is_leaf(node):  # each count's placement prices its first layer's sync
                 counted = tuple((self.sync_floor(dataclasses.replace(
                     node, bound=float(b), base=float(base), counts=(*node.counts[:-1], k),
