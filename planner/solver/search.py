@@ -2,8 +2,8 @@
 
 Search space, for every micro-batch size, chunk count (interleaved 1F1B, on the folded
 table: `interleave.py`) and tensor-parallel degree allowed, or with `tp_per_class` every
-class at any allowed degree of its own (a class's stages share one: the runtime pairs
-their ranks):
+class at any allowed degree of its own (a class's stages share one; the runtime also
+runs pipelines whose stages differ, `runtime/follow.py`, which this space leaves out):
 
   * at most one *mixed* class: n pipelines whose stages are a block of type A
     followed by a block of type B (A before B chosen too), and
