@@ -279,11 +279,10 @@ class _Search:
         if not loose:
             return True
         bound.invalidate()
-        counts = (*node.counts[:-1], 1) if self.shrinks(node) else node.counts
         open_levels = range(node.level, len(levels))
         node.bound, node.base = bound(
-            fixed, open_levels, self.shrinks(node), (node.bound, node.base), self.fits(
-                node.config, _shapes(dataclasses.replace(node, counts=counts)), open_levels))
+            fixed, open_levels, self.shrinks(node), (node.bound, node.base),
+            self.fits(node.config, self.fewest(node), open_levels))
         return False
 
     @staticmethod
@@ -473,9 +472,15 @@ class _Search:
         left), a last class that stands for 1..n pipelines on its first one's."""
         if self.single or len(node.chosen) < 2:
             return node.bound
+        return max(node.bound, node.base + cross_class_floor(self.view(node.config),
+                                                             self.fewest(node)))
+
+    def fewest(self, node: _Node) -> tuple[ClassShape, ...]:
+        """The node's classes as placed, a last one that stands for 1..n pipelines at one:
+        its first pipeline's place, and a prefix of any count's, leaving them the most
+        room."""
         counts = (*node.counts[:-1], 1) if self.shrinks(node) else node.counts
-        shapes = _shapes(dataclasses.replace(node, counts=counts))
-        return max(node.bound, node.base + cross_class_floor(self.view(node.config), shapes))
+        return _shapes(dataclasses.replace(node, counts=counts))
 
     def sync_floor(self, node: _Node) -> float:
         """A bound on a (settled) leaf's whole step: the first stage of every pipeline
