@@ -348,17 +348,17 @@ class _Search:
         if all(f is None or len(set(f.types)) == 1 for f, _ in candidates):
             return self.fits(node.config, _shapes(node), open_levels)
         kinds = [f.types[0] for f in self.state[node.config][1].open_families(open_levels)]
+        columns = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in kinds}
         rows = np.zeros((len(candidates), len(kinds)))
         for r, (f, n) in enumerate(candidates):
             shapes = _shapes(node) if f is None else _shapes(dataclasses.replace(
                 node, chosen=(*node.chosen, f.key), counts=(*node.counts, 1 if fewer else n)))
-            for kind in set(kinds):
+            for kind, at in columns.items():
                 alone = tuple(ClassShape((kind,) * count, s.n, s.tp) for s in shapes
                               for k, count in s.blocks() if k == kind)
                 found = self.fits(node.config, alone, open_levels)
                 if found is not None:
-                    columns = [i for i, k in enumerate(kinds) if k == kind]
-                    rows[r, columns] = found[columns]
+                    rows[r, at] = found[at]
         return rows
 
     def fits(self, config: Config, shapes: tuple[ClassShape, ...], open_levels: range
