@@ -72,8 +72,9 @@ Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Cons
 TpPerClass = Annotated[bool, typer.Option(
     "--tp-per-class/--no-tp-per-class", rich_help_panel="Constraints",
     help="Let each pipeline class (pipelines alike) take its own tensor-parallel degree, "
-    "e.g. tp 8 on small-memory GPUs beside tp 4 on large ones (default: one degree per plan; "
-    "the larger search takes longer on large clusters).")]
+    "e.g. tp 8 on small-memory GPUs beside tp 4 on large ones, and a two-type pipeline's "
+    "stages on each type theirs (default: one degree per plan; the larger search takes "
+    "longer on large clusters).")]
 TimeLimit = Annotated[float | None, typer.Option(
     "--time-limit", help="Seconds for the search (the fastest type alone gets at most a "
     "quarter, the whole cluster the rest); return the best plan found by then (the report "

@@ -25,7 +25,7 @@ from planner.solver.interleave import fold
 from planner.solver.limits import Limits
 from planner.solver.partition import class_costs
 from planner.solver.search import configs, degrees
-from planner.solver.structure import ClassShape, capacity, place
+from planner.solver.structure import ClassShape, blocks, capacity, place
 from planner.solver.table import POLICIES, CostTable, LayerCosts, TypeInfo
 from planner.types import LinkSpec
 from planner.types.training import Recompute
@@ -132,16 +132,31 @@ def structures(table: CostTable, batch: int, limits: Limits):
             if not patterns or not all(limits.allows(p) for p in patterns):
                 continue
             choices = degrees(table, limits) if config.tp is None else [config.tp]
-            for tps in itertools.product(choices, repeat=len(patterns)):
-                maxima = [min(capacity(table, tp, k, p.count(k)) for k in set(p))
-                          for p, tp in zip(patterns, tps, strict=True)]
+            # every class at each degree; with a degree per class, not interleaved, a
+            # mixed class's blocks at any two
+            per_block = config.tp is None and config.interleave == 1
+            for tps in itertools.product(*(_block_degrees(p, choices, per_block)
+                                           for p in patterns)):
+                maxima = [min(capacity(table, tp, k, c) for k, c, tp in blocks(p, d))
+                          for p, d in zip(patterns, tps, strict=True)]
                 for counts in itertools.product(*(range(1, m + 1) for m in maxima)):
                     if limits.dp is not None and sum(counts) != limits.dp:
                         continue
                     if limits.max_dp is not None and sum(counts) > limits.max_dp:
                         continue
-                    yield config, tuple(ClassShape(types=p, n=n, tp=tp) for p, n, tp in zip(
+                    yield config, tuple(ClassShape(types=p, n=n, tps=d) for p, n, d in zip(
                         patterns, counts, tps, strict=True))
+
+
+def _block_degrees(pattern: tuple[str, ...], choices: list[int], per_block: bool
+                   ) -> list[tuple[int, ...]]:
+    """The stage degrees a class of this pattern may have: one of `choices` for all,
+    or `per_block`, one per block."""
+    if not per_block:
+        return [(tp,) * len(pattern) for tp in choices]
+    counts = [c for _, c, _ in blocks(pattern, (1,) * len(pattern))]
+    return [tuple(tp for c, tp in zip(counts, chosen, strict=True) for _ in range(c))
+            for chosen in itertools.product(choices, repeat=len(counts))]
 
 
 def _structure(table: CostTable, config: Config, space: Space,
@@ -156,7 +171,7 @@ def _structure(table: CostTable, config: Config, space: Space,
     interleaved = config.interleave > 1  # (the last stage sends back to the first)
     flows = placement_sharing(placement, interleaved)  # sends share the nodes' cards
     for shape, slots in zip(shapes, placement, strict=True):
-        costs = class_costs(table, shape.types, tp=shape.tp, mb=config.mb, n=shape.n,
+        costs = class_costs(table, shape.types, tps=shape.tps, mb=config.mb, n=shape.n,
                             links=class_links(table, slots, flows, interleaved),
                             gathers=zero_gathers(table, slots), schedule=config.schedule,
                             policies=space.policies, zeros=space.zeros,
@@ -173,7 +188,7 @@ def _structure(table: CostTable, config: Config, space: Space,
         # the sum of w and, where the pipelines run few micro-batches, the most parameters
         # a stage holds at once (`evaluate._useful_steps`); GPipe's, those none beats in
         # its period and fill (`partition.gpipe_front`) or in its h and w (its first step)
-        params = table.range_params(shape.tp)
+        params = [table.range_params(tp) for tp in shape.tps]
         capped = swept(config, shapes, len(options), microbatches)
         if config.gpipe:
             options.append(_unbeaten(splits, [(x.bottleneck, x.total) for x in splits])
@@ -182,8 +197,9 @@ def _structure(table: CostTable, config: Config, space: Space,
                                                  x.weights) for x in splits]))
             continue
         options.append(_unbeaten(splits, [
-            (x.largest_h, x.weights, max(params[a, b] for a, b in itertools.pairwise(
-                x.bounds)) if capped else 0.0) for x in splits]))
+            (x.largest_h, x.weights, max(held[a, b] for held, (a, b) in zip(
+                params, itertools.pairwise(x.bounds), strict=True)) if capped else 0.0)
+            for x in splits]))
     best = float("inf")
     for combo in itertools.product(*options):
         sync, opt = sync_and_optimizer(table, config, shapes, placement, combo)

@@ -206,6 +206,33 @@ def test_simulator_agrees_with_the_closed_form(setup):
     assert sim.step_time == pytest.approx(plan.prediction.step_time, rel=0.02)
 
 
+def test_a_pipeline_whose_blocks_differ_in_degree_is_priced_as_searched(tmp_path):
+    """Llama-2 70B's layers overflow a V100-16G at tp 1: with a degree per class, the
+    best plan runs them at tp 4 on the V100s before tp 1 on the A100, whose stage the
+    V100 stage's first rank hands each output gradient on to its other three. The
+    plan's prediction is the search's objective, every stage fits, and the plan file
+    keeps the degrees."""
+    graph = trace_model(model_spec("llama2-70b", {"layers": 4}), seq_len=1024, dtype="fp16")
+    cluster = load_cluster("1x1xA100-80G,1x4xV100-16G@100Gbps")
+    training = TrainingSpec(global_batch=8, seq_len=1024, dtype="fp16")
+    plan = solve(graph, cluster, training, SolveOptions(gap=0.0, limits=Limits(
+        tp_per_class=True), with_baselines=False))[0]
+    assert plan.solver.status == "optimal"
+    (pipeline,) = plan.pipelines
+    assert [(s.device_type, s.tp) for s in pipeline.stages] == [("V100-16G", 4),
+                                                               ("A100-80G-SXM", 1)]
+    assert plan.solver.objective == pytest.approx(plan.prediction.step_time, rel=1e-9)
+    assert all(s.memory.total <= cluster.node(s.devices.node).device.memory
+               for s in pipeline.stages)
+    timings = stage_timings(plan, graph.layers, AnalyticalCostModel(cluster))[0]
+    group = CommGroup(((pipeline.stages[0].devices.node, 4),))
+    handed = AnalyticalCostModel(cluster).collective_time(
+        Collective.BROADCAST, graph.layers[pipeline.stages[0].layers[1] - 1].output_bytes, group)
+    assert timings[0].tp_bwd - timings[0].tp_fwd == pytest.approx(handed)
+    write_plan(plan, tmp_path / "plan.json")
+    assert read_plan(tmp_path / "plan.json") == plan
+
+
 def test_node_order_does_not_change_the_plan_cost(setup):
     graph, cluster, training, plan = setup
     nodes = list(cluster.nodes)
@@ -619,7 +646,7 @@ def test_cli_solve_and_estimate(tmp_path):
     data = json.loads(runner.invoke(app, ["solve", "gpt-tiny", "--cluster", CLUSTER,
                                           "-B", "16", "--json", "--tp-per-class"]).stdout)
     assert data["kind"] == "plan" and data["solver"]["status"] in ("optimal", "feasible")
-    assert "one per class with --tp-per-class" in data["solver"]["search_space"]
+    assert "with --tp-per-class one per class" in data["solver"]["search_space"]
     est = runner.invoke(app, ["estimate", "gpt-tiny", "--cluster", CLUSTER, "-B", "16",
                               "--tp", "2", "--pp", "2", "--json"])
     assert est.exit_code == 0, est.output

@@ -95,9 +95,59 @@ def test_classes_of_different_degrees_beat_one_degree():
     faster than any plan of one degree."""
     table, batch, limits = _tp_per_class_instance(random.Random(14))
     best = best_or_none(table, batch, limits, None)
-    assert sorted((s.types[0], s.tp) for s in best.shapes) == [("t0", 1), ("t1", 2)]
+    assert sorted((s.types[0], s.tps) for s in best.shapes) == [("t0", (1,)), ("t1", (2,))]
     same = best_or_none(table, batch, dataclasses.replace(limits, tp_per_class=False), None)
     assert best.step_time < same.step_time * 0.999
+
+
+def test_a_mixed_class_whose_blocks_differ_in_degree_beats_one_degree_per_class():
+    """On this instance the best plan's mixed class runs its t2 block at tp 1 and its
+    t0 block at tp 2 (whose first ranks broadcast each input to their second): 10%
+    faster than any structure whose classes each keep one degree (brute force)."""
+    table, batch, limits = _tp_per_class_instance(random.Random(13))
+    best = best_or_none(table, batch, limits, None)
+    mixed = next(s for s in best.shapes if len(set(s.types)) > 1)
+    assert (mixed.types, mixed.tps) == (("t2", "t0"), (1, 2))
+    uniform = min(value for _, shapes, value in every_structure(table, batch, limits, Space())
+                  if all(len(set(s.tps)) == 1 for s in shapes))
+    assert best.step_time < uniform * 0.95
+
+
+def test_a_wider_stage_pays_the_broadcasts_of_its_inputs_and_output_gradients():
+    """A stage wider than the one before it broadcasts each forward's input among its
+    ranks, and one wider than the one after it each backward's output gradient: on the
+    boundary's bytes, in the stage's busy time and its split's timings."""
+    table = random_table(3, layers=4, types=[("a", [2]), ("b", [2])], tps=(1, 2))
+    links = [LinkSpec(name="l", bandwidth=1e9, latency=1e-5)] * 2
+    args = dict(mb=1, n=1, links=links, gathers=[(0.0, 0.0)] * 3,
+                schedule=Schedule.ONE_F_ONE_B, policies=(Recompute.NONE,), zeros=(0,))
+    plain = class_costs(table, ("a", "b", "b"), tps=(1, 1, 1), **args)
+    wide = class_costs(table, ("a", "b", "b"), tps=(1, 2, 2), **args)
+    narrow = class_costs(table, ("a", "b", "b"), tps=(2, 1, 1), **args)
+    bounds = (0, 1, 3, 4)
+
+    def broadcast(kind, tp, layer):
+        group = CommGroup(((table.type(kind).nodes[0], tp),))
+        return table.collective(Collective.BROADCAST, float(table.boundary[layer]), group)
+
+    lead_in = broadcast("b", 2, 0)  # (layer 0's output enters the wider stage 1)
+    lead_out = broadcast("a", 2, 0)  # (its gradient leaves the wider stage 0)
+    assert lead_in > 0 and lead_out > 0
+    alone = class_costs(table, ("b", "b"), tps=(2, 2), **{**args, "links": links[:1],
+                                                          "gathers": [(0.0, 0.0)] * 2})
+    assert wide.busy[1][1, 3] == pytest.approx(alone.busy[0][1, 3] + lead_in)
+    assert wide.busy[2][3, 4] == pytest.approx(alone.busy[1][3, 4])  # (as wide as before)
+    split = wide.split_at(bounds)
+    assert split.stages[1].fwd == pytest.approx(
+        float(alone.parts[0]["fwd"][3] - alone.parts[0]["fwd"][1]) + lead_in)
+    first = class_costs(table, ("a",), tps=(2,), **{**args, "links": [],
+                                                   "gathers": [(0.0, 0.0)]})
+    assert narrow.busy[0][0, 1] == pytest.approx(first.busy[0][0, 1] + lead_out)
+    assert narrow.split_at(bounds).stages[0].bwd == pytest.approx(
+        first.split_at((0, 1)).stages[0].bwd + lead_out)
+    assert split.stages[1].tp_fwd == pytest.approx(  # (tensor-parallel communication)
+        float(alone.parts[0]["tp_fwd"][3] - alone.parts[0]["tp_fwd"][1]) + lead_in)
+    assert plain.split_at(bounds).stages[1].tp_fwd == 0.0
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -141,7 +191,7 @@ def test_gpipe_front_is_every_split_no_other_beats(seed):
         return
     links = [LinkSpec(name="l", bandwidth=rng.choice([1e6, 1e8, 1e10]), latency=1e-5)
              for _ in stages[1:]]
-    costs = class_costs(table, stages, tp=1, mb=1, n=1, links=links,
+    costs = class_costs(table, stages, tps=(1,) * len(stages), mb=1, n=1, links=links,
                         gathers=[(0.0, 0.0)] * len(stages), schedule=Schedule.GPIPE,
                         policies=tuple(Recompute), zeros=(0,), microbatches=rng.randint(1, 4))
     splits = [s for cuts in itertools.combinations(range(1, table.num_layers), len(stages) - 1)
@@ -307,7 +357,7 @@ def test_past_the_deadline_the_first_plan_is_its_classes_first_splits():
     table = random_table(5, layers=5, types=[("a", [3, 3]), ("b", [3, 3]), ("c", [2])])
     limits, space = Limits(max_stages=4), Space()
     plan = search(table, 6, limits=limits).best[0]
-    node = _Node(0.0, 0, plan.config, 0.0, 0, tuple((s.types, s.tp) for s in plan.shapes),
+    node = _Node(0.0, 0, plan.config, 0.0, 0, tuple((s.types, s.tps) for s in plan.shapes),
                  tuple(s.n for s in plan.shapes))
     priced = price(table, plan.config, space, plan.shapes, 6 // plan.config.mb)
     best: list = []
@@ -462,7 +512,7 @@ def test_card_floor_holds_for_every_split(seed):
         if (priced := price(table, config, space, shapes, 4)) is None:
             continue
         for shape, slots in zip(shapes, priced.placement, strict=True):
-            assert all(len({slot.node for slot in p}) <= floors.runs(shape.types, 1)
+            assert all(len({slot.node for slot in p}) <= floors.runs(shape.types, shape.tps)
                        for p in slots)
         floor = card_floor(table, shapes, priced.placement, False)
         assert floor <= priced.sync * (1 + 1e-9)
@@ -530,7 +580,7 @@ def test_sharded_card_floors_hold_for_every_split_and_zero_choice(seed):
         shape, slots = shapes[0], placement[0]
         floors = sharded_card_floors(table, config, shape, slots)
         costs = {zero: class_costs(
-            table, shape.types, tp=1, mb=1, n=shape.n, links=class_links(table, slots),
+            table, shape.types, tps=shape.tps, mb=1, n=shape.n, links=class_links(table, slots),
             gathers=zero_gathers(table, slots), schedule=config.schedule,
             policies=(Recompute.NONE,), zeros=(zero,)) for zero in (0, 3)}
         for cuts in itertools.combinations(range(1, 4), shape.stages - 1):
@@ -624,7 +674,7 @@ def test_zero3_shards_are_still_synchronised_across_classes():
         placement = place(table, shapes)
         splits = []
         for shape, slots in zip(shapes, placement, strict=True):
-            costs = class_costs(table, shape.types, tp=1, mb=1, n=shape.n,
+            costs = class_costs(table, shape.types, tps=shape.tps, mb=1, n=shape.n,
                                 links=class_links(table, slots),
                                 gathers=[(0.0, 0.0)] * shape.stages,
                                 schedule=Config(1).schedule, policies=space.policies,
@@ -659,8 +709,8 @@ def test_sync_floor_prices_pipelines_on_one_node():
 
     def one_stage_class(kind: str, n: int) -> tuple:
         return (np.array([[k == kind for k in kinds]]), np.array([1.0]), np.array([float(n)]),
-                np.array([float(n)]), floor.copies((kind,), 1)[None], np.array([0]),
-                np.array([floor.runs((kind,), 1)]))
+                np.array([float(n)]), floor.copies((kind,), (1,))[None], np.array([0]),
+                np.array([floor.runs((kind,), (1,))]))
 
     for n in (2, 5, 8):
         paid = floor.terms([one_stage_class("t0", n)])[0][0][0]
@@ -1041,7 +1091,7 @@ def test_the_one_class_root_bound_is_the_least_over_every_class(seed):
         opened = range(len(levels))
         options = []
         for f in (f for level in levels for f in level if f.min_busy < INF):
-            n = min([f.n_max, bound.m] + [bound.devices[k] // (f.types.count(k) * f.tp)
+            n = min([f.n_max, bound.m] + [bound.devices[k] // f.devices_of(k)
                                           for k in set(f.types)])
             if n >= 1:
                 options.append((f, n))
@@ -1097,7 +1147,7 @@ def test_no_split_has_a_shorter_period_than_the_class_floor(seed):
     types = tuple(sorted(rng.choice("ab") for _ in range(stages)))
     links = [LinkSpec(name="l", bandwidth=rng.choice([1e8, 1e9, 5e10]), latency=1e-4)
              for _ in range(stages - 1)]
-    costs = class_costs(table, types, tp=1, mb=1, n=1, links=links,
+    costs = class_costs(table, types, tps=(1,) * stages, mb=1, n=1, links=links,
                         gathers=[(0.0, 0.0)] * stages, schedule=Schedule.ONE_F_ONE_B,
                         policies=Space().policies, zeros=(0,))
     result = optimize(costs)
@@ -1139,14 +1189,16 @@ def test_node_labels_tell_which_stages_placement_puts_together(seed):
     table = random_table(seed, layers=8, types=types)
     shapes = []
     for _ in range(rng.randint(1, 3)):
-        blocks = rng.sample("ab", rng.randint(1, 2))
-        shapes.append(ClassShape(tuple(k for k in blocks for _ in range(rng.randint(1, 5))),
-                                 rng.randint(1, 3), rng.choice([1, 1, 2])))
+        blocks = [(k, rng.randint(1, 5), rng.choice([1, 1, 2]))  # (a degree per block)
+                  for k in rng.sample("ab", rng.randint(1, 2))]
+        shapes.append(ClassShape(tuple(k for k, c, _ in blocks for _ in range(c)),
+                                 rng.randint(1, 3),
+                                 tuple(tp for _, c, tp in blocks for _ in range(c))))
     placement = place(table, tuple(shapes))
     if placement is None:
         return
     for shape, slots in zip(shapes, placement, strict=True):
-        labels = node_labels(table, shape.types, shape.tp)
+        labels = node_labels(table, shape.types, shape.tps)
         for pipeline in slots:
             for i, j in itertools.combinations(range(shape.stages), 2):
                 if labels[i] != labels[j]:
@@ -1166,8 +1218,8 @@ def _first_fit(table, shapes):
         pipelines = []
         for _ in range(shape.n):
             stages = []
-            for kind, count in shape.blocks():
-                nodes, tp = free[kind], shape.tp
+            for kind, count, tp in shape.blocks():
+                nodes = free[kind]
                 room = next((e for e in nodes if (e[2] - e[1]) // tp >= count), None)
                 if room is not None:
                     stages += [(room[0], room[1] + i * tp) for i in range(count)]
@@ -1248,12 +1300,13 @@ def test_a_types_free_devices_follow_from_the_classes_blocks_of_that_type_alone(
         a, b = rng.sample("abc", 2)
         count = rng.randint(1, 6)
         cut = rng.randint(1, count)
+        degrees = (rng.choice([1, 2]),) * cut + (rng.choice([1, 2]),) * (count - cut)
         shapes.append(ClassShape((a,) * cut + (b,) * (count - cut), rng.randint(1, 4),
-                                 rng.choice([1, 2])))
+                                 degrees))
     whole = free_after(table, tuple(shapes))
     for kind in "abc":
-        alone = free_after(table, tuple(ClassShape((kind,) * count, s.n, s.tp) for s in shapes
-                                        for k, count in s.blocks() if k == kind))
+        alone = free_after(table, tuple(ClassShape((kind,) * count, s.n, tp) for s in shapes
+                                        for k, count, tp in s.blocks() if k == kind))
         if whole is not None:
             assert alone is not None
             assert (alone.spans[kind], alone.empty[kind]) == (whole.spans[kind],

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cost_models.comm import send_sharing, shared_by
-from planner.solver.evaluate import Config, Space
+from planner.solver.evaluate import Config, Space, degree_space
 from planner.solver.interleave import fold
 from planner.solver.limits import Limits
 from planner.solver.partition import (
@@ -25,7 +25,7 @@ from planner.solver.partition import (
     class_costs,
     optimize,
 )
-from planner.solver.structure import capacity, node_labels
+from planner.solver.structure import ClassShape, capacity, node_labels, per_stage
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
 from planner.solver.timing import in_flight
@@ -43,7 +43,7 @@ class Family:
     faster)."""
 
     types: tuple[str, ...]
-    tp: int
+    tps: tuple[int, ...] | int  # each stage's tensor-parallel degree (an int: all's)
     n_max: int
     min_busy: float  # no split has a bottleneck below this
     total: float  # no split has a total below this
@@ -53,20 +53,31 @@ class Family:
     lines: tuple[tuple[float, float], ...] = ()
     result: ClassResult | None = dataclasses.field(default=None, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        self.tps = per_stage(self.types, self.tps)
+
     def floors(self) -> tuple[tuple[float, float], ...]:
         if not self.lines and self.result is not None:  # (most families never need them)
             self.lines = floor_pairs(self.result, self.min_busy, self.total)
         return self.lines or ((self.min_busy, self.total),)
 
     @property
-    def key(self) -> tuple[tuple[str, ...], int]:
+    def key(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """What tells the family apart from the others of its configuration."""
-        return self.types, self.tp
+        return self.types, self.tps
 
     @property
     def devices(self) -> int:
         """Devices one of its pipelines takes."""
-        return len(self.types) * self.tp
+        return sum(self.tps)
+
+    def devices_of(self, kind: str) -> int:
+        """Devices of type `kind` one of its pipelines takes."""
+        return sum(tp for t, tp in zip(self.types, self.tps, strict=True) if t == kind)
+
+    def shape(self, n: int) -> ClassShape:
+        """A class of n of its pipelines."""
+        return ClassShape(self.types, n, self.tps)
 
 
 def device_work(table: CostTable, config: Config, tps: Sequence[int]) -> dict[str, float]:
@@ -82,31 +93,44 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space,
     """The level of mixed patterns first (absent with `mixed` off or a single type),
     then one level of homogeneous patterns per device type, fastest type first (the
     fewest device-seconds per micro-batch); each level holds its patterns at every
-    tensor-parallel degree of `tps` (see `_families_at`)."""
+    tensor-parallel degree of `tps`, and where the classes choose their own degrees
+    (`Config.tp` None) the mixed ones also at every two different degrees of their
+    blocks (`block_degrees`; see `_families_at`)."""
     table = fold(table, config.interleave)
-    found = [_families_at(table, config, limits, space, microbatches, tp) for tp in tps]
+    homogeneous, mixed = _families_at(table, config, limits, space, microbatches, tps,
+                                      block_degrees(config, space, tps))
     work = device_work(table, config, tps)
-    levels = [[f for homogeneous, _ in found for f in homogeneous[k]]
-              for k in sorted(work, key=lambda k: (work[k], k))]
+    levels = [homogeneous[k] for k in sorted(work, key=lambda k: (work[k], k))]
     if limits.mixed and len(table.types) > 1:
-        levels.insert(0, [f for _, mixed in found for f in mixed])
+        levels.insert(0, mixed)
     return levels
 
 
+def block_degrees(config: Config, space: Space, tps: Sequence[int]) -> bool:
+    """Whether a mixed class's two blocks may differ in tensor-parallel degree: where
+    the classes choose their own (`Config.tp` None), on 1F1B or GPipe (the runtime
+    runs such pipelines with one chain per rank of their narrowest stage,
+    `runtime/follow.py`, not interleaved) and without ZeRO (their wider stages'
+    followers do not shard: `evaluate.zero_space`)."""
+    return (config.tp is None and len(tps) > 1 and config.interleave == 1
+            and 0 in space.zeros)
+
+
 def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
-                 microbatches: int, tp: int
+                 microbatches: int, tps: Sequence[int], split_degrees: bool
                  ) -> tuple[dict[str, list[Family]], list[Family]]:
-    """The families of one tensor-parallel degree: homogeneous ones per type, and the
-    mixed ones (every ordered pair of types).
+    """The families at these tensor-parallel degrees: homogeneous ones per type (at
+    each degree), and the mixed ones (every ordered pair of types, both blocks at each
+    degree, and with `split_degrees` the blocks at every two different degrees too).
 
     Each family starts with bounds from per-layer times alone. A split puts layers
     [0, j) on the c_a stages of type a and [j, L) on the c_b stages of type b (one
-    block for a homogeneous family), so its total is at least the smallest
-    prefix_a(j) + suffix_b(j) and its bottleneck at least the smallest
-    max(prefix_a(j) / c_a, suffix_b(j) / c_b) over the j that leave every stage a
-    layer and each block room for its layers' parameter states (ZeRO-sharded over
-    the most pipelines), each block's mean raised to the least largest stage any cut
-    of its layers into its stages has (`_least_largest_parts`: whole layers make a
+    block for a homogeneous family), each block at its degree, so its total is at
+    least the smallest prefix_a(j) + suffix_b(j) and its bottleneck at least the
+    smallest max(prefix_a(j) / c_a, suffix_b(j) / c_b) over the j that leave every
+    stage a layer and each block room for its layers' parameter states (ZeRO-sharded
+    over the most pipelines), each block's mean raised to the least largest stage any
+    cut of its layers into its stages has (`_least_largest_parts`: whole layers make a
     block of 7 stages holding 24 like ones as slow as 4 of them, not 24 / 7; a
     pipeline's last block's stages, their memory too, `_tails_in_memory`, which bounds
     its total as well), and at least the largest layer's time on its faster type
@@ -121,25 +145,47 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     micro-batches: at least their even share over the most pipelines); infinite where
     even the leanest policies' activations overflow. A family whose devices cannot
     hold the states however the layers are split is dropped."""
-    busy = {t.name: (lambda c: c.fwd + c.bwd)(table.costs(t.name, tp, config.mb))
-            for t in table.types}
-    work = {k: float(v.sum()) for k, v in busy.items()}
-    prefix = {k: np.concatenate([[0.0], np.cumsum(v)]) for k, v in busy.items()}
-    slots = {t.name: sum(d // tp for d in t.node_devices) for t in table.types}
+    kinds = [t.name for t in table.types]
     lengths = stage_counts(limits, config, table.num_layers)
     longest = max(lengths, default=1)
-    largest_layer = {(a, b): float(np.minimum(busy[a], busy[b]).max())
-                     for a in busy for b in busy}
-    heads = {k: _least_largest_parts(table, k, tp, config.mb, longest) for k in busy}
-
-    held = np.concatenate([[0.0], np.cumsum(table.rank_params(tp))])
     rooms = {t.name: t.memory - t.reserve for t in table.types}
-    kept_acts = np.concatenate([[0.0], np.cumsum(table.activations(Recompute.NONE, tp))]
-                               ) * config.mb
-    least_acts = np.concatenate([[0.0], np.cumsum(np.min(
-        [table.activations(p, tp) for p in space.policies], axis=0))]) * config.mb
-    curves = {t.name: recompute_curve(table, t.name, tp, config.mb, space.policies)
-              for t in table.types}
+
+    @functools.cache
+    def busy(kind: str, tp: int) -> np.ndarray:
+        costs = table.costs(kind, tp, config.mb)
+        return costs.fwd + costs.bwd
+
+    @functools.cache
+    def work(kind: str, tp: int) -> float:
+        return float(busy(kind, tp).sum())
+
+    @functools.cache
+    def prefix(kind: str, tp: int) -> np.ndarray:
+        return np.concatenate([[0.0], np.cumsum(busy(kind, tp))])
+
+    @functools.cache
+    def slots(kind: str, tp: int) -> int:
+        return sum(d // tp for d in table.type(kind).node_devices)
+
+    @functools.cache
+    def heads(kind: str, tp: int) -> np.ndarray:
+        return _least_largest_parts(table, kind, tp, config.mb, longest)
+
+    def largest_layer(a: str, tp_a: int, b: str, tp_b: int) -> float:
+        return float(np.minimum(busy(a, tp_a), busy(b, tp_b)).max())
+
+    @functools.cache
+    def held(tp: int) -> np.ndarray:
+        """Prefix sums of the parameters one rank holds per layer."""
+        return np.concatenate([[0.0], np.cumsum(table.rank_params(tp))])
+
+    @functools.cache
+    def acts(tp: int) -> tuple[np.ndarray, np.ndarray]:
+        """Prefix sums of the activations kept per layer without recompute, and of the
+        fewest any allowed policy keeps."""
+        return (np.concatenate([[0.0], np.cumsum(table.activations(Recompute.NONE, tp))])
+                * config.mb, np.concatenate([[0.0], np.cumsum(np.min(
+                    [table.activations(p, tp) for p in space.policies], axis=0))]) * config.mb)
 
     # ZeRO-3 gathers each layer's weights whole (less tied weights, kept whole), so no
     # share of a block's states it shards gathers fewer weight bytes per parameter a
@@ -148,11 +194,15 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
     gatherable = table.params.copy()
     for owner, weights in table.tied_weights:
         gatherable[owner] -= weights
-    rank = table.rank_params(tp)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(rank > 0, np.maximum(gatherable, 0.0) / rank, INF) * table.weight_bytes
-    fewest = (np.concatenate([[INF], np.minimum.accumulate(ratio)]),
-              np.concatenate([np.minimum.accumulate(ratio[::-1])[::-1], [INF]]))
+
+    @functools.cache
+    def fewest(tp: int) -> tuple[np.ndarray, np.ndarray]:
+        rank = table.rank_params(tp)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(rank > 0, np.maximum(gatherable, 0.0) / rank, INF
+                             ) * table.weight_bytes
+        return (np.concatenate([[INF], np.minimum.accumulate(ratio)]),
+                np.concatenate([np.minimum.accumulate(ratio[::-1])[::-1], [INF]]))
 
     def gather_bytes(params: np.ndarray, per_param: np.ndarray) -> np.ndarray:
         """The weight bytes ZeRO-3 gathers at least for states of `params` per rank."""
@@ -163,37 +213,38 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         one, ref = cheapest_gather(table, info.name)
         gather_rate[info.name] = 3 * (ref - one) / ZERO_GATHER_REF
 
-    def memory(kind: str, states: tuple[np.ndarray, np.ndarray], gathered: np.ndarray,
-               acts: tuple[np.ndarray, np.ndarray], stages: np.ndarray, flight: np.ndarray
-               ) -> np.ndarray:
-        """Time a block must add at least where its parameter states and the
-        activations it keeps, at least `flight` micro-batches per stage, overflow its
-        memory: summed over its stages, the bytes over are what recompute must free
-        (`RecomputeCurve`), unless ZeRO-3 shards the states of some of its parameters,
-        for three gathers of their weights (`gathered` bytes for all, `gather_bytes`)
-        per micro-batch.
+    def memory(kind: str, tp: int, states: tuple[np.ndarray, np.ndarray],
+               gathered: np.ndarray, kept: tuple[np.ndarray, np.ndarray], stages: np.ndarray,
+               flight: np.ndarray) -> np.ndarray:
+        """Time a block of type `kind` at degree `tp` must add at least where its
+        parameter states and the activations it keeps, at least `flight` micro-batches
+        per stage, overflow its memory: summed over its stages, the bytes over are what
+        recompute must free (`RecomputeCurve`), unless ZeRO-3 shards the states of some
+        of its parameters, for three gathers of their weights (`gathered` bytes for
+        all, `gather_bytes`) per micro-batch.
         Any share x of the parameters may be sharded: the time is convex in x, least
         where recomputing more would cost more per byte than sharding more, or where
         the block first fits (or at 0 or 1).
         states: the bytes of the states without ZeRO-3 and with it (`bytes_per_param`);
-        acts: the activations without recompute, and the fewest any allowed policy
+        kept: the activations without recompute, and the fewest any allowed policy
         keeps of each layer; infinite where even those overflow."""
         plain, zero3 = states
-        room, curve = stages * rooms[kind], curves[kind]
+        room = stages * rooms[kind]
+        curve = recompute_curve(table, kind, tp, config.mb, space.policies)
         gather = gathered * gather_rate[kind]
 
         def at(x: np.ndarray | float) -> np.ndarray:
-            kept = plain - x * (plain - zero3)
-            over = kept + flight * acts[0] - room
+            held_states = plain - x * (plain - zero3)
+            over = held_states + flight * kept[0] - room
             seconds = x * gather
             if np.any(over > 0):
                 seconds = seconds + curve(np.maximum(over, 0.0) / flight)
-            return np.where(kept + flight * acts[1] > room + 1.0, INF,  # (a byte: rounding)
-                            seconds)
+            over_least = held_states + flight * kept[1] - room
+            return np.where(over_least > 1.0, INF, seconds)  # (a byte: rounding)
 
         if 3 not in space.zeros or not any(z < 3 for z in space.zeros):
             return at(float(3 in space.zeros))
-        if not np.any(plain + flight * acts[0] > room):
+        if not np.any(plain + flight * kept[0] > room):
             return at(0.0)  # (everything fits without ZeRO-3)
         # sharding pays where it costs less than recomputing the same bytes: down to the
         # bytes recompute frees for less (`worth`), and at least as far as fits
@@ -201,7 +252,7 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         with np.errstate(divide="ignore", invalid="ignore"):  # (where ZeRO-3 frees nothing)
             freed = curve.worth(np.where(shrink > 0, gather * flight / shrink, INF))
             fits, pays = (np.where(shrink > 0, (plain + flight * a - room) / shrink, 0.0)
-                          for a in (acts[1], acts[0] - freed))
+                          for a in (kept[1], kept[0] - freed))
         return at(np.clip(np.maximum(fits, pays), 0.0, 1.0))
 
     @functools.cache
@@ -218,91 +269,99 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         plain = min((kept(z) for z in space.zeros if z < 3), default=kept(3))
         return plain, min(kept(z) for z in space.zeros)
 
-    def tails(kind: str) -> tuple[np.ndarray, np.ndarray]:
+    def tails(kind: str, tp: int) -> tuple[np.ndarray, np.ndarray]:
         """[c - 1, j]: no stage of the last c stages of a pipeline holding layers
         [j, L) is busy for less, and they are not busy for less in all (the states as
         ZeRO over the most pipelines the type holds keeps them); c up to the stages
         the type's slots hold."""
-        most = max(1, min(longest, slots[kind]))
+        most = max(1, min(longest, slots(kind, tp)))
         if config.gpipe:
             plain = _least_largest_parts(table, kind, tp, config.mb, most, from_end=True)
             return plain, np.zeros_like(plain)
         return _tails_in_memory(table, kind, tp, config, space, most,
-                                bytes_per_param(slots[kind])[1])
+                                bytes_per_param(slots(kind, tp))[1])
 
     def runs(n: int) -> int:
         """Micro-batches a pipeline of n side by side runs at least (for in_flight)."""
         return -(-microbatches // n) if config.gpipe else 10**9
 
-    @functools.cache
-    def most(kind: str, count: int) -> int:
-        return capacity(table, tp, kind, count)
-
-    def fits(blocks: list[tuple[str, int]]) -> tuple[tuple[str, ...], int] | None:
-        """The family's stage types and most pipelines, or None if the stage pins rule
-        it out or its devices cannot hold the states however the layers are split."""
-        n_max = min(most(k, c) for k, c in blocks)
-        least = held[-1] * bytes_per_param(n_max)[1] if n_max >= 1 else INF
-        if sum(c * rooms[k] for k, c in blocks) < least:
+    def fits(parts: list[tuple[str, int, int]]
+             ) -> tuple[tuple[str, ...], tuple[int, ...], int] | None:
+        """The stage types, their degrees and the most pipelines of a family of these
+        blocks (type, stages, degree), or None if the stage pins rule it out or its
+        devices cannot hold the states however the layers are split (each rank holds
+        at least its share at the widest degree)."""
+        n_max = min(capacity(table, tp, k, c) for k, c, tp in parts)
+        least = (held(max(tp for _, _, tp in parts))[-1] * bytes_per_param(n_max)[1]
+                 if n_max >= 1 else INF)
+        if sum(c * rooms[k] for k, c, _ in parts) < least:
             return None
-        types = tuple(k for k, c in blocks for _ in range(c))
-        return (types, n_max) if limits.allows(types) else None
+        types = tuple(k for k, c, _ in parts for _ in range(c))
+        degrees = tuple(tp for _, c, tp in parts for _ in range(c))
+        return (types, degrees, n_max) if limits.allows(types) else None
 
     def cached(*what: object) -> tuple:
         """A table cache key of what the patterns that fit depend on besides `what`:
         not the micro-batch size."""
-        return (*what, tp, lengths, limits.first_stage, limits.last_stage, space.zeros)
+        return (*what, lengths, limits.first_stage, limits.last_stage, space.zeros)
 
-    def homogeneous(kind: str) -> list[Family]:
-        """All families of one block of type `kind` at once (an entry per length)."""
-        key = cached("homogeneous shapes", kind)
+    def homogeneous(kind: str, tp: int) -> list[Family]:
+        """All families of one block of type `kind` at degree `tp` at once (an entry per
+        length)."""
+        key = cached("homogeneous shapes", kind, tp)
+        whole = held(tp)[-1]
         if key not in table.cache:  # (the same at every micro-batch size)
             found = [(s, found) for s in lengths
-                     if s <= slots[kind] and (found := fits([(kind, s)]))]
-            per = np.array([bytes_per_param(n) for _, (_, n) in found]).reshape(-1, 2)
-            table.cache[key] = found, np.array([s for s, _ in found]), held[-1] * per.T
+                     if s <= slots(kind, tp) and (found := fits([(kind, s, tp)]))]
+            per = np.array([bytes_per_param(n) for _, (_, _, n) in found]).reshape(-1, 2)
+            table.cache[key] = found, np.array([s for s, _ in found]), whole * per.T
         found, counts, states = table.cache[key]
         if not found:
             return []
-        largest, least = (x[counts - 1, 0] for x in tails(kind))
+        largest, least = (x[counts - 1, 0] for x in tails(kind, tp))
         flights = np.array([float(in_flight(s - 1, s, runs(n), config.schedule,
-                                            config.interleave)) for s, (_, n) in found])
-        extra = memory(kind, tuple(states), gather_bytes(held[-1], fewest[0][-1]),
-                       (kept_acts[-1], least_acts[-1]), counts, flights)
-        total = np.maximum(work[kind] + extra, least)
-        period = np.maximum.reduce([total / counts, np.full(len(counts), largest_layer[
-            kind, kind]), heads[kind][counts - 1, -1], largest])
-        return [Family(types=types, tp=tp, n_max=n, min_busy=m, total=t)
-                for (_, (types, n)), t, m in zip(found, fill(total, period).tolist(),
-                                                 period.tolist(), strict=True)]
+                                            config.interleave)) for s, (_, _, n) in found])
+        kept = acts(tp)
+        extra = memory(kind, tp, tuple(states), gather_bytes(whole, fewest(tp)[0][-1]),
+                       (kept[0][-1], kept[1][-1]), counts, flights)
+        total = np.maximum(work(kind, tp) + extra, least)
+        period = np.maximum.reduce([total / counts, np.full(len(counts), largest_layer(
+            kind, tp, kind, tp)), heads(kind, tp)[counts - 1, -1], largest])
+        return [Family(types=types, tps=degrees, n_max=n, min_busy=m, total=t)
+                for (_, (types, degrees, n)), t, m in zip(
+                    found, fill(total, period).tolist(), period.tolist(), strict=True)]
 
-    def shapes(a: str, b: str) -> tuple:
-        """The families of a block of type a then one of type b that fit, with their
-        block lengths (ca, cb), the bytes of states their first j layers need, and
-        which split points j leave every stage a layer and each block room for its
-        states: the same at every micro-batch size (cached in the table)."""
-        key = cached("mixed shapes", a, b)
+    def shapes(a: str, tp_a: int, b: str, tp_b: int) -> tuple:
+        """The families of a block of type a then one of type b (at these degrees) that
+        fit, with their block lengths (ca, cb), the bytes of states (without ZeRO-3 and
+        with it) of their first j layers on a's ranks and of the rest on b's, and which
+        split points j leave every stage a layer and each block room for its states:
+        the same at every micro-batch size (cached in the table)."""
+        key = cached("mixed shapes", a, tp_a, b, tp_b)
         if key not in table.cache:
             kept = [(found, ca, total - ca) for total in lengths
-                    for ca in range(1, min(total, slots[a] + 1))
-                    if 1 <= total - ca <= slots[b]
-                    and (found := fits([(a, ca), (b, total - ca)]))]
+                    for ca in range(1, min(total, slots(a, tp_a) + 1))
+                    if 1 <= total - ca <= slots(b, tp_b)
+                    and (found := fits([(a, ca, tp_a), (b, total - ca, tp_b)]))]
             ca = np.array([float(ca) for _, ca, _ in kept])[:, None]
             cb = np.array([float(cb) for _, _, cb in kept])[:, None]
-            per = np.array([bytes_per_param(found[1]) for found, _, _ in kept]).reshape(-1, 2)
-            need = held[None, :] * per[:, 1:]
+            per = np.array([bytes_per_param(found[2]) for found, _, _ in kept]).reshape(-1, 2)
+            head, tail = held(tp_a)[None, :], (held(tp_b)[-1] - held(tp_b))[None, :]
+            heads_states = (head * per[:, :1], head * per[:, 1:])
+            tails_states = (tail * per[:, :1], tail * per[:, 1:])
             j = np.arange(table.num_layers + 1)[None, :]
-            ok = ((j >= ca) & (j <= table.num_layers - cb) & (need <= ca * rooms[a])
-                  & (need[:, -1:] - need <= cb * rooms[b]))
-            table.cache[key] = kept, ca, cb, (held[None, :] * per[:, :1], need), ok
+            ok = ((j >= ca) & (j <= table.num_layers - cb) & (heads_states[1] <= ca * rooms[a])
+                  & (tails_states[1] <= cb * rooms[b]))
+            table.cache[key] = kept, ca, cb, heads_states, tails_states, ok
         return table.cache[key]
 
-    def flights(a: str, b: str, kept: list, ca: np.ndarray, cb: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray]:
+    def flights(a: str, tp_a: int, b: str, tp_b: int, kept: list, ca: np.ndarray,
+                cb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Micro-batches the first stage of each family's blocks holds at least (cached
         where they do not depend on the micro-batch count: all but GPipe)."""
-        counts = tuple(runs(found[1]) for found, _, _ in kept)
-        key = cached("mixed flights", a, b, config.schedule, config.interleave, counts)
+        counts = tuple(runs(found[2]) for found, _, _ in kept)
+        key = cached("mixed flights", a, tp_a, b, tp_b, config.schedule, config.interleave,
+                     counts)
         if key not in table.cache:
             ends = (ca + cb)[:, 0].astype(int).tolist()
 
@@ -314,33 +373,36 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
                                 held_by([e - 1 for e in ends]))
         return table.cache[key]
 
-    def mixed(a: str, b: str) -> list[Family]:
-        """All families of a block of type a then one of type b at once: a row per
-        family, a column per split point j."""
-        kept, ca, cb, need, ok = shapes(a, b)
+    def mixed(a: str, tp_a: int, b: str, tp_b: int) -> list[Family]:
+        """All families of a block of type a then one of type b, at these degrees, at
+        once: a row per family, a column per split point j."""
+        kept, ca, cb, head_states, tail_states, ok = shapes(a, tp_a, b, tp_b)
         live = np.flatnonzero(ok.any(axis=1))
         if not len(live):
             return []
-        first, last = flights(a, b, kept, ca, cb)
+        first, last = flights(a, tp_a, b, tp_b, kept, ca, cb)
         ca, cb, ok, first, last = (x[live] for x in (ca, cb, ok, first, last))
-        need = tuple(x[live] for x in need)
-        head = prefix[a][None, :] + memory(
-            a, need, gather_bytes(held, fewest[0])[None, :],
-            (kept_acts[None, :], least_acts[None, :]), ca, first)
-        tail = (work[b] - prefix[b])[None, :] + memory(
-            b, tuple(x[:, -1:] - x for x in need),
-            gather_bytes(held[-1] - held, fewest[1])[None, :],
-            (kept_acts[-1] - kept_acts[None, :], least_acts[-1] - least_acts[None, :]),
+        head_states, tail_states = (tuple(x[live] for x in states)
+                                    for states in (head_states, tail_states))
+        kept_a, kept_b = acts(tp_a), acts(tp_b)
+        head = prefix(a, tp_a)[None, :] + memory(
+            a, tp_a, head_states, gather_bytes(held(tp_a), fewest(tp_a)[0])[None, :],
+            (kept_a[0][None, :], kept_a[1][None, :]), ca, first)
+        tail = (work(b, tp_b) - prefix(b, tp_b))[None, :] + memory(
+            b, tp_b, tail_states,
+            gather_bytes(held(tp_b)[-1] - held(tp_b), fewest(tp_b)[1])[None, :],
+            (kept_b[0][-1] - kept_b[0][None, :], kept_b[1][-1] - kept_b[1][None, :]),
             cb, last)
-        largest, least = (x[cb[:, 0].astype(int) - 1] for x in tails(b))
+        largest, least = (x[cb[:, 0].astype(int) - 1] for x in tails(b, tp_b))
         tail = np.maximum(tail, least)
         total = np.where(ok, head + tail, INF).min(axis=1)
         # a block's largest stage: at least its mean and its layers' least largest part
-        head_max = np.maximum(head / ca, heads[a][ca[:, 0].astype(int) - 1])
+        head_max = np.maximum(head / ca, heads(a, tp_a)[ca[:, 0].astype(int) - 1])
         tail_max = np.maximum(tail / cb, largest)
         period = np.maximum(np.where(ok, np.maximum(head_max, tail_max), INF).min(axis=1),
-                            largest_layer[a, b])
-        return [Family(types=kept[i][0][0], tp=tp, n_max=kept[i][0][1], total=t, min_busy=m)
+                            largest_layer(a, tp_a, b, tp_b))
+        return [Family(types=kept[i][0][0], tps=kept[i][0][1], n_max=kept[i][0][2], total=t,
+                       min_busy=m)
                 for i, t, m in zip(live.tolist(), fill(total, period).tolist(),
                                    period.tolist(), strict=True)]
 
@@ -351,9 +413,13 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         v = config.interleave
         return busy if v == 1 else busy / v + (1 - 1 / v) * period
 
-    mixed_families = [f for a, b in itertools.permutations(sorted(work), 2)
-                      for f in mixed(a, b)] if limits.mixed and len(table.types) > 1 else []
-    return {k: homogeneous(k) for k in work}, mixed_families
+    pairs = list(itertools.permutations(sorted(kinds), 2))
+    degrees = [(tp, tp) for tp in tps]
+    if split_degrees:
+        degrees += list(itertools.permutations(tps, 2))
+    mixed_families = [f for tp_a, tp_b in degrees for a, b in pairs
+                      for f in mixed(a, tp_a, b, tp_b)] if limits.mixed and len(kinds) > 1 else []
+    return {k: [f for tp in tps for f in homogeneous(k, tp)] for k in kinds}, mixed_families
 
 
 def stage_counts(limits: Limits, config: Config, layers: int) -> range:
@@ -523,20 +589,21 @@ def _best_link(table: CostTable, a: str, b: str, across: bool = False) -> LinkSp
     return table.cache[key]
 
 
-def _boundary_links(table: CostTable, types: tuple[str, ...], tp: int, crowd: int = 1,
-                    interleaved: bool = False) -> list[LinkSpec]:
+def _boundary_links(table: CostTable, types: tuple[str, ...], tps: tuple[int, ...],
+                    crowd: int = 1, interleaved: bool = False) -> list[LinkSpec]:
     """The fastest link each send of a family's pipeline could have (`evaluate.hops`:
     interleaved, the wrap-around too). A send whose stages `place` puts on different
-    nodes (`structure.node_labels`) crosses them, so its tp ranks' copies share the
+    nodes (`structure.node_labels`) crosses them, so its chains' copies (one per rank
+    of the narrower stage: `comm.send_sharing`) share the
     busier card with the pipeline's other sends through it (`comm.send_sharing`;
     other pipelines' sends only add to them), and where the types change with at
     least `crowd` sends (see `crowded`); the other sends take the fastest link of
     their types."""
-    labels = node_labels(table, types, tp)
+    labels = node_labels(table, types, tps)
     ends = list(itertools.pairwise(range(len(types))))
     if interleaved and len(types) > 1:
         ends.append((len(types) - 1, 0))
-    flows = send_sharing((labels[x], labels[y], tp) for x, y in ends)
+    flows = send_sharing((labels[x], labels[y], min(tps[x], tps[y])) for x, y in ends)
     out = []
     for x, y in ends:
         a, b = types[x], types[y]
@@ -568,11 +635,12 @@ def tight_result(table: CostTable, config: Config, space: Space, family: Family,
     gathers any group could have (cached)."""
     table = fold(table, config.interleave)
     held = -(-microbatches // family.n_max) if config.gpipe else None
+    space = degree_space(space, family.tps)
     key = ("tight", family.key, family.n_max, config, space, held, crowd)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
-            table, family.types, tp=family.tp, mb=config.mb, n=family.n_max,
-            links=_boundary_links(table, family.types, family.tp, crowd,
+            table, family.types, tps=family.tps, mb=config.mb, n=family.n_max,
+            links=_boundary_links(table, family.types, family.tps, crowd,
                                   config.interleave > 1),
             gathers=[cheapest_gather(table, kind) for kind in family.types],
             schedule=config.schedule, policies=space.policies, zeros=space.zeros,
@@ -633,16 +701,18 @@ def _staircase(pairs: Iterable[tuple[float, float]]) -> tuple[tuple[float, float
 def crowded(table: CostTable, config: Config, space: Space, family: Family, n: int,
             microbatches: int) -> Family:
     """The family's bounds for a class of n of its pipelines. Where its stages change
-    type they change nodes, and the n pipelines' sends there, each by its tp ranks,
-    meet on the nodes of either type: some card carries at least n tp / (the rarer
-    type's nodes) of them (`comm.send_sharing`), and the class's slowest pipeline pays
+    type they change nodes, and the n pipelines' sends there, each by its c chains (the
+    narrower stage's ranks), meet on the nodes of either type: some card carries at
+    least n c / (the rarer type's nodes) of them (`comm.send_sharing`), and the class's
+    slowest pipeline pays
     that (`evaluate.class_links`). The family itself where that is no more than one
     pipeline's own sends (cached)."""
     table = fold(table, config.interleave)
     a, b = family.types[0], family.types[-1]
     nodes = min(len(table.type(a).nodes), len(table.type(b).nodes))
-    crowd = -(-n * family.tp // nodes)
-    if a == b or crowd <= family.tp:
+    chains = min(family.tps[0], family.tps[-1])
+    crowd = -(-n * chains // nodes)
+    if a == b or crowd <= chains:
         return family
     key = ("crowded", family.key, family.n_max, crowd, config, space, microbatches)
     if key not in table.cache:
@@ -650,7 +720,7 @@ def crowded(table: CostTable, config: Config, space: Space, family: Family, n: i
         least = (INF, INF) if result is None else (max(family.min_busy, result.min_period),
                                                    max(family.total, result.floor))
         table.cache[key] = Family(
-            types=family.types, tp=family.tp, n_max=family.n_max, tight=True,
+            types=family.types, tps=family.tps, n_max=family.n_max, tight=True,
             min_busy=least[0], total=least[1],
             result=result)
     return table.cache[key]
@@ -781,7 +851,7 @@ class Bound:
 
     def _counts(self, f: Family | None) -> np.ndarray:
         """Devices of each type one of the family's pipelines takes."""
-        return _devices_per_pipeline(self._kind_names, *(f.key if f else ((), 1)))
+        return _devices_per_pipeline(self._kind_names, *(f.key if f else ((), ())))
 
     def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool
                      ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | float]]:
@@ -855,7 +925,7 @@ class Bound:
             families = [f for level in open_levels if not self._is_mixed(level)
                         for f in self.levels[level]]
             homes = np.array([self.kinds.index(f.types[0]) for f in families], dtype=int)
-            copies = np.array([self.sync.copies(f.types, f.tp)[k] for f, k in zip(
+            copies = np.array([self.sync.copies(f.types, f.tps)[k] for f, k in zip(
                 families, homes, strict=True)])
             n_max = np.array([float(f.n_max) for f in families])
             caps = copies[:, None] * _rungs(max(1.0, *(n_max / copies)) if families else 1.0)
@@ -866,9 +936,9 @@ class Bound:
                 np.array([self.optimizer(f, f.n_max) for f in families]),
                 homes, n_max, caps, lows, np.ceil((lows + 1) / copies[:, None]),
                 np.array([float(f.devices) for f in families]),
-                np.array([self.sync.per_node(f.tp)[k] for f, k in zip(
+                np.array([self.sync.per_node(f.tps[0])[k] for f, k in zip(
                     families, homes, strict=True)]),
-                np.array([self.sync.runs(f.types, f.tp) for f in families]))
+                np.array([self.sync.runs(f.types, f.tps) for f in families]))
         return self._families[key]
 
     def _open_done(self, open_levels: Sequence[int], later: np.ndarray | float,
@@ -974,9 +1044,9 @@ class Bound:
         classes = [(np.broadcast_to(self._mask(f), size),
                     np.full(rows, float(len(f.types))), np.full(rows, float(n)),
                     np.full(rows, float(n)),
-                    np.broadcast_to(self.sync.copies(f.types, f.tp), size),
-                    np.full(rows, self.sync.tp_index(f.tp)),
-                    np.full(rows, self.sync.runs(f.types, f.tp)))
+                    np.broadcast_to(self.sync.copies(f.types, f.tps), size),
+                    np.full(rows, self.sync.tp_index(f.tps)),
+                    np.full(rows, self.sync.runs(f.types, f.tps)))
                    for f, n in fixed]
         live = np.array([f is not None for f, _ in candidates])
         if live.any():
@@ -985,11 +1055,11 @@ class Bound:
                             np.array([(1.0 if fewer else float(n)) if f else 0.0
                                       for f, n in candidates]),
                             np.array([float(max(n, 1)) for _, n in candidates]),
-                            np.array([self.sync.copies(f.types, f.tp) if f else
+                            np.array([self.sync.copies(f.types, f.tps) if f else
                                       self.sync.copies(None) for f, _ in candidates]),
-                            np.array([self.sync.tp_index(f.tp if f else None)
+                            np.array([self.sync.tp_index(f.tps if f else None)
                                       for f, _ in candidates]),
-                            np.array([self.sync.runs(f.types, f.tp) if f else INF
+                            np.array([self.sync.runs(f.types, f.tps) if f else INF
                                       for f, _ in candidates])))
         joiner = self._joiner(open_levels)
         if joiner is None or not classes:
@@ -1289,11 +1359,12 @@ def _rungs(most: float) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _devices_per_pipeline(kinds: tuple[str, ...], types: tuple[str, ...], tp: int
-                          ) -> np.ndarray:
-    """Devices of each of `kinds` a pipeline of these stage types takes (cached across
-    configurations and searches: the same families recur; read only)."""
-    return np.array([types.count(k) * tp for k in kinds], dtype=float)
+def _devices_per_pipeline(kinds: tuple[str, ...], types: tuple[str, ...],
+                          tps: tuple[int, ...]) -> np.ndarray:
+    """Devices of each of `kinds` a pipeline of these stage types and degrees takes
+    (cached across configurations and searches: the same families recur; read only)."""
+    return np.array([sum(tp for t, tp in zip(types, tps, strict=True) if t == k)
+                     for k in kinds], dtype=float)
 
 
 def _catch_up(times: np.ndarray, after: np.ndarray, short_after: np.ndarray,
@@ -1395,9 +1466,9 @@ def optimizer_bound(table: CostTable, params: float, space: Space
 
     def bound(f: Family, n: int) -> float:
         # a family is one or two blocks
-        key = (f.types[0], f.types[-1], len(f.types), f.tp, n)
-        if key not in memo:
-            shard = f.tp * len(f.types) * (n if max(space.zeros) >= 1 else 1)
+        key = (f.types[0], f.types[-1], len(f.types), max(f.tps), n)
+        if key not in memo:  # (each rank holds its share at the widest degree at least)
+            shard = max(f.tps) * len(f.types) * (n if max(space.zeros) >= 1 else 1)
             memo[key] = min(table.optimizer_time(k, params / shard) for k in set(f.types))
         return memo[key]
 

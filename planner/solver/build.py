@@ -92,7 +92,7 @@ def from_evaluation(evaluation: Evaluation, *, model: ModelSpec, training: Train
             stages = tuple(
                 stage_plan(index=s, layers=layers, bounds=(held[s][0][0], held[s][-1][1]),
                            chunks=held[s], node=pipe_slots[s].node, first=pipe_slots[s].first,
-                           device_type=shape.types[s], tp=shape.tp,
+                           device_type=shape.types[s], tp=shape.tps[s],
                            recompute=split.options[s].recompute, zero=split.options[s].zero,
                            replicas=shape.n, micro_batch=config.mb, microbatches=m,
                            stages=shape.stages, schedule=schedule, interleave=v,

@@ -60,7 +60,8 @@ class Config:
     """What every class of a structure shares: micro-batch size and model chunks per
     device (interleaved 1F1B if more than one; the search prices it on the folded
     table, `interleave.fold`), or GPipe's schedule; and the tensor-parallel degree of
-    every class, or None where each class has its own (`ClassShape.tp` either way)."""
+    every class, or None where each class, and each block of the mixed class, has its
+    own (`ClassShape.tps` either way)."""
 
     mb: int
     tp: int | None = None
@@ -109,7 +110,7 @@ def hops(pipeline: Sequence[Slot], interleaved: bool) -> list[tuple[Slot, Slot]]
 
 def placement_sharing(placement: Placement, interleaved: bool = False) -> dict[str, int]:
     """`send_sharing` of a whole structure: every send of every pipeline."""
-    return send_sharing((a.node, b.node, a.tp) for slots in placement for p in slots
+    return send_sharing((a.node, b.node, min(a.tp, b.tp)) for slots in placement for p in slots
                         for a, b in hops(p, interleaved))
 
 
@@ -151,7 +152,7 @@ def class_result(table: CostTable, shape: ClassShape, config: Config, space: Spa
     key = ("class", shape, config, space, links, gathers, most)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
-            table, shape.types, tp=shape.tp, mb=config.mb, n=shape.n, links=links,
+            table, shape.types, tps=shape.tps, mb=config.mb, n=shape.n, links=links,
             gathers=gathers, schedule=config.schedule, policies=space.policies,
             zeros=space.zeros, interleave=config.interleave, microbatches=most))
     return table.cache[key]
@@ -245,7 +246,7 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
             # the optimizer updates the stage's copies of tied weights too, whole where
             # ZeRO keeps them so (`CostTable.zero_kept`)
             kept = float(table.zero_kept(zero)[a, b])
-            local = (float(table.range_params(shape.tp)[a, b]) - kept) / (
+            local = (float(table.range_params(shape.tps[s])[a, b]) - kept) / (
                 shape.n if zero >= 1 else 1) + kept
             opt = max(opt, table.optimizer_time(shape.types[s], local))
     return max(sync, busiest_card(charges)), opt
@@ -306,7 +307,8 @@ def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config,
     an interleaved stage shards each of its chunks). ZeRO-3 gathers the weights around
     every forward, a collective all replicas must join as often, so it needs the
     class's pipelines to run the same number of micro-batches (the runtime runs it as
-    ZeRO-2 otherwise). GPipe runs structures of one class only (its
+    ZeRO-2 otherwise). A class whose blocks differ in degree runs without ZeRO too
+    (`degree_space`). GPipe runs structures of one class only (its
     pipelines hold all their micro-batches, a count known before the shares only there).
     None if nothing is left of what the user allowed."""
     if config.gpipe and len(shapes) > 1:
@@ -315,7 +317,18 @@ def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config,
         space = dataclasses.replace(space, zeros=tuple(z for z in space.zeros if z == 0))
     elif 3 in space.zeros and microbatches % shapes[0].n:
         space = dataclasses.replace(space, zeros=tuple(z for z in space.zeros if z != 3))
+    for shape in shapes:
+        space = degree_space(space, shape.tps)
     return space if space.zeros else None
+
+
+def degree_space(space: Space, tps: Sequence[int]) -> Space:
+    """A class's choices given its stages' tensor-parallel degrees: without ZeRO where
+    they differ (the followers of a wider stage, `runtime/follow.py`, run no sharded
+    data parallel; the runtime keeps such stages whole)."""
+    if len(set(tps)) == 1:
+        return space
+    return dataclasses.replace(space, zeros=tuple(z for z in space.zeros if z == 0))
 
 
 def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassShape, ...],
@@ -363,7 +376,7 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
     untied = float(table.params.sum()) - sum(w for _, w in table.tied_weights)
     for shape, slots in zip(shapes, placement, strict=True):
         sharded = shape.n > 1 and any(z >= 1 for z in space.zeros)
-        mean = float(table.rank_params(shape.tp).sum()) / shape.stages / (
+        mean = float(table.rank_params(max(shape.tps)).sum()) / shape.stages / (
             shape.n if sharded else 1)
         opt = max(opt, min(table.optimizer_time(kind, mean) for kind in set(shape.types)))
         if shape.n > 1 and 3 not in space.zeros:
@@ -382,7 +395,8 @@ def _sync_and_optimizer_floor(table: CostTable, config: Config, space: Space,
                 sync = max(sync, table.collective(  # ZeRO-3 shards it (see the module)
                     Collective.ALL_REDUCE, params * table.grad_bytes / (
                         shape.n if zero3 else 1), CommGroup.of(holders)))
-            local = float(table.rank_params(shape.tp)[end]) / (shape.n if sharded else 1)
+            local = float(table.rank_params(shape.tps[position])[end]) / (
+                shape.n if sharded else 1)
             opt = max(opt, table.optimizer_time(shape.types[position], local))
     return sync, opt
 
@@ -487,7 +501,7 @@ def sharded_card_floors(table: CostTable, config: Config, shape: ClassShape,
         widest = table.num_layers - shape.stages + 1  # layers one stage holds at most
         tied = sum(w for (owner, w), rs in table.tie_readers.items()
                    if max(owner, *rs) - min(owner, *rs) < widest) * table.grad_bytes
-        stages = set(zip(shape.types, zero_gathers(table, slots), strict=True))
+        stages = set(zip(shape.types, shape.tps, zero_gathers(table, slots), strict=True))
         sizes = np.unique(np.diagonal(sharded_params(table), offset=1))
         sizes = sizes[sizes > 0]
         sizes = sizes[np.unique(np.linspace(0, len(sizes) - 1, min(len(sizes), 4)).astype(int))]
@@ -496,8 +510,8 @@ def sharded_card_floors(table: CostTable, config: Config, shape: ClassShape,
                                       for b, count in zip(slopes, counts, strict=True))
                        for heaviest, slopes, counts in cuts)
             out.append((max(card, 0.0), min(
-                least_zero3_busy(table, kind, tp=shape.tp, mb=config.mb, gather=gather,
-                                 held=held) for kind, gather in stages)))
+                least_zero3_busy(table, kind, tp=tp, mb=config.mb, gather=gather,
+                                 held=held) for kind, tp, gather in stages)))
             if card <= 0:
                 break
     table.cache[key] = out
@@ -709,7 +723,7 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
         return _gpipe_steps(table, priced, index, result, microbatches, bar, deadline), INF
     if not swept(priced.config, priced.shapes, index, microbatches):
         gap = None
-    params = table.range_params(priced.shapes[index].tp)
+    params = [table.range_params(tp) for tp in priced.shapes[index].tps]
     found: dict[tuple[int, ...], Split] = {}
     under: ClassResult | None = result
     skipped = INF
@@ -728,8 +742,8 @@ def _useful_steps(table: CostTable, priced: Priced, index: int, microbatches: in
                 found[split.bounds] = split
         if gap is None:
             break
-        cap = max(float(params[a, b]) for split in useful
-                  for a, b in itertools.pairwise(split.bounds))
+        cap = max(float(held[a, b]) for split in useful
+                  for held, (a, b) in zip(params, itertools.pairwise(split.bounds), strict=True))
         under = _capped(table, result, params, cap)
     return list(found.values()), skipped
 
@@ -758,16 +772,17 @@ def swept(config: Config, shapes: Sequence[ClassShape], index: int, microbatches
         index].stages
 
 
-def _capped(table: CostTable, result: ClassResult, params: np.ndarray, cap: float
+def _capped(table: CostTable, result: ClassResult, params: Sequence[np.ndarray], cap: float
             ) -> ClassResult | None:
     """The class's result over the splits whose every stage holds fewer than `cap`
-    parameters per device (None if none fits; kept as long as the result)."""
+    parameters per device (`params`: per stage, per layer range; None if none fits;
+    kept as long as the result)."""
     memo = table.cache.setdefault("capped", {})
     key = (id(result), cap)
     if key not in memo:
-        over = params >= cap * (1 - 1e-12)
         costs = dataclasses.replace(result.costs, _hw={}, busy=[
-            np.where(over, INF, b) for b in result.costs.busy])
+            np.where(held >= cap * (1 - 1e-12), INF, b)
+            for held, b in zip(params, result.costs.busy, strict=True)])
         bottleneck = costs.min_bottleneck()
         memo[key] = (result, None if not np.isfinite(bottleneck) else ClassResult(
             costs=costs, least_weights=costs.cost(INF), smallest_max=bottleneck,

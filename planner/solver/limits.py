@@ -24,8 +24,9 @@ class Limits:
 
     tp: int | None = None
     max_tp: int | None = None
-    # whether classes may differ in tp (searched on request: the search space grows, and
-    # on large clusters the search with it; benchmarks/solve.py --tp-per-class)
+    # whether classes, and the two blocks of a mixed class, may differ in tp (searched on
+    # request: the search space grows, and on large clusters the search with it;
+    # benchmarks/solve.py --tp-per-class)
     tp_per_class: bool = False
     pp: int | None = None  # stages per pipeline
     dp: int | None = None  # number of pipelines

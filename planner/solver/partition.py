@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cost_models.comm import Collective, CommGroup
 from planner.solver.table import POLICIES, CostTable
 from planner.solver.timing import (
     StageTiming,
@@ -151,10 +152,12 @@ class ClassCosts:
 
     def forward(self, s: int) -> np.ndarray:
         """Per layer range [a, b) of stage s, the forward seconds of its option: on
-        ZeRO-3, with the gather before it (`split_at`)."""
-        fwd = self.parts[s]["fwd"]
-        return (fwd[None, :] - fwd[:, None] + np.where(
-            np.isin(self.option[s], self.zero3_options), self.parts[s]["gather"], 0.0))
+        ZeRO-3, with the gather before it, and where the stage is wider than the one
+        before, the broadcast of its input (`split_at`)."""
+        fwd, lead = self.parts[s]["fwd"], self.parts[s]["lead_in"]
+        out = fwd[None, :] - fwd[:, None] + np.where(
+            np.isin(self.option[s], self.zero3_options), self.parts[s]["gather"], 0.0)
+        return out + lead[:, None] if lead.any() else out
 
     def solve(self, bound: float) -> tuple[float, list[np.ndarray]]:
         """G(bound) and the argmin tables to rebuild the split."""
@@ -251,13 +254,15 @@ class ClassCosts:
             p = self.parts[s]
             send = float(self.send[s][b])
             gather = float(p["gather"][a, b]) if option.zero == 3 else 0.0
-            fwd = p["fwd"][b] - p["fwd"][a] + gather  # ZeRO-3: gather weights for forward,
-            bwd = (p["bwd"][b] - p["bwd"][a] + p["rec"][option.recompute][b]  # and again
-                   - p["rec"][option.recompute][a] + 2 * gather)  # and reduce-scatter grads
+            lead_in, lead_out = float(p["lead_in"][a]), float(p["lead_out"][b])
+            fwd = p["fwd"][b] - p["fwd"][a] + gather + lead_in  # ZeRO-3: gather weights for
+            bwd = (p["bwd"][b] - p["bwd"][a] + p["rec"][option.recompute][b]  # forward, and
+                   - p["rec"][option.recompute][a] + 2 * gather  # again and reduce-scatter
+                   + lead_out)  # grads; the broadcasts of a stage wider than its neighbours
             stages.append(StageTiming(
                 fwd=float(fwd), bwd=float(bwd),
-                tp_fwd=float(p["tp_fwd"][b] - p["tp_fwd"][a]),
-                tp_bwd=float(p["tp_bwd"][b] - p["tp_bwd"][a]),
+                tp_fwd=float(p["tp_fwd"][b] - p["tp_fwd"][a]) + lead_in,
+                tp_bwd=float(p["tp_bwd"][b] - p["tp_bwd"][a]) + lead_out,
                 recompute=float(p["rec"][option.recompute][b] - p["rec"][option.recompute][a]),
                 send=send))
             options.append(option)
@@ -656,12 +661,13 @@ def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: flo
     return table.cache[key]
 
 
-def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: int,
-                links: Sequence[LinkSpec], gathers: Sequence[tuple[float, float]],
+def class_costs(table: CostTable, types: Sequence[str], *, tps: Sequence[int], mb: int,
+                n: int, links: Sequence[LinkSpec], gathers: Sequence[tuple[float, float]],
                 schedule: Schedule, policies: Sequence[Recompute], zeros: Sequence[int],
                 interleave: int = 1, microbatches: int | None = None) -> ClassCosts:
     """Matrices of busy time, option choice and send time for every stage position
-    (with `interleave` chunks per device, of a folded table: `interleave.py`).
+    (with `interleave` chunks per device, of a folded table: `interleave.py`); tps[s]:
+    stage s's tensor-parallel degree.
 
     links[s]: the link of stage s's send to s + 1; interleaved (S > 1), one more,
     the last stage's wrap-around back to the first (the folded table's last boundary
@@ -670,21 +676,36 @@ def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: 
     gathers[s]: seconds of a ZeRO-3 all-gather among the class's pipelines at stage s
     of 1 byte and of ZERO_GATHER_REF bytes (gathers are priced affinely between).
     microbatches: the most a pipeline runs, which GPipe holds all at once (needed
-    for it; else the schedule's in-flight limit)."""
+    for it; else the schedule's in-flight limit).
+
+    A stage wider than the one before it receives each forward's input on its first
+    rank, which broadcasts it to the others (`runtime/follow.py`); one wider than the
+    one after it, each backward's output gradient: `lead_in` and `lead_out`, per layer
+    boundary, which its busy time holds."""
     if schedule is Schedule.GPIPE and microbatches is None:
         raise ValueError("GPipe's memory needs the pipelines' micro-batch count")
+    if interleave > 1 and len(set(tps)) > 1:
+        raise ValueError(f"interleaved stages share one tensor-parallel degree, got {tps}")
     boundary = np.concatenate([[0.0], table.boundary]) * mb
     busy_all, option_all, send_all, parts_all = [], [], [], []
     for s, kind in enumerate(types):
         busy, choice, parts = _stage(
-            table, kind, tp=tp, mb=mb, n=n,
+            table, kind, tp=tps[s], mb=mb, n=n,
             flight=in_flight(s, len(types), microbatches or 10**9, schedule, interleave),
             gather=tuple(gathers[s]), policies=policies, zeros=zeros)
+        leads = tuple(0 <= t < len(types) and tps[t] < tps[s] for t in (s - 1, s + 1))
+        lead_in, lead_out = (_broadcasts(table, kind, tps[s], mb) if lead
+                             else np.zeros_like(boundary) for lead in leads)
+        if any(leads):  # (kept in the table: `ClassCosts.h_w` caches by the array's id)
+            key = ("led stage", id(busy), leads)
+            if key not in table.cache:
+                table.cache[key] = (busy, busy + lead_in[:, None] + lead_out[None, :])
+            busy = table.cache[key][1]
         busy_all.append(busy)
         option_all.append(choice)
         send_all.append(np.zeros_like(boundary) if s >= len(links) else
                         links[s].latency + boundary / links[s].bandwidth)
-        parts_all.append(parts)
+        parts_all.append({**parts, "lead_in": lead_in, "lead_out": lead_out})
     if len(links) != len(types) - (1 if interleave == 1 or len(types) == 1 else 0):
         raise ValueError(f"{len(types)} stages of {interleave} chunks need a link per send, "
                          f"got {len(links)}")
@@ -693,6 +714,19 @@ def class_costs(table: CostTable, types: Sequence[str], *, tp: int, mb: int, n: 
                       options=_options(n, policies, zeros), parts=parts_all,
                       links=(*links, None)[:len(types)], interleave=interleave,
                       gpipe=schedule is Schedule.GPIPE, _hw=hw)
+
+
+def _broadcasts(table: CostTable, kind: str, tp: int, mb: int) -> np.ndarray:
+    """Per layer boundary, the broadcast of its activations (mb samples) among a
+    stage's tp ranks on a node of type `kind` (its first node, as `CostTable.costs`
+    prices the stage's all-reduces; cached)."""
+    key = ("lead broadcasts", kind, tp, mb)
+    if key not in table.cache:
+        group = CommGroup(((table.type(kind).nodes[0], tp),))
+        sizes = np.concatenate([[0.0], table.boundary]) * mb
+        once = {x: table.collective(Collective.BROADCAST, x, group) for x in set(sizes.tolist())}
+        table.cache[key] = np.array([once[x] if x > 0 else 0.0 for x in sizes.tolist()])
+    return table.cache[key]
 
 
 @dataclass(frozen=True)

@@ -97,8 +97,8 @@ def pipeline_sends(pipeline: PipelinePlan) -> list[tuple[StagePlan, StagePlan, l
 
 def plan_send_sharing(plan: Plan) -> dict[str, int]:
     """`send_sharing` of every send of the plan's pipelines."""
-    return send_sharing((a.devices.node, b.devices.node, a.tp) for p in plan.pipelines
-                        for a, b, _ in pipeline_sends(p))
+    return send_sharing((a.devices.node, b.devices.node, min(a.tp, b.tp))
+                        for p in plan.pipelines for a, b, _ in pipeline_sends(p))
 
 
 def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
@@ -113,7 +113,8 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
     for pipeline in plan.pipelines:
         mb, timings = pipeline.micro_batch, []
         sends = {a.index: (b, outputs) for a, b, outputs in pipeline_sends(pipeline)}
-        for stage in pipeline.stages:
+        for stage, (lead_in, lead_out) in zip(pipeline.stages, _leads(pipeline, layers, costs),
+                                              strict=True):
             node = cluster.node(stage.devices.node)
             # a stage's tensor-parallel group lies inside its node: nodes with the same
             # device and intra-node link price it alike
@@ -136,9 +137,30 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
                 after = receiver.devices.node
                 send = costs.p2p_time(sent * mb * shared_by(flows, node.name, after),
                                       node.name, after)
-            timings.append(StageTiming(fwd=fwd, bwd=bwd, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
+            timings.append(StageTiming(fwd=fwd + lead_in, bwd=bwd + lead_out,
+                                       tp_fwd=tp_fwd + lead_in, tp_bwd=tp_fwd + lead_out,
                                        recompute=recompute, send=send))
         out.append(timings)
+    return out
+
+
+def _leads(pipeline: PipelinePlan, layers: Sequence[Layer], costs: CostModel
+           ) -> list[tuple[float, float]]:
+    """Per stage, the seconds its first rank spends per micro-batch broadcasting to its
+    other tensor-parallel ranks (`runtime/follow.py`): where the stage is wider than
+    the one before, each forward's input; wider than the one after, each backward's
+    output gradient (`partition.class_costs` alike)."""
+    stages, mb = pipeline.stages, pipeline.micro_batch
+    out = []
+    for s, stage in enumerate(stages):
+        group = CommGroup(((stage.devices.node, stage.tp),))
+        ends = (stage.layers[0] - 1 if s > 0 and stages[s - 1].tp < stage.tp else None,
+                stage.layers[1] - 1 if s + 1 < len(stages) and stages[s + 1].tp < stage.tp
+                else None)
+        out.append(tuple(0.0 if end is None or not layers[end].output_bytes else
+                         costs.collective_time(Collective.BROADCAST,
+                                               layers[end].output_bytes * mb, group)
+                         for end in ends))
     return out
 
 

@@ -2,8 +2,10 @@
 
 Search space, for every micro-batch size, chunk count (interleaved 1F1B, on the folded
 table: `interleave.py`) and tensor-parallel degree allowed, or with `tp_per_class` every
-class at any allowed degree of its own (a class's stages share one; the runtime also
-runs pipelines whose stages differ, `runtime/follow.py`, which this space leaves out):
+class at any allowed degree of its own, and the mixed class's two blocks each at its
+own where neither interleaving nor ZeRO runs (`bound.block_degrees`: a stage wider
+than its neighbour's has its first rank broadcast to the others, `runtime/follow.py`,
+which `partition.class_costs` prices):
 
   * at most one *mixed* class: n pipelines whose stages are a block of type A
     followed by a block of type B (A before B chosen too), and
@@ -86,7 +88,8 @@ from planner.types import Schedule
 from planner.units import fmt_seconds
 
 SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
-                "type; one tp degree (one per class with --tp-per-class), micro-batch size "
+                "type; one tp degree (with --tp-per-class one per class, and per block of "
+                "the mixed class where it runs 1F1B or GPipe without ZeRO), micro-batch size "
                 "and chunk count per plan, each allowed one tried; 1F1B, GPipe over several "
                 "stages in structures of one class, or "
                 "interleaved 1F1B over several stages with the same cuts in every round and "
@@ -295,8 +298,8 @@ class _Search:
         fixed = self.fixed(node)
         used: dict[str, int] = {}  # devices
         for f, n in fixed:
-            for kind in f.types:
-                used[kind] = used.get(kind, 0) + n * f.tp
+            for kind, tp in zip(f.types, f.tps, strict=True):
+                used[kind] = used.get(kind, 0) + n * tp
         options: list[tuple[Family | None, int]] = [(None, 0)]
         free = free_after(self.view(node.config), _shapes(node))  # (its children's counts)
         if free is None:
@@ -307,13 +310,13 @@ class _Search:
             # at most as many pipelines as devices and micro-batches are left; the child
             # stands for 1..n of them (the smaller counts are its lazy siblings)
             n = min([f.n_max, bound.m - sum(node.counts)]
-                    + [(bound.devices[k] - used.get(k, 0)) // (f.types.count(k) * f.tp)
+                    + [(bound.devices[k] - used.get(k, 0)) // f.devices_of(k)
                        for k in set(f.types)]
                     + ([most - sum(node.counts)] if (most := self.limits.most_pipelines)
                        is not None else []))
             if n >= 1:  # and as `place` puts beside the node's classes (the mixed
                 # one first, the others on their own types' nodes)
-                n = room(free, ClassShape(f.types, n, f.tp))
+                n = room(free, f.shape(n))
             if n >= 1:
                 options.append((f, n))
         after = self.next_level(levels, node.level + 1)
@@ -354,8 +357,8 @@ class _Search:
             shapes = _shapes(node) if f is None else _shapes(dataclasses.replace(
                 node, chosen=(*node.chosen, f.key), counts=(*node.counts, 1 if fewer else n)))
             for kind, at in columns.items():
-                alone = tuple(ClassShape((kind,) * count, s.n, s.tp) for s in shapes
-                              for k, count in s.blocks() if k == kind)
+                alone = tuple(ClassShape((kind,) * count, s.n, tp) for s in shapes
+                              for k, count, tp in s.blocks() if k == kind)
                 found = self.fits(node.config, alone, open_levels)
                 if found is not None:
                     rows[r, at] = found[at]
@@ -372,7 +375,7 @@ class _Search:
         if key not in self._fits:
             free = free_after(self.view(config), shapes)
             self._fits[key] = None if free is None else np.array([
-                float(room(free, ClassShape(f.types, f.n_max, f.tp)))
+                float(room(free, f.shape(f.n_max)))
                 for f in self.state[config][1].open_families(open_levels)])
         return self._fits[key]
 
@@ -428,8 +431,7 @@ class _Search:
             if not level or len(set(level[0].types)) > 1:
                 continue
             kind = level[0].types[0]
-            left = devices[kind] - sum(s.n * s.stages * s.tp for s in chosen
-                                       if s.types[0] == kind)
+            left = devices[kind] - sum(s.n * s.devices_of(kind) for s in chosen)
             pipes = min(microbatches, self.limits.most_pipelines or microbatches) - sum(
                 s.n for s in chosen)
             pick = None
@@ -437,7 +439,7 @@ class _Search:
                 n = min(f.n_max, left // f.devices, pipes)
                 if n < 1 or not self.limits.allows(f.types):
                     continue
-                shape = ClassShape(f.types, n, f.tp)
+                shape = f.shape(n)
                 shapes = tuple(sorted((*chosen, shape), key=_placement_order))
                 table = self.view(config)
                 priced = price(table, config, self.pricing, shapes, microbatches)
@@ -450,7 +452,7 @@ class _Search:
                 chosen.append(pick)
         if chosen:
             node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
-                         tuple((s.types, s.tp) for s in chosen), tuple(s.n for s in chosen))
+                         tuple((s.types, s.tps) for s in chosen), tuple(s.n for s in chosen))
             self.given_up = min(self.given_up, self.price(node))
 
     def price(self, node: _Node) -> float:
@@ -529,10 +531,10 @@ class _Search:
             result = tight_result(table, config, self.space, family, self.batch // config.mb)
             kind = family.types[0]
             forced = result and optimize(zero3_first(
-                table, result.costs, kind, tp=family.tp, mb=config.mb,
+                table, result.costs, kind, tp=family.tps[0], mb=config.mb,
                 gather=cheapest_gather(table, kind)))
             table.cache[key] = Family(
-                types=family.types, tp=family.tp, n_max=family.n_max, tight=True,
+                types=family.types, tps=family.tps, n_max=family.n_max, tight=True,
                 min_busy=forced.min_period if forced else INF,
                 total=forced.floor if forced else INF)
         return table.cache[key]
@@ -591,13 +593,13 @@ class _Search:
         for config, (levels, bound, index) in self.state.items():
             if self.deadline is not None and time.perf_counter() > self.deadline:
                 return
-            keys = [(s.types, s.tp if config.tp is None else config.tp) for s in model.shapes]
+            keys = [(s.types, s.tps if config.tp is None else (config.tp,) * s.stages)
+                    for s in model.shapes]
             if config == model.config or not all(k in index for k in keys):
                 continue
-            fixed = [(index[k], min(index[k].n_max, max(1, s.n * s.tp // k[1])))
+            fixed = [(index[k], min(index[k].n_max, max(1, s.n * sum(s.tps) // sum(k[1]))))
                      for k, s in zip(keys, model.shapes, strict=True)]
-            used = {k: sum(n * f.types.count(k) * f.tp for f, n in fixed)
-                    for k in bound.devices}
+            used = {k: sum(n * f.devices_of(k) for f, n in fixed) for k in bound.devices}
             if sum(n for _, n in fixed) > bound.m or any(
                     used[k] > bound.devices[k] for k in used):
                 continue
@@ -620,13 +622,13 @@ class _Search:
         if self.single or not self.best or self.best[0].config != config:
             return
         levels, bound, index = self.state[config]
-        keys = [(s.types, s.tp) for s in self.best[0].shapes]
+        keys = [(s.types, s.tps) for s in self.best[0].shapes]
         if (not levels[0] or len(set(levels[0][0].types)) < 2
                 or any(len(set(types)) > 1 for types, _ in keys)
                 or not all(k in index for k in keys)):  # (a seed's may be no family here)
             return
         fixed = [(index[k], s.n) for k, s in zip(keys, self.best[0].shapes, strict=True)]
-        left = {k: bound.devices[k] - sum(n * f.types.count(k) * f.tp for f, n in fixed)
+        left = {k: bound.devices[k] - sum(n * f.devices_of(k) for f, n in fixed)
                 for k in bound.devices}
         moves = []
         for i, (family, n) in enumerate(fixed):
@@ -637,7 +639,7 @@ class _Search:
                 most = min(given + 1, bound.m - sum(c for _, c in rest))
                 mixed = [(f, k) for f in levels[0]
                          if kind in f.types and f.min_busy < INF and self.limits.allows(f.types)
-                         for k in range(1, 1 + min(most, *(free[t] // (f.types.count(t) * f.tp)
+                         for k in range(1, 1 + min(most, *(free[t] // f.devices_of(t)
                                                           for t in set(f.types))))]
                 if mixed:
                     bounds, _ = bound.many([(self.crowded(config, f, c), c) for f, c in rest],
@@ -766,7 +768,7 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
     for config, shapes in seeds:
         if config in run.state:
             node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
-                         tuple((s.types, s.tp) for s in shapes), tuple(s.n for s in shapes))
+                         tuple((s.types, s.tps) for s in shapes), tuple(s.n for s in shapes))
             run.given_up = min(run.given_up, run.price(node))
     seeded = run.best[0].config if run.best else None
     greedy: set[Config] = set()  # the configurations a greedy plan was built in
@@ -809,8 +811,8 @@ def _least_degrees(levels: list[list[Family]]) -> dict[str, int]:
     """Per device type, the smallest tensor-parallel degree of a family that uses it."""
     least: dict[str, int] = {}
     for f in (f for level in levels for f in level if f.min_busy < INF):
-        for kind in (f.types[0], f.types[-1]):  # (a family has one or two blocks)
-            least[kind] = min(least.get(kind, f.tp), f.tp)
+        for kind, tp in ((f.types[0], f.tps[0]), (f.types[-1], f.tps[-1])):  # (a family
+            least[kind] = min(least.get(kind, tp), tp)  # has one or two blocks)
     return least
 
 
@@ -821,13 +823,13 @@ def _placement_order(shape: ClassShape) -> tuple[bool, str]:
 
 def _busier(family: Family, busy: float) -> Family:
     """The family with none of its splits' stages faster than `busy` per micro-batch."""
-    return Family(types=family.types, tp=family.tp, n_max=family.n_max, tight=True,
+    return Family(types=family.types, tps=family.tps, n_max=family.n_max, tight=True,
                   min_busy=max(family.min_busy, busy), total=max(family.total, busy))
 
 
 def _shapes(node: _Node) -> tuple[ClassShape, ...]:
     """A leaf's classes in the order they are placed."""
-    return tuple(sorted((ClassShape(types=t, n=n, tp=tp) for (t, tp), n in zip(
+    return tuple(sorted((ClassShape(types=t, n=n, tps=tps) for (t, tps), n in zip(
         node.chosen, node.counts, strict=True)), key=_placement_order))
 
 

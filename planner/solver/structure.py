@@ -2,8 +2,8 @@
 
 A structure is a set of pipeline classes. A class is `n` identical pipelines,
 each a sequence of stage device types in which stages of one type are
-consecutive (a "block"), with one tensor-parallel degree `tp`. Each stage runs on
-a slot: `tp` consecutive devices of one node.
+consecutive (a "block"), each block with its tensor-parallel degree. Each stage
+runs on a slot: tp consecutive devices of one node.
 
 Placement packs classes in order onto nodes taken in canonical order (by type,
 then node name), first fit: a block that fits in one node's free devices stays
@@ -20,25 +20,51 @@ from dataclasses import dataclass
 from planner.solver.table import CostTable
 
 
+def per_stage(types: tuple[str, ...], tps: tuple[int, ...] | int) -> tuple[int, ...]:
+    """Each stage's tensor-parallel degree (an int: every stage's), checked: as many
+    as stages, one per block (`blocks`)."""
+    if isinstance(tps, int):
+        return (tps,) * len(types)
+    if len(tps) != len(types) or any(types[s] == types[s + 1] and tps[s] != tps[s + 1]
+                                     for s in range(len(types) - 1)):
+        raise ValueError(f"stages {types} need one tensor-parallel degree per block, got {tps}")
+    return tuple(tps)
+
+
+def blocks(types: tuple[str, ...], tps: tuple[int, ...]) -> list[tuple[str, int, int]]:
+    """(type, stage count, tensor-parallel degree) of each run of same-type stages."""
+    out: list[tuple[str, int, int]] = []
+    for t, tp in zip(types, tps, strict=True):
+        if out and out[-1][0] == t:
+            out[-1] = (t, out[-1][1] + 1, tp)
+        else:
+            out.append((t, 1, tp))
+    return out
+
+
 @dataclass(frozen=True)
 class ClassShape:
+    """n pipelines of these stage types, each stage at its tensor-parallel degree
+    (`tps`, one per block; an int: every stage's)."""
+
     types: tuple[str, ...]  # device type of each stage
     n: int
-    tp: int = 1
+    tps: tuple[int, ...] | int = 1  # normalised to one per stage
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tps", per_stage(self.types, self.tps))
 
     @property
     def stages(self) -> int:
         return len(self.types)
 
-    def blocks(self) -> list[tuple[str, int]]:
-        """(type, stage count) of each run of same-type stages."""
-        out: list[tuple[str, int]] = []
-        for t in self.types:
-            if out and out[-1][0] == t:
-                out[-1] = (t, out[-1][1] + 1)
-            else:
-                out.append((t, 1))
-        return out
+    def blocks(self) -> list[tuple[str, int, int]]:
+        """(type, stage count, tensor-parallel degree) of each run of same-type stages."""
+        return blocks(self.types, self.tps)
+
+    def devices_of(self, kind: str) -> int:
+        """Devices of type `kind` one pipeline takes."""
+        return sum(tp for t, tp in zip(self.types, self.tps, strict=True) if t == kind)
 
 
 @dataclass(frozen=True)
@@ -88,8 +114,8 @@ def room(free: Free, shape: ClassShape) -> int:
     types' devices): as many as each of its blocks (one per type) fits. A block takes
     the first node with room for it while any has, then whole empty nodes in order,
     each too small alone, as many as it needs (`_take`)."""
-    fits, tp = shape.n, shape.tp
-    for kind, count in shape.blocks():
+    fits = shape.n
+    for kind, count, tp in shape.blocks():
         inside = sum(nodes * ((span // tp) // count)
                      for span, nodes in free.spans[kind].items())
         short = [total // tp for total in free.empty[kind] if tp <= total < count * tp]
@@ -114,8 +140,8 @@ def _place(table: CostTable, shapes: tuple[ClassShape, ...]
         pipelines = []
         for _ in range(shape.n):
             stages: list[Slot] = []
-            for kind, count in shape.blocks():
-                taken = _take(free[kind], count, shape.tp, skip, kind)
+            for kind, count, tp in shape.blocks():
+                taken = _take(free[kind], count, tp, skip, kind)
                 if taken is None:
                     return None
                 stages.extend(taken)
@@ -158,14 +184,15 @@ def _take(nodes: list[list], count: int, tp: int, skip: dict[tuple, int], kind: 
     return out[:count]
 
 
-def node_labels(table: CostTable, types: tuple[str, ...], tp: int) -> list[str]:
+def node_labels(table: CostTable, types: tuple[str, ...], tps: tuple[int, ...]
+                ) -> list[str]:
     """A label per stage of one pipeline of these stage types: stages with different
     labels are on different nodes wherever `place` puts the pipeline, and stages with
     one label on one node where the type's nodes all hold the same number of slots
     (a block that fits in a node stays in one, a longer one fills whole nodes in
     order); where they do not, a block's stages share a label."""
     out = []
-    for b, (kind, count) in enumerate(ClassShape(types, 1).blocks()):
+    for b, (kind, count, tp) in enumerate(blocks(types, tps)):
         slots = {d // tp for d in table.type(kind).node_devices} - {0}
         per_node = next(iter(slots)) if len(slots) == 1 else count
         out.extend(f"{b}.{i // per_node if count > per_node else 0}" for i in range(count))

@@ -40,7 +40,7 @@ from cost_models.comm import CommGroup
 from planner.solver.evaluate import Config, Space, all_reduce_line, heaviest_run
 from planner.solver.interleave import fold
 from planner.solver.partition import INF, ZERO_GATHER_REF
-from planner.solver.structure import ClassShape
+from planner.solver.structure import blocks
 from planner.solver.table import CostTable
 
 
@@ -131,9 +131,10 @@ class SyncFloor:
         """Per type, the most stages of tp devices one node holds (at least 1)."""
         return self._per_node[tp]
 
-    def tp_index(self, tp: int | None) -> int:
-        """Where `period` keeps a tensor-parallel degree's periods (None: any degree's)."""
-        return len(self.tps) if tp is None else self.tps.index(tp)
+    def tp_index(self, tps: tuple[int, ...] | None) -> int:
+        """Where `period` keeps the periods of a class of these stages' degrees (None,
+        or degrees that differ: any degree's)."""
+        return self.tps.index(tps[0]) if tps and len(set(tps)) == 1 else len(self.tps)
 
     @functools.cached_property
     def period(self) -> np.ndarray:
@@ -157,33 +158,36 @@ class SyncFloor:
         period[-1] = period[:-1].min(axis=0)
         return period
 
-    def copies(self, types: tuple[str, ...] | None, tp: int | None = None) -> np.ndarray:
-        """Per type, the most pipelines of a class of these stage types and tensor-
-        parallel degree (None: of any) one node holds a stage of: a block that fits in
-        a node stays in one, beside others as long as they fit, and a longer one takes
-        whole nodes (`structure.place`)."""
+    def copies(self, types: tuple[str, ...] | None, tps: tuple[int, ...] = ()
+               ) -> np.ndarray:
+        """Per type, the most pipelines of a class of these stage types and their
+        tensor-parallel degrees one node holds a stage of (None: of any class): a block
+        that fits in a node stays in one, beside others as long as they fit, and a
+        longer one takes whole nodes (`structure.place`)."""
         if types is None:
             return self.most_per_node
-        if (types, tp) not in self._copies:
-            per_node = self.per_node(tp)
+        if (types, tps) not in self._copies:
+            degree = dict(zip(types, tps, strict=True))
+            per_node = np.array([self.per_node(degree.get(k, min(tps)))[i]
+                                 for i, k in enumerate(self.kinds)])
             counts = np.array([types.count(k) for k in self.kinds], dtype=float)
-            self._copies[types, tp] = np.where(
+            self._copies[types, tps] = np.where(
                 (counts > 0) & (counts <= per_node),
                 np.floor(per_node / np.maximum(counts, 1)), np.where(
                     counts > 0, 1.0, per_node))
-        return self._copies[types, tp]
+        return self._copies[types, tps]
 
-    def runs(self, types: tuple[str, ...] | None, tp: int | None = None) -> float:
-        """The most nodes one pipeline of these stage types and tensor-parallel degree
-        spans (infinite for none): a block that fits in a node's free devices stays in
-        one, a longer one takes whole nodes, each with at least its fewest slots
-        (`structure.place`)."""
-        if types is None or tp is None:
+    def runs(self, types: tuple[str, ...] | None, tps: tuple[int, ...] = ()) -> float:
+        """The most nodes one pipeline of these stage types and their tensor-parallel
+        degrees spans (infinite for none): a block that fits in a node's free devices
+        stays in one, a longer one takes whole nodes, each with at least its fewest
+        slots (`structure.place`)."""
+        if types is None:
             return INF
-        key = ("pipeline runs", types, tp)
+        key = ("pipeline runs", types, tps)
         if key not in self._table.cache:
             runs = 0
-            for kind, count in ClassShape(types, 1, tp).blocks():
+            for kind, count, tp in blocks(types, tps):
                 slots = min((d // tp for d in self._table.type(kind).node_devices
                              if d >= tp), default=1)
                 runs += max(1, -(-count // slots))

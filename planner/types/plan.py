@@ -4,9 +4,8 @@ predicted costs, the solver's report and baselines.
 A plan runs one or more pipelines side by side. Each pipeline takes its own
 share of the global batch (fast pipelines take more), split into micro-batches
 of a common size, and runs its stages on tensor-parallel groups of one node's
-devices. Pipelines may split the layers differently; every layer's gradients
-are averaged over all pipelines that hold it. All pipelines use the same
-tensor-parallel degree for a given layer.
+devices, each stage at its own degree. Pipelines may split the layers
+differently; every layer's gradients are averaged over all pipelines that hold it.
 """
 
 from __future__ import annotations
