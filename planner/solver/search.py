@@ -189,9 +189,10 @@ class _Search:
         plans found so far, shared with the other part's search; counter: node
         numbers, shared too; deadline: the `time.perf_counter` value at which
         pricing one structure stops with what it found (`evaluate.refine`), and past
-        which configurations are set up only when the search takes their root (its
-        bound till then `bounds.lower_bound`, which no plan beats) but for those of
-        `first` (the seeds'), set up first."""
+        which (or where the longest set-up so far would end past it) configurations
+        are set up only when the search takes their root (its bound till then
+        `bounds.lower_bound`, which no plan beats) but for those of `first` (the
+        seeds'), set up first."""
         self.table, self.batch, self.limits, self.pricing = table, batch, limits, space
         self.space = space if single else dataclasses.replace(space, zeros=(0,))
         self.top_k, self.gap, self.single, self.deadline = top_k, gap, single, deadline
@@ -206,11 +207,14 @@ class _Search:
         self.devices = {t.name: sum(t.node_devices) for t in table.types}
         self.gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
         every = configs(table, batch, limits)
+        took = 0.0  # the longest set-up so far: one that would end past the deadline waits
         for config in [c for c in first if c in every] + [c for c in every if c not in first]:
             if config.gpipe and not single:
                 continue  # GPipe runs structures of one class (`evaluate.zero_space`)
-            if config in first or deadline is None or time.perf_counter() < deadline:
+            if config in first or deadline is None or time.perf_counter() + took < deadline:
+                begun = time.perf_counter()
                 heapq.heappush(self.heap, self.set_up(config))
+                took = max(took, time.perf_counter() - begun)
                 continue
             if self.floor is None:
                 self.floor = lower_bound(table, batch)
@@ -547,7 +551,9 @@ class _Search:
         pick would be if nothing more were added: a good plan early prunes the rest.
         At each level the children with the best bounds get their families priced,
         and the one whose classes alone would finish soonest is picked (a bound that
-        leaves room for more classes says little about the plan they make)."""
+        leaves room for more classes says little about the plan they make). Past the
+        time limit, only the child with the best bound, towards a first plan if there
+        is none yet."""
         levels, bound, _ = self.state[node.config]
         while True:
             while not self.settle(node):
@@ -557,10 +563,13 @@ class _Search:
             if self.is_leaf(node):
                 self.leaf(node)
                 return
+            late = self.deadline is not None and time.perf_counter() > self.deadline
+            if late and self.best:
+                return
             children = self.children(node)
             heapq.heapify(children)
             settled = []
-            for _ in range(_DIVE_TRIES):
+            for _ in range(1 if late else _DIVE_TRIES):  # (late: the first plan, soon)
                 if not children or not self.promising(children[0].bound):
                     break
                 child = heapq.heappop(children)
@@ -727,6 +736,9 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
     try:
         _start(runs, table, batch, seeds, dives, start, time_limit)
         while live := [part for part in runs if part.heap]:
+            if time_limit is not None and time.perf_counter() - start > time_limit and best:
+                status = "feasible"
+                break
             part = min(live, key=lambda part: part.heap[0])
             taken = part.heap[0].bound
             if not part.step():
@@ -735,9 +747,6 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
             if progress:
                 progress(Progress(sum(part.explored for part in runs),
                                   best[0].step_time if best else None, _bound(runs, best)))
-            if time_limit is not None and time.perf_counter() - start > time_limit and best:
-                status = "feasible"
-                break
     except KeyboardInterrupt:
         if not best:
             raise
