@@ -22,6 +22,8 @@ from planner.dtypes import dtype_bytes
 from planner.errors import PlannerError
 from planner.solver.predict import (
     Holders,
+    lead_broadcast,
+    lead_layers,
     pipeline_sends,
     pipeline_times,
     plan_send_sharing,
@@ -119,7 +121,8 @@ class MemoryRow:
 
 @dataclass(frozen=True)
 class TrafficRow:
-    kind: str  # "pp activations", "tp all-reduce", "dp all-reduce", "zero-3 gather"
+    kind: str  # "pp activations", "tp all-reduce", "tp broadcast", "dp all-reduce",
+    # "zero-3 gather"
     where: str
     link: str
     bandwidth: float
@@ -257,6 +260,7 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
     # per pair of nodes, per pipeline sending between them: its bytes and seconds
     pp: dict[tuple[str, str], dict[int, list[float]]] = {}
     tp: dict[str, list[float]] = {}
+    leads_of: dict[tuple[str, int], list[float]] = {}  # (node, tp): bytes, seconds
     flows = plan_send_sharing(plan)
     for pipe in plan.pipelines:
         mb, m = pipe.micro_batch, pipe.num_microbatches
@@ -284,6 +288,13 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
                 entry = tp.setdefault(node, [0.0, 0.0])
                 entry[0] = max(entry[0], per * count * 2 * (s.tp - 1) / s.tp)
                 entry[1] = max(entry[1], seconds)
+        for s, leads in zip(pipe.stages, lead_layers(pipe), strict=True):
+            if any(layer is not None for layer in leads):  # (a stage wider than its
+                led = leads_of.setdefault((s.devices.node, s.tp), [0.0, 0.0])  # neighbour)
+                led[0] = max(led[0], sum(layers[i].output_bytes for i in leads
+                                         if i is not None) * mb * m)
+                led[1] = max(led[1], m * sum(lead_broadcast(s, i, layers, mb, costs)
+                                             for i in leads))
     for (a, b), pipes in pp.items():
         link = cluster.link_between(a, b)
         ways = shared_by(flows, a, b)
@@ -300,6 +311,12 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
         rows.append(TrafficRow(kind="tp all-reduce", where=f"inside {node}", link=link.name,
                                bandwidth=link.bandwidth, bytes_per_step=nbytes,
                                seconds=seconds))
+    for (node, width), (nbytes, seconds) in leads_of.items():
+        link = cluster.node(node).intra_link
+        rows.append(TrafficRow(
+            kind="tp broadcast", where=f"inside {node}: a tp-{width} stage's first rank "
+            "to the others (its pipeline's neighbour stage is narrower)", link=link.name,
+            bandwidth=link.bandwidth, bytes_per_step=nbytes, seconds=seconds))
     seen: set[tuple] = set()
     holders: dict[int, list[str]] = {}
     stages = [s for p in plan.pipelines for s in p.stages]

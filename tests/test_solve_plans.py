@@ -15,6 +15,7 @@ from cost_models.cluster import load_cluster
 from cost_models.comm import Collective, CommGroup
 from cost_models.model import AnalyticalCostModel
 from planner.errors import PlannerError
+from planner.explain import traffic
 from planner.models import model_spec
 from planner.planfile import plan_json, read_plan, write_plan
 from planner.solver import Limits, SolveOptions, Space, solve
@@ -226,9 +227,13 @@ def test_a_pipeline_whose_blocks_differ_in_degree_is_priced_as_searched(tmp_path
                for s in pipeline.stages)
     timings = stage_timings(plan, graph.layers, AnalyticalCostModel(cluster))[0]
     group = CommGroup(((pipeline.stages[0].devices.node, 4),))
-    handed = AnalyticalCostModel(cluster).collective_time(
-        Collective.BROADCAST, graph.layers[pipeline.stages[0].layers[1] - 1].output_bytes, group)
+    sent = graph.layers[pipeline.stages[0].layers[1] - 1].output_bytes * pipeline.micro_batch
+    handed = AnalyticalCostModel(cluster).collective_time(Collective.BROADCAST, sent, group)
     assert timings[0].tp_bwd - timings[0].tp_fwd == pytest.approx(handed)
+    (row,) = [r for r in traffic(plan, graph.layers, AnalyticalCostModel(cluster))
+              if r.kind == "tp broadcast"]  # (`planner explain` lists it)
+    m = pipeline.num_microbatches
+    assert (row.bytes_per_step, row.seconds) == pytest.approx((sent * m, handed * m))
     write_plan(plan, tmp_path / "plan.json")
     assert read_plan(tmp_path / "plan.json") == plan
 

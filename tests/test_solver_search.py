@@ -347,29 +347,6 @@ def test_configurations_past_the_deadline_wait_at_the_floor_until_taken():
     assert cut.bound <= seed.step_time * (1 + 1e-12)
 
 
-def test_a_set_up_that_would_end_past_the_deadline_waits(monkeypatch):
-    """A thousand layers take a configuration half a second to set up: once the longest
-    set-up so far would end past the deadline, the next configurations wait at the
-    floor (before, each started while the clock was short of the deadline)."""
-    import time as clock
-
-    from planner.solver.search import _WAITING, _Search
-
-    table = random_table(5, layers=5, types=[("a", [3, 3]), ("b", [3, 3])],
-                         micro_batches=(1, 2, 3))
-    set_up = _Search.set_up
-
-    def slow(self, config):
-        clock.sleep(0.5)
-        return set_up(self, config)
-
-    monkeypatch.setattr(_Search, "set_up", slow)
-    run = _Search(table, 6, Limits(max_stages=2), Space(), 1, 0.0, False, [],
-                  itertools.count(), deadline=clock.perf_counter() + 0.8)
-    assert len(run.state) == 1  # (the second would end at 1 s)
-    assert len([n for n in run.heap if n.level == _WAITING]) >= 2
-
-
 def test_a_dive_past_the_deadline_settles_one_child_per_level():
     """Settling a child prices its families (at a thousand layers, most of a second
     each): past the deadline a dive with no plan yet settles only the child with the

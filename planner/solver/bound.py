@@ -25,7 +25,12 @@ from planner.solver.partition import (
     class_costs,
     optimize,
 )
-from planner.solver.structure import ClassShape, capacity, node_labels, per_stage
+from planner.solver.structure import (
+    ClassShape,
+    capacity,
+    devices_of,
+    node_labels,
+)
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
 from planner.solver.timing import in_flight
@@ -43,7 +48,7 @@ class Family:
     faster)."""
 
     types: tuple[str, ...]
-    tps: tuple[int, ...] | int  # each stage's tensor-parallel degree (an int: all's)
+    tps: tuple[int, ...]  # each stage's tensor-parallel degree (one per type: `per_stage`)
     n_max: int
     min_busy: float  # no split has a bottleneck below this
     total: float  # no split has a total below this
@@ -52,9 +57,6 @@ class Family:
     # one pair's (`floor_pairs`, of `result` when first asked for); none: (min_busy, total)
     lines: tuple[tuple[float, float], ...] = ()
     result: ClassResult | None = dataclasses.field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.tps = per_stage(self.types, self.tps)
 
     def floors(self) -> tuple[tuple[float, float], ...]:
         if not self.lines and self.result is not None:  # (most families never need them)
@@ -73,7 +75,7 @@ class Family:
 
     def devices_of(self, kind: str) -> int:
         """Devices of type `kind` one of its pipelines takes."""
-        return sum(tp for t, tp in zip(self.types, self.tps, strict=True) if t == kind)
+        return devices_of(self.types, self.tps, kind)
 
     def shape(self, n: int) -> ClassShape:
         """A class of n of its pipelines."""
@@ -89,16 +91,16 @@ def device_work(table: CostTable, config: Config, tps: Sequence[int]) -> dict[st
 
 
 def families(table: CostTable, config: Config, limits: Limits, space: Space,
-             microbatches: int, tps: Sequence[int]) -> list[list[Family]]:
+             microbatches: int, tps: Sequence[int], split: bool = False
+             ) -> list[list[Family]]:
     """The level of mixed patterns first (absent with `mixed` off or a single type),
     then one level of homogeneous patterns per device type, fastest type first (the
     fewest device-seconds per micro-batch); each level holds its patterns at every
-    tensor-parallel degree of `tps`, and where the classes choose their own degrees
-    (`Config.tp` None) the mixed ones also at every two different degrees of their
-    blocks (`block_degrees`; see `_families_at`)."""
+    tensor-parallel degree of `tps`, and with `split` (see `block_degrees`) the mixed
+    ones also at every two different degrees of their blocks (`_families_at`)."""
     table = fold(table, config.interleave)
     homogeneous, mixed = _families_at(table, config, limits, space, microbatches, tps,
-                                      block_degrees(config, space, tps))
+                                      split and block_degrees(config, space, tps))
     work = device_work(table, config, tps)
     levels = [homogeneous[k] for k in sorted(work, key=lambda k: (work[k], k))]
     if limits.mixed and len(table.types) > 1:
@@ -285,15 +287,19 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         """Micro-batches a pipeline of n side by side runs at least (for in_flight)."""
         return -(-microbatches // n) if config.gpipe else 10**9
 
+    @functools.cache
+    def most(kind: str, count: int, tp: int) -> int:
+        return capacity(table, tp, kind, count)
+
     def fits(parts: list[tuple[str, int, int]]
              ) -> tuple[tuple[str, ...], tuple[int, ...], int] | None:
         """The stage types, their degrees and the most pipelines of a family of these
         blocks (type, stages, degree), or None if the stage pins rule it out or its
         devices cannot hold the states however the layers are split (each rank holds
         at least its share at the widest degree)."""
-        n_max = min(capacity(table, tp, k, c) for k, c, tp in parts)
-        least = (held(max(tp for _, _, tp in parts))[-1] * bytes_per_param(n_max)[1]
-                 if n_max >= 1 else INF)
+        n_max = min(most(k, c, tp) for k, c, tp in parts)
+        widest = parts[0][2] if len(parts) == 1 else max(parts[0][2], parts[1][2])
+        least = held(widest)[-1] * bytes_per_param(n_max)[1] if n_max >= 1 else INF
         if sum(c * rooms[k] for k, c, _ in parts) < least:
             return None
         types = tuple(k for k, c, _ in parts for _ in range(c))
@@ -1363,8 +1369,7 @@ def _devices_per_pipeline(kinds: tuple[str, ...], types: tuple[str, ...],
                           tps: tuple[int, ...]) -> np.ndarray:
     """Devices of each of `kinds` a pipeline of these stage types and degrees takes
     (cached across configurations and searches: the same families recur; read only)."""
-    return np.array([sum(tp for t, tp in zip(types, tps, strict=True) if t == k)
-                     for k in kinds], dtype=float)
+    return np.array([devices_of(types, tps, k) for k in kinds], dtype=float)
 
 
 def _catch_up(times: np.ndarray, after: np.ndarray, short_after: np.ndarray,

@@ -113,8 +113,9 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
     for pipeline in plan.pipelines:
         mb, timings = pipeline.micro_batch, []
         sends = {a.index: (b, outputs) for a, b, outputs in pipeline_sends(pipeline)}
-        for stage, (lead_in, lead_out) in zip(pipeline.stages, _leads(pipeline, layers, costs),
-                                              strict=True):
+        for stage, leads in zip(pipeline.stages, lead_layers(pipeline), strict=True):
+            lead_in, lead_out = (lead_broadcast(stage, layer, layers, mb, costs)
+                                 for layer in leads)
             node = cluster.node(stage.devices.node)
             # a stage's tensor-parallel group lies inside its node: nodes with the same
             # device and intra-node link price it alike
@@ -144,24 +145,25 @@ def stage_timings(plan: Plan, layers: Sequence[Layer], costs: CostModel
     return out
 
 
-def _leads(pipeline: PipelinePlan, layers: Sequence[Layer], costs: CostModel
-           ) -> list[tuple[float, float]]:
-    """Per stage, the seconds its first rank spends per micro-batch broadcasting to its
-    other tensor-parallel ranks (`runtime/follow.py`): where the stage is wider than
-    the one before, each forward's input; wider than the one after, each backward's
-    output gradient (`partition.class_costs` alike)."""
-    stages, mb = pipeline.stages, pipeline.micro_batch
-    out = []
-    for s, stage in enumerate(stages):
-        group = CommGroup(((stage.devices.node, stage.tp),))
-        ends = (stage.layers[0] - 1 if s > 0 and stages[s - 1].tp < stage.tp else None,
-                stage.layers[1] - 1 if s + 1 < len(stages) and stages[s + 1].tp < stage.tp
-                else None)
-        out.append(tuple(0.0 if end is None or not layers[end].output_bytes else
-                         costs.collective_time(Collective.BROADCAST,
-                                               layers[end].output_bytes * mb, group)
-                         for end in ends))
-    return out
+def lead_layers(pipeline: PipelinePlan) -> list[tuple[int | None, int | None]]:
+    """Per stage, the layers whose outputs its first rank broadcasts per micro-batch to
+    its other tensor-parallel ranks (`runtime/follow.py`; None: none): where the stage
+    is wider than the one before, each forward's input (the layer before it); wider
+    than the one after, each backward's output gradient (its last layer's output)."""
+    stages = pipeline.stages
+    return [(stage.layers[0] - 1 if s > 0 and stages[s - 1].tp < stage.tp else None,
+             stage.layers[1] - 1 if s + 1 < len(stages) and stages[s + 1].tp < stage.tp
+             else None) for s, stage in enumerate(stages)]
+
+
+def lead_broadcast(stage: StagePlan, layer: int | None, layers: Sequence[Layer], mb: int,
+                   costs: CostModel) -> float:
+    """Seconds of one such broadcast of `layer`'s output (`partition.class_costs` alike:
+    none for no bytes)."""
+    if layer is None or not layers[layer].output_bytes:
+        return 0.0
+    return costs.collective_time(Collective.BROADCAST, layers[layer].output_bytes * mb,
+                                 CommGroup(((stage.devices.node, stage.tp),)))
 
 
 def _gather(plan: Plan, layers: Sequence[Layer], stage: StagePlan, groups: Holders,

@@ -189,10 +189,9 @@ class _Search:
         plans found so far, shared with the other part's search; counter: node
         numbers, shared too; deadline: the `time.perf_counter` value at which
         pricing one structure stops with what it found (`evaluate.refine`), and past
-        which (or where the longest set-up so far would end past it) configurations
-        are set up only when the search takes their root (its bound till then
-        `bounds.lower_bound`, which no plan beats) but for those of `first` (the
-        seeds'), set up first."""
+        which configurations are set up only when the search takes their root (its
+        bound till then `bounds.lower_bound`, which no plan beats) but for those of
+        `first` (the seeds'), set up first."""
         self.table, self.batch, self.limits, self.pricing = table, batch, limits, space
         self.space = space if single else dataclasses.replace(space, zeros=(0,))
         self.top_k, self.gap, self.single, self.deadline = top_k, gap, single, deadline
@@ -207,14 +206,12 @@ class _Search:
         self.devices = {t.name: sum(t.node_devices) for t in table.types}
         self.gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
         every = configs(table, batch, limits)
-        took = 0.0  # the longest set-up so far: one that would end past the deadline waits
-        for config in [c for c in first if c in every] + [c for c in every if c not in first]:
+        first = list(dict.fromkeys(c for c in first if c in every))  # (seeds share some)
+        for config in first + [c for c in every if c not in first]:
             if config.gpipe and not single:
                 continue  # GPipe runs structures of one class (`evaluate.zero_space`)
-            if config in first or deadline is None or time.perf_counter() + took < deadline:
-                begun = time.perf_counter()
+            if config in first or deadline is None or time.perf_counter() < deadline:
                 heapq.heappush(self.heap, self.set_up(config))
-                took = max(took, time.perf_counter() - begun)
                 continue
             if self.floor is None:
                 self.floor = lower_bound(table, batch)
@@ -226,7 +223,10 @@ class _Search:
         tps = degrees(self.table, self.limits) if config.tp is None else [config.tp]
         folded, space, table = self.view(config), self.space, self.table
         devices = self.devices
-        levels = families(folded, config, self.limits, space, self.batch // config.mb, tps)
+        # a mixed class whose blocks differ in degree runs without ZeRO: in the part of
+        # one class, only GPipe's (the other part holds the rest, `_parts`)
+        levels = families(folded, config, self.limits, space, self.batch // config.mb, tps,
+                          split=not self.single or config.gpipe)
         bound = Bound(levels, self.batch // config.mb, devices, device_work(folded, config, tps),
                       optimizer_bound(folded, float(table.params.sum()), space),
                       SyncFloor(folded, config, space, sorted(devices), self.gathers, tps,

@@ -22,13 +22,20 @@ from planner.solver.table import CostTable
 
 def per_stage(types: tuple[str, ...], tps: tuple[int, ...] | int) -> tuple[int, ...]:
     """Each stage's tensor-parallel degree (an int: every stage's), checked: as many
-    as stages, one per block (`blocks`)."""
+    as stages, and the stages of a type at one (a class holds one block per type)."""
     if isinstance(tps, int):
         return (tps,) * len(types)
-    if len(tps) != len(types) or any(types[s] == types[s + 1] and tps[s] != tps[s + 1]
-                                     for s in range(len(types) - 1)):
-        raise ValueError(f"stages {types} need one tensor-parallel degree per block, got {tps}")
-    return tuple(tps)
+    if len(tps) == len(types) and (len(set(tps)) == 1 or len(set(zip(
+            types, tps, strict=True))) == len(set(types))):
+        return tuple(tps)
+    raise ValueError(f"stages {types} need one tensor-parallel degree per type, got {tps}")
+
+
+def devices_of(types: tuple[str, ...], tps: tuple[int, ...], kind: str) -> int:
+    """Devices of type `kind` one pipeline of these stages takes (its stages of that
+    type share one degree: `per_stage`)."""
+    count = types.count(kind)
+    return count * tps[types.index(kind)] if count else 0
 
 
 def blocks(types: tuple[str, ...], tps: tuple[int, ...]) -> list[tuple[str, int, int]]:
@@ -45,7 +52,7 @@ def blocks(types: tuple[str, ...], tps: tuple[int, ...]) -> list[tuple[str, int,
 @dataclass(frozen=True)
 class ClassShape:
     """n pipelines of these stage types, each stage at its tensor-parallel degree
-    (`tps`, one per block; an int: every stage's)."""
+    (`tps`, one per type; an int: every stage's)."""
 
     types: tuple[str, ...]  # device type of each stage
     n: int
@@ -64,7 +71,7 @@ class ClassShape:
 
     def devices_of(self, kind: str) -> int:
         """Devices of type `kind` one pipeline takes."""
-        return sum(tp for t, tp in zip(self.types, self.tps, strict=True) if t == kind)
+        return devices_of(self.types, self.tps, kind)
 
 
 @dataclass(frozen=True)
