@@ -143,8 +143,12 @@ def main() -> None:
         return
     if args.tp_per_class:
         write_section("solve-tp-per-class", "python benchmarks/solve.py --tp-per-class",
-                      body + " Each pipeline class may take its own tensor-parallel degree "
-                      "(`--tp-per-class`; the default is one degree per plan).")
+                      body + " Each pipeline class may take its own tensor-parallel degree, "
+                      "and the two blocks of a two-type class theirs where it runs without "
+                      "ZeRO or interleaving (`--tp-per-class`; the default is one degree per "
+                      "plan). The blocks' degrees multiply the two-type families (at 1,024 "
+                      "GPUs 6,495 per configuration), so within the time limits the large "
+                      "searches leave wider gaps than with one degree per class.")
         return
     if args.max_interleave > 1:
         write_section("solve-interleaved",
