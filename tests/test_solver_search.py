@@ -1013,7 +1013,8 @@ def _consistent(shapes, node, levels, shrinks: bool) -> bool:
     """Whether a full structure lies in the subtree of a search node."""
     keys = [_level_key(lv[0].types) if lv else "empty" for lv in levels[:node.level]]
     ours = {_level_key(s.types): s for s in shapes}
-    chosen = {_level_key(t): (t, n) for t, n in zip(node.chosen, node.counts, strict=True)}
+    chosen = {_level_key(family[0]): (family, n)  # (a family's key: types, degrees)
+              for family, n in zip(node.chosen, node.counts, strict=True)}
     if any(key not in keys for key in chosen):
         return False
     for key in keys:
@@ -1021,11 +1022,11 @@ def _consistent(shapes, node, levels, shrinks: bool) -> bool:
             if key in ours:
                 return False
             continue
-        types, n = chosen[key]
+        family, n = chosen[key]
         shape = ours.get(key)
-        if shape is None or shape.types != types:
+        if shape is None or (shape.types, shape.tps) != family:
             return False
-        last = node.chosen and types == node.chosen[-1]
+        last = node.chosen and family == node.chosen[-1]
         if shape.n != n and not (shrinks and last and shape.n < n):
             return False
     return True
@@ -1046,8 +1047,11 @@ def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
     table, batch, limits = random_instance(random.Random(seed))
     for single in (False, True):
         space = Space() if single else Space(zeros=(0,))
+        # (a class whose blocks differ in degree runs without ZeRO: the ZeRO-free part
+        # holds it, but GPipe's)
         values = [(config, shapes, v) for config, shapes, v in every_structure(
-            table, batch, limits, space) if len(shapes) == 1 or not single]
+            table, batch, limits, space) if not single or (len(shapes) == 1 and (
+                config.gpipe or len(set(shapes[0].tps)) == 1))]
         _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
 
 
