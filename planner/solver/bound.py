@@ -298,7 +298,7 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         devices cannot hold the states however the layers are split (each rank holds
         at least its share at the widest degree)."""
         n_max = min(most(k, c, tp) for k, c, tp in parts)
-        widest = parts[0][2] if len(parts) == 1 else max(parts[0][2], parts[1][2])
+        widest = max(tp for _, _, tp in parts)
         least = held(widest)[-1] * bytes_per_param(n_max)[1] if n_max >= 1 else INF
         if sum(c * rooms[k] for k, c, _ in parts) < least:
             return None

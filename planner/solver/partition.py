@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cost_models.comm import Collective, CommGroup
+from planner.solver.structure import wider_than_neighbours
 from planner.solver.table import POLICIES, CostTable
 from planner.solver.timing import (
     StageTiming,
@@ -688,12 +689,11 @@ def class_costs(table: CostTable, types: Sequence[str], *, tps: Sequence[int], m
         raise ValueError(f"interleaved stages share one tensor-parallel degree, got {tps}")
     boundary = np.concatenate([[0.0], table.boundary]) * mb
     busy_all, option_all, send_all, parts_all = [], [], [], []
-    for s, kind in enumerate(types):
+    for s, (kind, leads) in enumerate(zip(types, wider_than_neighbours(tps), strict=True)):
         busy, choice, parts = _stage(
             table, kind, tp=tps[s], mb=mb, n=n,
             flight=in_flight(s, len(types), microbatches or 10**9, schedule, interleave),
             gather=tuple(gathers[s]), policies=policies, zeros=zeros)
-        leads = tuple(0 <= t < len(types) and tps[t] < tps[s] for t in (s - 1, s + 1))
         lead_in, lead_out = (_broadcasts(table, kind, tps[s], mb) if lead
                              else np.zeros_like(boundary) for lead in leads)
         if any(leads):  # (kept in the table: `ClassCosts.h_w` caches by the array's id)

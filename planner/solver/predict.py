@@ -24,6 +24,7 @@ from cost_models.comm import Collective, CommGroup, busiest_card, send_sharing, 
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
+from planner.solver.structure import wider_than_neighbours
 from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
 from planner.types import (
     CostBreakdown,
@@ -151,9 +152,9 @@ def lead_layers(pipeline: PipelinePlan) -> list[tuple[int | None, int | None]]:
     is wider than the one before, each forward's input (the layer before it); wider
     than the one after, each backward's output gradient (its last layer's output)."""
     stages = pipeline.stages
-    return [(stage.layers[0] - 1 if s > 0 and stages[s - 1].tp < stage.tp else None,
-             stage.layers[1] - 1 if s + 1 < len(stages) and stages[s + 1].tp < stage.tp
-             else None) for s, stage in enumerate(stages)]
+    return [(stage.layers[0] - 1 if before else None, stage.layers[1] - 1 if after else None)
+            for stage, (before, after) in zip(
+                stages, wider_than_neighbours([s.tp for s in stages]), strict=True)]
 
 
 def lead_broadcast(stage: StagePlan, layer: int | None, layers: Sequence[Layer], mb: int,

@@ -15,6 +15,7 @@ collectives follow from its structure alone.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.solver.table import CostTable
@@ -36,6 +37,14 @@ def devices_of(types: tuple[str, ...], tps: tuple[int, ...], kind: str) -> int:
     type share one degree: `per_stage`)."""
     count = types.count(kind)
     return count * tps[types.index(kind)] if count else 0
+
+
+def wider_than_neighbours(tps: Sequence[int]) -> list[tuple[bool, bool]]:
+    """Per stage, whether it is wider than the stage before it and than the one after:
+    its first rank then broadcasts each forward's input, or each backward's output
+    gradient, to its other ranks (`runtime/follow.py`)."""
+    return [(s > 0 and tps[s - 1] < tp, s + 1 < len(tps) and tps[s + 1] < tp)
+            for s, tp in enumerate(tps)]
 
 
 def blocks(types: tuple[str, ...], tps: tuple[int, ...]) -> list[tuple[str, int, int]]:
