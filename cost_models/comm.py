@@ -26,7 +26,7 @@ node (the most on any node), N nodes:
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from planner.errors import PlannerError
@@ -51,6 +51,14 @@ class CommGroup:
     """Ranks of a collective, as (node name, ranks on that node) pairs."""
 
     members: tuple[tuple[str, int], ...]
+    # a group is a memo key many times over and may hold hundreds of nodes: hashed once
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(self.members))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def size(self) -> int:

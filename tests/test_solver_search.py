@@ -1321,6 +1321,34 @@ def test_room_is_the_most_pipelines_place_puts_after_the_classes_before(seed):
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 10**9))
+def test_free_after_counts_what_place_leaves_without_making_slots(seed):
+    """`free_after` places each block of a class's pipelines at once (as many as a
+    node holds, without their slots): after every class it leaves every node as
+    `place` does, stage by stage, and it fails where that fails."""
+    from planner.solver.structure import ClassShape, Free, _place, free_after
+
+    rng = random.Random(seed)
+    types = [(k, [rng.choice([1, 2, 4, 8]) for _ in range(rng.randint(1, 8))]) for k in "ab"]
+    table = random_table(seed, layers=4, types=types)
+    shapes: tuple[ClassShape, ...] = ()
+    for _ in range(rng.randint(1, 5)):
+        kinds = rng.sample("ab", rng.randint(1, 2))
+        counts = [rng.choice([1, 2, 3, 9]) for _ in kinds]  # (few sizes: blocks recur)
+        degrees = [rng.choice([1, 2]) for _ in kinds]
+        shapes += (ClassShape(sum(((k,) * c for k, c in zip(kinds, counts, strict=True)), ()),
+                              rng.randint(1, 4), sum(((tp,) * c for tp, c in zip(
+                                  degrees, counts, strict=True)), ())),)
+        placed, free = _place(table, shapes), free_after(table, shapes)
+        assert (placed is None) == (free is None)
+        if placed is None:
+            break
+        expected = Free(placed[1])
+        assert (free.spans, free.empty, free.alike) == (expected.spans, expected.empty,
+                                                        expected.alike)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**9))
 def test_a_types_free_devices_follow_from_the_classes_blocks_of_that_type_alone(seed):
     """What `place` leaves free on one type's nodes depends only on the classes' blocks
     of that type, in order (`_Search.row_fits` reads each open family's count off them:

@@ -116,11 +116,14 @@ class Free:
                       for k, v in nodes.items()}
         self.empty = {k: [total for _, start, total in v if start == 0]
                       for k, v in nodes.items()}
+        # per type, the one size its empty nodes share (None: sizes differ, or none is)
+        self.alike = {k: sizes[0] if sizes and min(sizes) == max(sizes) else None
+                      for k, sizes in self.empty.items()}
 
 
 def free_after(table: CostTable, shapes: tuple[ClassShape, ...]) -> Free | None:
     """The devices `place` leaves free after these classes (None if they do not fit)."""
-    placed = _place(table, shapes)
+    placed = _place(table, shapes, slots=False)
     return placed and Free(placed[1])
 
 
@@ -134,11 +137,12 @@ def room(free: Free, shape: ClassShape) -> int:
     for kind, count, tp in shape.blocks():
         inside = sum(nodes * ((span // tp) // count)
                      for span, nodes in free.spans[kind].items())
-        short = [total // tp for total in free.empty[kind] if tp <= total < count * tp]
-        whole, gathered = 0, 0
-        if short and min(short) == max(short):  # (nodes alike: whole multiples)
-            whole = len(short) // -(-count // short[0])
+        whole, gathered, size = 0, 0, free.alike[kind]
+        if size is not None:  # (nodes alike: whole multiples)
+            if tp <= size < count * tp:
+                whole = len(free.empty[kind]) // -(-count // (size // tp))
         else:
+            short = [total // tp for total in free.empty[kind] if tp <= total < count * tp]
             for slots in short:
                 gathered += slots
                 if gathered >= count:
@@ -147,12 +151,18 @@ def room(free: Free, shape: ClassShape) -> int:
     return fits
 
 
-def _place(table: CostTable, shapes: tuple[ClassShape, ...]
+def _place(table: CostTable, shapes: tuple[ClassShape, ...], slots: bool = True
            ) -> tuple[Placement, dict[str, list[list]]] | None:
-    """The placement and the devices it leaves free (None if the classes do not fit)."""
+    """The placement (empty unless `slots`) and the devices it leaves free (None if
+    the classes do not fit)."""
     free, skip = _free_devices(table), {}  # (skip: see `_take`)
     out = []
     for shape in shapes:
+        if not slots:  # (a class's blocks are of different types: placed apart)
+            if not all(_take_many(free[kind], count, tp, skip, kind, shape.n)
+                       for kind, count, tp in shape.blocks()):
+                return None
+            continue
         pipelines = []
         for _ in range(shape.n):
             stages: list[Slot] = []
@@ -180,12 +190,41 @@ def _take(nodes: list[list], count: int, tp: int, skip: dict[tuple, int], kind: 
             skip[fits] = at
             return [Slot(node, start + i * tp, tp) for i in range(count)]
     skip[fits] = len(nodes)
+    whole = _whole_nodes(nodes, count, tp, skip, kind)
+    if whole is None:
+        return None
+    out: list[Slot] = []
+    for entry in whole:
+        out.extend(Slot(entry[0], i * tp, tp) for i in range(entry[2] // tp))
+    return out[:count]
+
+
+def _take_many(nodes: list[list], count: int, tp: int, skip: dict[tuple, int], kind: str,
+               n: int) -> bool:
+    """`_take` n times over, without the slots: whether all n blocks fit."""
+    fits = (kind, count, tp)
+    at = skip.get(fits, 0)
+    while n and at < len(nodes):  # first fit inside one node, as many as it holds
+        entry = nodes[at]
+        k = min(n, (entry[2] - entry[1]) // tp // count)
+        entry[1] += k * count * tp
+        n -= k
+        if n:
+            at += 1
+    skip[fits] = at
+    return all(_whole_nodes(nodes, count, tp, skip, kind) is not None for _ in range(n))
+
+
+def _whole_nodes(nodes: list[list], count: int, tp: int, skip: dict[tuple, int], kind: str
+                 ) -> list[list] | None:
+    """The whole empty nodes, in order, that a block too long for any node's free
+    devices takes (marked full), or None if they are too few."""
     empty = (kind, "empty")
     first = next((at for at in range(skip.get(empty, 0), len(nodes)) if nodes[at][1] == 0),
                  len(nodes))
     skip[empty] = first
     whole, short = [], count
-    for entry in nodes[first:]:  # a longer block takes whole nodes
+    for entry in nodes[first:]:
         if short <= 0:
             break
         if entry[1] == 0 and entry[2] >= tp:
@@ -193,11 +232,9 @@ def _take(nodes: list[list], count: int, tp: int, skip: dict[tuple, int], kind: 
             short -= entry[2] // tp
     if short > 0:
         return None
-    out: list[Slot] = []
     for entry in whole:
-        out.extend(Slot(entry[0], i * tp, tp) for i in range(entry[2] // tp))
         entry[1] = entry[2]
-    return out[:count]
+    return whole
 
 
 def node_labels(table: CostTable, types: tuple[str, ...], tps: tuple[int, ...]
