@@ -240,6 +240,10 @@ class _Search:
         """The table the configuration's structures are priced on (`interleave.fold`)."""
         return fold(self.table, config.interleave)
 
+    def late(self) -> bool:
+        """Whether the time limit has passed."""
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
     def threshold(self) -> float:
         return self.best[self.top_k - 1].step_time if len(self.best) >= self.top_k else \
             float("inf")
@@ -553,19 +557,20 @@ class _Search:
         and the one whose classes alone would finish soonest is picked (a bound that
         leaves room for more classes says little about the plan they make). Past the
         time limit, only the child with the best bound, towards a first plan if there
-        is none yet."""
+        is none yet, and none at all once there is one (settling a node prices its
+        families: at 1,024 GPUs with --tp-per-class, seconds)."""
         levels, bound, _ = self.state[node.config]
         while True:
-            while not self.settle(node):
-                pass
+            if self.late() and self.best:
+                return
+            if not self.settle(node):
+                continue  # (pricing raised its bound: settled again)
             if node.bound == float("inf"):
                 return
             if self.is_leaf(node):
                 self.leaf(node)
                 return
-            late = self.deadline is not None and time.perf_counter() > self.deadline
-            if late and self.best:
-                return
+            late = self.late()
             children = self.children(node)
             heapq.heapify(children)
             settled = []
@@ -600,7 +605,7 @@ class _Search:
             return
         model = self.best[0]
         for config, (levels, bound, index) in self.state.items():
-            if self.deadline is not None and time.perf_counter() > self.deadline:
+            if self.late():
                 return
             keys = [(s.types, s.tps if config.tp is None else (config.tp,) * s.stages)
                     for s in model.shapes]
@@ -657,7 +662,7 @@ class _Search:
                     moves += [(float(b), rest, f, k) for b, (f, k) in zip(
                         bounds, mixed, strict=True) if self.promising(b)]
         for _, rest, f, k in sorted(moves, key=lambda move: move[0])[:SWAPS]:
-            if self.deadline is not None and time.perf_counter() > self.deadline:
+            if self.late():
                 return
             node = _Node(0.0, next(self.counter), config, 0.0, len(levels),
                          (f.key, *(g.key for g, _ in rest)), (k, *(n for _, n in rest)))
