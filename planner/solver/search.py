@@ -476,14 +476,20 @@ class _Search:
 
     def crossed(self, node: _Node) -> float:
         """The node's bound raised by the sync its fixed classes pay beside each other
-        (`evaluate.cross_class_floor`), whatever the open levels add (their stages only
-        join the groups) and whatever the splits: the classes' placement follows from
-        them alone (the mixed class first, each homogeneous one on its own type's nodes
-        left), a last class that stands for 1..n pipelines on its first one's."""
+        (`evaluate.cross_class_floor`) and on their busiest network card
+        (`evaluate.card_floor`, where a stage's all-reduce spans nodes with another
+        class's stage), whatever the open levels add (their stages only join the
+        groups, and the cards) and whatever the splits: the classes' placement follows
+        from them alone (the mixed class first, each homogeneous one on its own type's
+        nodes left), a last class that stands for 1..n pipelines on its first one's."""
         if self.single or len(node.chosen) < 2:
             return node.bound
-        return max(node.bound, node.base + cross_class_floor(self.view(node.config),
-                                                             self.fewest(node)))
+        table, shapes = self.view(node.config), self.fewest(node)
+        placement = place(table, shapes)
+        if placement is None:
+            return node.bound  # (it has no children, and is no plan)
+        return max(node.bound, node.base + max(cross_class_floor(table, shapes, placement),
+                                               card_floor(table, shapes, placement, False)))
 
     def fewest(self, node: _Node) -> tuple[ClassShape, ...]:
         """The node's classes as placed, a last one that stands for 1..n pipelines at one:
