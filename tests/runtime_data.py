@@ -96,3 +96,10 @@ def ignored_targets(step: int, start: int, stop: int, *, seq_len: int, seed: int
     targets = targets.clone()
     targets[:, : seq_len // 2] = -100
     return inputs, targets
+
+
+def narrow(step: int, start: int, stop: int, *, seq_len: int, seed: int):
+    """Token ids and targets as int32 and int16, as numpy tokenizers and compact data
+    files give them."""
+    inputs, targets = tokens(step, start, stop, seq_len=seq_len, seed=seed)
+    return (inputs[0].int(),), targets.short()

@@ -330,6 +330,21 @@ def test_a_data_hooks_targets_outside_the_output_classes_are_named():
     assert torch.isfinite(info.loaded.loss(torch.randn(4, 32, 512), targets))
 
 
+def test_a_data_hooks_narrow_integers_are_widened_to_what_the_model_takes():
+    """int32 token ids and int16 targets (numpy tokenizers, compact data files) failed in
+    cross-entropy, which takes int64 only, on every rank: the batch comes back in the
+    model's own integer dtypes, the same values."""
+    info = inspect_model(tiny_plan("1x2xcpu", pp=2))
+    batches = Batches(info.loaded, global_batch=8, seed=0, vocab=info.vocab,
+                      classes=info.classes, hook="tests.runtime_data:narrow")
+    (ids,), targets = batches.get(0, 0, 4)
+    (wide,), wide_targets = Batches(info.loaded, global_batch=8, seed=0,
+                                    hook="tests.runtime_data:tokens").get(0, 0, 4)
+    assert ids.dtype == targets.dtype == torch.int64
+    assert torch.equal(ids, wide) and torch.equal(targets, wide_targets)
+    assert torch.isfinite(info.loaded.loss(torch.randn(4, 32, 512), targets))
+
+
 def test_the_single_process_reference_checks_a_data_hook_like_the_runtime():
     """The reference (what a distributed run is compared against) fed a bad hook's ids to
     the embedding and died in an IndexError; it checks them as the runtime does."""

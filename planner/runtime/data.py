@@ -16,7 +16,9 @@ A user hook `package.module:function` supplies real data. It is called as
 
 and must return samples [start, stop) of step `step`'s global batch: `inputs` a
 tensor or tuple of tensors (the model's positional inputs) and `targets` what the
-model's loss takes, each with stop - start rows. It must be deterministic in its
+model's loss takes, each with stop - start rows (integers in any integer dtype: numpy
+tokenizers' int32 ids are widened to the int64 embeddings and cross-entropy take). It
+must be deterministic in its
 arguments: the first and last stage of a pipeline call it separately (for the
 inputs and the targets), and a resumed run calls it again for the same steps.
 """
@@ -113,7 +115,7 @@ class Batches:
                     f"{tuple(tensor.shape)} for samples {start}-{stop} of step {step}; every "
                     f"tensor needs {stop - start} rows.")
         self._check_like(inputs, targets, stop - start)
-        return inputs, targets
+        return self._integers_like(inputs, targets)
 
     def _check_like(self, inputs: tuple, targets: Any, rows: int) -> None:
         """An error naming the hook where its batch differs from the model's own example
@@ -148,6 +150,26 @@ class Batches:
                                     "or solve for a model with a vocabulary that large"])
         if self.classes is not None and isinstance(targets, torch.Tensor):
             self._check_classes(targets, self.classes)
+
+    def _integers_like(self, inputs: tuple, targets: Any) -> tuple[tuple, Any]:
+        """The (checked) batch with its integer tensors in the integer dtypes of the
+        model's own inputs and targets (`_check_like`'s pairs), where every value fits:
+        embeddings and cross-entropy take int64 only."""
+        args, _, wanted = self._example
+
+        def like(got: Any, want: Any, what: str) -> Any:
+            if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+                    and _is_integer(got) and _is_integer(want) and got.dtype != want.dtype):
+                return got
+            span = torch.iinfo(want.dtype)
+            if got.numel() and (int(got.min()) < span.min or int(got.max()) > span.max):
+                self._bad(f"{what} as {got.dtype} with values the model's {want.dtype} "
+                          "cannot hold")
+            return got.to(want.dtype)
+
+        cast = tuple(like(got, want, f"input {i}") for i, (got, want) in
+                     enumerate(zip(inputs, args, strict=True)))
+        return cast, like(targets, wanted, "the targets")
 
     def _check_classes(self, targets: torch.Tensor, classes: int) -> None:
         """Integer targets must be a class of the loss (0 to classes - 1) or the index it
