@@ -60,6 +60,9 @@ class CommGroup:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:  # (string hashes differ between processes)
+        return CommGroup, (self.members,)
+
     @property
     def size(self) -> int:
         return sum(count for _, count in self.members)
