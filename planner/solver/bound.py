@@ -108,6 +108,20 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space,
     return levels
 
 
+def gpipe_holds(table: CostTable, batch: int, space: Space, tps: Sequence[int]) -> bool:
+    """Whether the devices could hold the leanest activations every layer keeps (at its
+    cheapest allowed degree in bytes) for the whole global batch at once, as GPipe
+    does: each pipeline keeps all its micro-batches, so where they cannot (with 1% to
+    spare), every GPipe family's blocks overflow (`families`, each block's states and
+    kept activations within its devices: summed over the most pipelines of a family
+    that fit, they would hold at least the batch's; at 4096 tokens Llama-3 70B keeps
+    5.5 GB a sample, past any 64 GPUs)."""
+    room = sum((t.memory - t.reserve) * sum(t.node_devices) for t in table.types)
+    kept = np.min([tp * np.min([table.activations(p, tp) for p in space.policies], axis=0)
+                   for tp in tps], axis=0).sum()
+    return batch * float(kept) <= room * 1.01
+
+
 def block_degrees(config: Config, space: Space, tps: Sequence[int]) -> bool:
     """Whether a mixed class's two blocks may differ in tensor-parallel degree: where
     the classes choose their own (`Config.tp` None), on 1F1B or GPipe (the runtime

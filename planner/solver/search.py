@@ -63,6 +63,7 @@ from planner.solver.bound import (
     crowded,
     device_work,
     families,
+    gpipe_holds,
     optimizer_bound,
     tight_result,
     tighten,
@@ -207,9 +208,11 @@ class _Search:
         self.gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
         every = configs(table, batch, limits)
         first = list(dict.fromkeys(c for c in first if c in every))  # (seeds share some)
+        gpipe = single and gpipe_holds(table, batch, space, degrees(table, limits))
         for config in first + [c for c in every if c not in first]:
-            if config.gpipe and not single:
-                continue  # GPipe runs structures of one class (`evaluate.zero_space`)
+            if config.gpipe and not gpipe:
+                continue  # GPipe runs structures of one class (`evaluate.zero_space`),
+                # on devices that hold the batch's activations (`bound.gpipe_holds`)
             if config in first or deadline is None or time.perf_counter() < deadline:
                 heapq.heappush(self.heap, self.set_up(config))
                 continue
