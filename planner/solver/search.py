@@ -208,7 +208,8 @@ class _Search:
         self.gathers = {t.name: cheapest_gather(table, t.name) for t in table.types}
         every = configs(table, batch, limits)
         first = list(dict.fromkeys(c for c in first if c in every))  # (seeds share some)
-        gpipe = single and gpipe_holds(table, batch, space, degrees(table, limits))
+        gpipe = single and any(c.gpipe for c in every) and gpipe_holds(
+            table, batch, space, degrees(table, limits))
         for config in first + [c for c in every if c not in first]:
             if config.gpipe and not gpipe:
                 continue  # GPipe runs structures of one class (`evaluate.zero_space`),
