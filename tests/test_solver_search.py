@@ -1168,20 +1168,27 @@ def _check_subtree_bounds(table, batch, limits, single, values, rng):
 
     run = _Search(table, batch, limits, Space(), 1, 0.0, single, [], itertools.count())
     stack = list(run.heap)
+    ranked: dict = {}  # per configuration, its structures fastest first
+    for config, shapes, v in sorted(values, key=lambda value: value[2]):
+        ranked.setdefault(config, []).append((shapes, v))
+
+    def least(node, levels, shrinks: bool) -> float:
+        """The fastest structure in the node's subtree (inf: none)."""
+        return next((v for shapes, v in ranked.get(node.config, ())
+                     if _consistent(shapes, node, levels, shrinks)), float("inf"))
+
     for _ in range(300):  # a random walk over the tree: it can be large
         if not stack:
             break
         node = stack.pop(rng.randrange(len(stack)))
         levels = run.state[node.config][0]
         shrinks = run.shrinks(node)
-        best = min((v for config, shapes, v in values if config == node.config
-                    and _consistent(shapes, node, levels, shrinks)), default=float("inf"))
+        best = least(node, levels, shrinks)
         assert node.bound <= best * (1 + 1e-9)
         while not run.settle(node):
             pass
         assert max(node.bound, run.crossed(node)) <= best * (1 + 1e-9)
-        exact = min((v for config, shapes, v in values if config == node.config
-                     and _consistent(shapes, node, levels, False)), default=float("inf"))
+        exact = least(node, levels, False)
         if (parts := run.split(node)) is not None:  # n alone, and a sibling of 1..n - 1
             node, sibling = parts
             assert max(node.bound, run.crossed(node)) <= exact * (1 + 1e-9)
