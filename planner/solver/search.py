@@ -489,11 +489,14 @@ class _Search:
         if self.single or len(node.chosen) < 2:
             return node.bound
         table, shapes = self.view(node.config), self.fewest(node)
-        placement = place(table, shapes)
-        if placement is None:
+        key = ("fixed classes' sync floor", shapes)  # (placed once per structure)
+        if key not in table.cache:
+            placement = place(table, shapes)
+            table.cache[key] = placement and max(cross_class_floor(table, shapes, placement),
+                                                 card_floor(table, shapes, placement, False))
+        if table.cache[key] is None:
             return node.bound  # (it has no children, and is no plan)
-        return max(node.bound, node.base + max(cross_class_floor(table, shapes, placement),
-                                               card_floor(table, shapes, placement, False)))
+        return max(node.bound, node.base + table.cache[key])
 
     def fewest(self, node: _Node) -> tuple[ClassShape, ...]:
         """The node's classes as placed, a last one that stands for 1..n pipelines at one:
