@@ -1104,6 +1104,47 @@ def test_node_bounds_hold_on_clusters_of_many_nodes(seed):
     _check_subtree_bounds(table, batch, limits, False, values, rng)
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+@example(19)
+def test_classes_that_leave_the_open_levels_no_room_pay_their_floor_as_at_their_leaf(seed):
+    """Where a node's fixed classes leave the open levels no room, no class is added
+    below it, so its sync floor on their placement (`_Search.crossed`) raises it as
+    much as the leaf of those classes alone: the floor is added to the time their
+    micro-batches take (`Bound.unsynced`), not to the base the parent passed on, which
+    counted the devices those classes now hold as the open levels'."""
+    from planner.solver.search import _Node, _Search
+
+    rng = random.Random(seed)
+    table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(2, 4)),
+                                                ("b", [1] * rng.randint(2, 4))],
+                         link_speed=rng.choice([0.1, 1.0]))
+    run = _Search(table, 8, Limits(max_stages=3), Space(zeros=(0,)), 1, 0.0, False, [],
+                  itertools.count())
+    stack, checked = list(run.heap), 0
+    for _ in range(400):
+        if not stack:
+            break
+        node = stack.pop(rng.randrange(len(stack)))
+        while not run.settle(node):
+            pass
+        if (parts := run.split(node)) is not None:
+            node, sibling = parts
+            stack.append(sibling)
+        if run.is_leaf(node):
+            continue
+        levels, bound, _ = run.state[node.config]
+        fits = run.fits(node.config, run.fewest(node), range(node.level, len(levels)))
+        if len(node.chosen) > 1 and fits is not None and not fits.any():
+            leaf = _Node(0.0, -1, node.config, 0.0, len(levels), node.chosen, node.counts)
+            leaf.bound, leaf.base = bound(run.fixed(leaf), ())
+            assert run.crossed(node) >= run.crossed(leaf) * (1 - 1e-9)
+            checked += 1
+        stack.extend(run.children(node))
+    if seed == 19:  # (one that reaches such nodes: the check is not empty)
+        assert checked
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_a_bound_for_up_to_n_pipelines_is_below_each_counts_bound(seed):

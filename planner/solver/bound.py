@@ -1351,6 +1351,18 @@ class Bound:
         return _catch_up(times, np.where(ahead, after, times), goal - reached,
                          functools.partial(open_from, times), goal)
 
+    def unsynced(self, fixed: Sequence[tuple[Family, int]], open_levels: Sequence[int],
+                 fewer: bool = False, at_least: float = 0.0, fits: np.ndarray | None = None
+                 ) -> float:
+        """The time a (partial) structure's micro-batches and optimizer step take at
+        least, before any sync: `many`'s base where no level is open. Where one is, that
+        base holds the sync a class the open levels add pays beyond the fixed classes'
+        floors (`_open_shift`), so `many` passes on the base it was given instead."""
+        last = [fixed[-1]] if fixed else [(None, 0)]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return float(self._core(fixed[:-1], last, open_levels, fewer, at_least,
+                                    fits=fits)[0])
+
     def __call__(self, fixed: Sequence[tuple[Family, int]], open_levels: Sequence[int],
                  fewer: bool = False, at_least: tuple[float, float] = (0.0, 0.0),
                  fits: np.ndarray | None = None) -> tuple[float, float]:

@@ -145,6 +145,7 @@ class _Node:
     fewer: frozenset = field(compare=False, default=frozenset())
     # with `fewer`: per count 1..n of the last family, its own bound and base
     counted: tuple = field(compare=False, default=())
+    unsynced: bool = field(compare=False, default=False)  # base: `Bound.unsynced`'s
 
 
 SWAPS = 64  # moves around the greedy plan that are priced (`_Search.swap`)
@@ -421,7 +422,8 @@ class _Search:
                     fewer=frozenset())) if self.promising(b) else b, base)
                     for k, (b, base) in enumerate(counted, 1))
         exact = dataclasses.replace(node, bound=float(counted[-1][0]),
-                                    base=float(counted[-1][1]), fewer=frozenset(), counted=())
+                                    base=float(counted[-1][1]), fewer=frozenset(), counted=(),
+                                    unsynced=False)
         rest = counted[:-1]
         sibling = _Node(float(min(b for b, _ in rest)), next(self.counter), node.config,
                         float(min(b for _, b in rest)), node.level, node.chosen,
@@ -485,7 +487,10 @@ class _Search:
         class's stage), whatever the open levels add (their stages only join the
         groups, and the cards) and whatever the splits: the classes' placement follows
         from them alone (the mixed class first, each homogeneous one on its own type's
-        nodes left), a last class that stands for 1..n pipelines on its first one's."""
+        nodes left), a last class that stands for 1..n pipelines on its first one's.
+        The floor is added to the time the node's micro-batches take before any sync
+        (`Bound.unsynced`, found once per node: where levels are open, `many` passes on
+        the parent's base, which counts the devices the node's classes hold as theirs)."""
         if self.single or len(node.chosen) < 2:
             return node.bound
         table, shapes = self.view(node.config), self.fewest(node)
@@ -496,6 +501,12 @@ class _Search:
                                                  card_floor(table, shapes, placement, False))
         if table.cache[key] is None:
             return node.bound  # (it has no children, and is no plan)
+        if not node.unsynced and not self.is_leaf(node):
+            levels, bound, _ = self.state[node.config]
+            open_levels = range(node.level, len(levels))
+            node.base = bound.unsynced(self.fixed(node), open_levels, self.shrinks(node),
+                                       node.base, self.fits(node.config, shapes, open_levels))
+            node.unsynced = True
         return max(node.bound, node.base + table.cache[key])
 
     def fewest(self, node: _Node) -> tuple[ClassShape, ...]:
