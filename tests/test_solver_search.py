@@ -1130,7 +1130,7 @@ def test_classes_that_leave_the_open_levels_no_room_pay_their_floor_as_at_their_
             pass
         if (parts := run.split(node)) is not None:
             node, sibling = parts
-            stack.append(sibling)
+            stack.extend([sibling] if sibling else [])
         if run.is_leaf(node):
             continue
         levels, bound, _ = run.state[node.config]
@@ -1142,6 +1142,55 @@ def test_classes_that_leave_the_open_levels_no_room_pay_their_floor_as_at_their_
             checked += 1
         stack.extend(run.children(node))
     if seed == 19:  # (one that reaches such nodes: the check is not empty)
+        assert checked
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+@example(3)
+def test_a_split_prunes_the_counts_that_cannot_beat_the_best_plan(seed):
+    """Splitting a node of 1..n pipelines off its count n leaves a sibling of 1..k, k
+    the largest count below n whose bound may beat the best plan (none if no count
+    may): the counts between are pruned at once, each bound no better than that plan."""
+    from types import SimpleNamespace
+
+    from planner.solver.search import _Search
+
+    rng = random.Random(seed)
+    table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(2, 4)),
+                                                ("b", [1] * rng.randint(2, 4))],
+                         link_speed=rng.choice([0.1, 1.0]))
+    run = _Search(table, 8, Limits(max_stages=3), Space(zeros=(0,)), 1, 0.0, False, [],
+                  itertools.count())
+    stack, checked = list(run.heap), 0
+    for _ in range(200):
+        if not stack:
+            break
+        node = stack.pop(rng.randrange(len(stack)))
+        while not run.settle(node):
+            pass
+        if run.shrinks(node):
+            run.best[:] = []  # no plan yet: every count kept
+            _, whole = run.split(dataclasses.replace(node, counted=()))
+            bounds = [b for b, _ in whole.counted]
+            best = sorted(bounds)[len(bounds) // 2] * 1.001  # a plan some counts beat
+            run.best[:] = [SimpleNamespace(step_time=best)]
+            pruned = run.pruned
+            _, sibling = run.split(dataclasses.replace(node, counted=()))
+            kept = [k for k, b in enumerate(bounds, 1) if b < best]
+            if not kept:
+                assert sibling is None
+            else:
+                assert sibling.counts[-1] == len(sibling.counted) == max(kept)
+            assert run.pruned - pruned == len(bounds) - max(kept, default=0)
+            checked += 1
+            run.best[:] = []
+        if (parts := run.split(node)) is not None:
+            node, sibling = parts
+            stack.append(sibling)
+        if not run.is_leaf(node):
+            stack.extend(run.children(node))
+    if seed == 3:  # (one that reaches such nodes: the check is not empty)
         assert checked
 
 
@@ -1230,10 +1279,10 @@ def _check_subtree_bounds(table, batch, limits, single, values, rng):
             pass
         assert max(node.bound, run.crossed(node)) <= best * (1 + 1e-9)
         exact = least(node, levels, False)
-        if (parts := run.split(node)) is not None:  # n alone, and a sibling of 1..n - 1
+        if (parts := run.split(node)) is not None:  # n alone, and a sibling of 1..k
             node, sibling = parts
             assert max(node.bound, run.crossed(node)) <= exact * (1 + 1e-9)
-            stack.append(sibling)
+            stack.extend([sibling] if sibling else [])
         if run.is_leaf(node):  # what decides whether a leaf (its counts as they are) is priced
             assert run.sync_floor(node) <= exact * (1 + 1e-9)
         else:

@@ -400,10 +400,12 @@ class _Search:
             level += 1
         return level
 
-    def split(self, node: _Node) -> tuple[_Node, _Node] | None:
+    def split(self, node: _Node) -> tuple[_Node, _Node | None] | None:
         """A (settled) node of 1..n pipelines as the node of n alone and its sibling of
-        1..n - 1, each bounded by the least of its counts' own bounds (found for all
-        counts at once, the first time; None if the node stands for one count)."""
+        1..k, each bounded by the least of its counts' own bounds (found for all counts
+        at once, the first time; None if the node stands for one count). The counts
+        from k + 1 to n - 1 are pruned here, their bounds no better than the best plan
+        (no sibling if none is left): else each would take a turn of its own."""
         if not self.shrinks(node):
             return None
         levels, bound, _ = self.state[node.config]
@@ -425,9 +427,13 @@ class _Search:
                                     base=float(counted[-1][1]), fewer=frozenset(), counted=(),
                                     unsynced=False)
         rest = counted[:-1]
+        while rest and not self.keep(rest[-1][0]):
+            rest = rest[:-1]
+        if not rest:
+            return exact, None
         sibling = _Node(float(min(b for b, _ in rest)), next(self.counter), node.config,
                         float(min(b for _, b in rest)), node.level, node.chosen,
-                        (*node.counts[:-1], node.counts[-1] - 1), node.fewer, rest)
+                        (*node.counts[:-1], len(rest)), node.fewer, rest)
         return exact, sibling
 
     def greedy(self, config: Config) -> None:
@@ -715,7 +721,7 @@ class _Search:
             return True
         if (parts := self.split(node)) is not None:
             exact, sibling = parts
-            if self.keep(sibling.bound):
+            if sibling is not None and self.keep(sibling.bound):
                 heapq.heappush(self.heap, sibling)
             if exact.bound > node.bound * (1 + 1e-12):  # it may wait its turn again
                 if self.keep(exact.bound):
