@@ -1172,22 +1172,24 @@ def test_a_split_prunes_the_counts_that_cannot_beat_the_best_plan(seed):
         if run.shrinks(node):
             run.best[:] = []  # no plan yet: every count kept
             _, whole = run.split(dataclasses.replace(node, counted=()))
-            bounds = [b for b, _ in whole.counted]
-            best = sorted(bounds)[len(bounds) // 2] * 1.001  # a plan some counts beat
-            run.best[:] = [SimpleNamespace(step_time=best)]
-            pruned = run.pruned
-            _, sibling = run.split(dataclasses.replace(node, counted=()))
-            kept = [k for k, b in enumerate(bounds, 1) if b < best]
-            if not kept:
-                assert sibling is None
-            else:
-                assert sibling.counts[-1] == len(sibling.counted) == max(kept)
-            assert run.pruned - pruned == len(bounds) - max(kept, default=0)
-            checked += 1
-            run.best[:] = []
+            # (counts that cannot run are pruned even then: their bounds are infinite)
+            bounds = [b for b, _ in whole.counted] if whole else []
+            if any(b < float("inf") for b in bounds):
+                best = 1.001 * sorted(bounds)[sum(b < float("inf") for b in bounds) // 2]
+                run.best[:] = [SimpleNamespace(step_time=best)]  # some counts beat it
+                pruned = run.pruned
+                _, sibling = run.split(dataclasses.replace(node, counted=()))
+                kept = [k for k, b in enumerate(bounds, 1) if b < best]
+                if not kept:
+                    assert sibling is None
+                else:
+                    assert sibling.counts[-1] == len(sibling.counted) == max(kept)
+                assert run.pruned - pruned == node.counts[-1] - 1 - max(kept, default=0)
+                checked += 1
+                run.best[:] = []
         if (parts := run.split(node)) is not None:
             node, sibling = parts
-            stack.append(sibling)
+            stack.extend([sibling] if sibling else [])
         if not run.is_leaf(node):
             stack.extend(run.children(node))
     if seed == 3:  # (one that reaches such nodes: the check is not empty)
