@@ -1104,6 +1104,33 @@ def test_node_bounds_hold_on_clusters_of_many_nodes(seed):
     _check_subtree_bounds(table, batch, limits, False, values, rng)
 
 
+def _walk_many_nodes(seed: int, steps: int):
+    """A random walk over the tree of the ZeRO-free part of the search on a cluster of
+    several nodes per type: each node as taken and settled, and as split off its smaller
+    counts (the same node if it stands for one), with the search."""
+    from planner.solver.search import _Search
+
+    rng = random.Random(seed)
+    table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(2, 4)),
+                                                ("b", [1] * rng.randint(2, 4))],
+                         link_speed=rng.choice([0.1, 1.0]))
+    run = _Search(table, 8, Limits(max_stages=3), Space(zeros=(0,)), 1, 0.0, False, [],
+                  itertools.count())
+    stack = list(run.heap)
+    for _ in range(steps):
+        if not stack:
+            return
+        taken = node = stack.pop(rng.randrange(len(stack)))
+        while not run.settle(node):
+            pass
+        if (parts := run.split(node)) is not None:
+            node, sibling = parts
+            stack.extend([sibling] if sibling else [])
+        yield run, taken, node
+        if not run.is_leaf(node):
+            stack.extend(run.children(node))
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 @example(19)
@@ -1113,34 +1140,19 @@ def test_classes_that_leave_the_open_levels_no_room_pay_their_floor_as_at_their_
     much as the leaf of those classes alone: the floor is added to the time their
     micro-batches take (`Bound.unsynced`), not to the base the parent passed on, which
     counted the devices those classes now hold as the open levels'."""
-    from planner.solver.search import _Node, _Search
+    from planner.solver.search import _Node
 
-    rng = random.Random(seed)
-    table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(2, 4)),
-                                                ("b", [1] * rng.randint(2, 4))],
-                         link_speed=rng.choice([0.1, 1.0]))
-    run = _Search(table, 8, Limits(max_stages=3), Space(zeros=(0,)), 1, 0.0, False, [],
-                  itertools.count())
-    stack, checked = list(run.heap), 0
-    for _ in range(400):
-        if not stack:
-            break
-        node = stack.pop(rng.randrange(len(stack)))
-        while not run.settle(node):
-            pass
-        if (parts := run.split(node)) is not None:
-            node, sibling = parts
-            stack.extend([sibling] if sibling else [])
-        if run.is_leaf(node):
-            continue
+    checked = 0
+    for run, _, node in _walk_many_nodes(seed, 400):
         levels, bound, _ = run.state[node.config]
+        if run.is_leaf(node) or len(node.chosen) < 2:
+            continue
         fits = run.fits(node.config, run.fewest(node), range(node.level, len(levels)))
-        if len(node.chosen) > 1 and fits is not None and not fits.any():
+        if fits is not None and not fits.any():
             leaf = _Node(0.0, -1, node.config, 0.0, len(levels), node.chosen, node.counts)
             leaf.bound, leaf.base = bound(run.fixed(leaf), ())
             assert run.crossed(node) >= run.crossed(leaf) * (1 - 1e-9)
             checked += 1
-        stack.extend(run.children(node))
     if seed == 19:  # (one that reaches such nodes: the check is not empty)
         assert checked
 
@@ -1154,44 +1166,27 @@ def test_a_split_prunes_the_counts_that_cannot_beat_the_best_plan(seed):
     may): the counts between are pruned at once, each bound no better than that plan."""
     from types import SimpleNamespace
 
-    from planner.solver.search import _Search
-
-    rng = random.Random(seed)
-    table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(2, 4)),
-                                                ("b", [1] * rng.randint(2, 4))],
-                         link_speed=rng.choice([0.1, 1.0]))
-    run = _Search(table, 8, Limits(max_stages=3), Space(zeros=(0,)), 1, 0.0, False, [],
-                  itertools.count())
-    stack, checked = list(run.heap), 0
-    for _ in range(200):
-        if not stack:
-            break
-        node = stack.pop(rng.randrange(len(stack)))
-        while not run.settle(node):
-            pass
-        if run.shrinks(node):
-            run.best[:] = []  # no plan yet: every count kept
-            _, whole = run.split(dataclasses.replace(node, counted=()))
-            # (counts that cannot run are pruned even then: their bounds are infinite)
-            bounds = [b for b, _ in whole.counted] if whole else []
-            if any(b < float("inf") for b in bounds):
-                best = 1.001 * sorted(bounds)[sum(b < float("inf") for b in bounds) // 2]
-                run.best[:] = [SimpleNamespace(step_time=best)]  # some counts beat it
-                pruned = run.pruned
-                _, sibling = run.split(dataclasses.replace(node, counted=()))
-                kept = [k for k, b in enumerate(bounds, 1) if b < best]
-                if not kept:
-                    assert sibling is None
-                else:
-                    assert sibling.counts[-1] == len(sibling.counted) == max(kept)
-                assert run.pruned - pruned == node.counts[-1] - 1 - max(kept, default=0)
-                checked += 1
-                run.best[:] = []
-        if (parts := run.split(node)) is not None:
-            node, sibling = parts
-            stack.extend([sibling] if sibling else [])
-        if not run.is_leaf(node):
-            stack.extend(run.children(node))
+    checked = 0
+    for run, node, _ in _walk_many_nodes(seed, 200):
+        if not run.shrinks(node):
+            continue
+        _, whole = run.split(dataclasses.replace(node, counted=()))  # no plan yet
+        # (counts that cannot run are pruned even then: their bounds are infinite)
+        bounds = [b for b, _ in whole.counted] if whole else []
+        if not any(b < float("inf") for b in bounds):
+            continue
+        best = 1.001 * sorted(bounds)[sum(b < float("inf") for b in bounds) // 2]
+        run.best[:] = [SimpleNamespace(step_time=best)]  # some counts beat it
+        pruned = run.pruned
+        _, sibling = run.split(dataclasses.replace(node, counted=()))
+        kept = [k for k, b in enumerate(bounds, 1) if b < best]
+        if not kept:
+            assert sibling is None
+        else:
+            assert sibling.counts[-1] == len(sibling.counted) == max(kept)
+        assert run.pruned - pruned == node.counts[-1] - 1 - max(kept, default=0)
+        checked += 1
+        run.best[:] = []
     if seed == 3:  # (one that reaches such nodes: the check is not empty)
         assert checked
 
