@@ -426,9 +426,12 @@ class _Search:
         exact = dataclasses.replace(node, bound=float(counted[-1][0]),
                                     base=float(counted[-1][1]), fewer=frozenset(), counted=(),
                                     unsynced=False)
-        rest = counted[:-1]
-        while rest and not self.keep(rest[-1][0]):
-            rest = rest[:-1]
+        kept = len(counted) - 1
+        while kept and not self.promising(counted[kept - 1][0]):
+            kept -= 1
+        if kept < len(counted) - 1:  # (pruned as one node, as their sibling was)
+            self.keep(min(b for b, _ in counted[kept:-1]))
+        rest = counted[:kept]
         if not rest:
             return exact, None
         sibling = _Node(float(min(b for b, _ in rest)), next(self.counter), node.config,
