@@ -1192,6 +1192,37 @@ def test_a_split_prunes_the_counts_that_cannot_beat_the_best_plan(seed):
         assert checked
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_rows_flagged_as_up_to_n_pipelines_are_bounded_as_in_a_call_of_their_own(seed):
+    """`Bound.many` with a `fewer` flag per candidate (children bound 1..n pipelines as
+    the least of n alone and 1..n-1, in one call): each row's bound and base are those
+    of a call where every candidate is flagged as it is."""
+    rng = random.Random(seed)
+    checked = 0
+    for run, _, node in _walk_many_nodes(seed, 60):
+        levels, bound, _ = run.state[node.config]
+        if run.is_leaf(node):
+            continue
+        fixed, opened = run.fixed(node), range(node.level + 1, len(levels))
+        rows = [*((f, rng.randint(1, 3)) for f in levels[node.level] if f.min_busy < np.inf),
+                (None, 0)]
+        flags = [rng.random() < 0.5 for _ in rows]
+        fits = run.row_fits(node, rows, opened, flags)
+        both = bound.many(fixed, rows, opened, flags, (node.bound, node.base), fits)
+        for flag in (False, True):
+            at = [i for i, f in enumerate(flags) if f == flag]
+            if not at:
+                continue
+            alone = bound.many(fixed, [rows[i] for i in at], opened, flag,
+                               (node.bound, node.base),
+                               fits if fits is None or fits.ndim == 1 else fits[at])
+            np.testing.assert_allclose(both[0][at], alone[0], rtol=1e-12)
+            np.testing.assert_allclose(both[1][at], alone[1], rtol=1e-12)
+            checked += 1
+    assert checked
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_a_bound_for_up_to_n_pipelines_is_below_each_counts_bound(seed):

@@ -1034,11 +1034,13 @@ class Bound:
 
     def many(self, fixed: Sequence[tuple[Family, int]],
              candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-             fewer: bool = False, at_least: tuple[float, float] = (0.0, 0.0),
+             fewer: bool | Sequence[bool] = False,
+             at_least: tuple[float, float] = (0.0, 0.0),
              fits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The bound of `fixed` plus each candidate class (f, n) (None: no class), all at
         once, and the same without the fixed classes' sync floor (the base); with
-        `fewer`, a candidate stands for 1..n pipelines. `at_least`: a bound and base
+        `fewer` (for all candidates, or a flag each), a candidate stands for 1..n
+        pipelines. `at_least`: a bound and base
         already known for all of them (e.g. the parent's). `fits`: per family of the
         open homogeneous levels (`Bound.open_families`), the most pipelines placement
         puts beside the fixed classes and any candidate (see `_open_done`).
@@ -1053,7 +1055,8 @@ class Bound:
 
     def _many(self, fixed: Sequence[tuple[Family, int]],
               candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-              fewer: bool, at_least: tuple[float, float], fits: np.ndarray | None
+              fewer: bool | Sequence[bool], at_least: tuple[float, float],
+              fits: np.ndarray | None
               ) -> tuple[np.ndarray, np.ndarray]:
         rows = len(candidates)
         if self.single and open_levels:  # then nothing is fixed and no candidate live
@@ -1072,8 +1075,9 @@ class Bound:
         if live.any():
             classes.append((np.array([self._mask(f) for f, _ in candidates]),
                             np.array([float(len(f.types)) if f else 1.0 for f, _ in candidates]),
-                            np.array([(1.0 if fewer else float(n)) if f else 0.0
-                                      for f, n in candidates]),
+                            np.array([(1.0 if few else float(n)) if f else 0.0
+                                      for (f, n), few in zip(candidates, np.broadcast_to(
+                                          fewer, rows), strict=True)]),
                             np.array([float(max(n, 1)) for _, n in candidates]),
                             np.array([self.sync.copies(f.types, f.tps) if f else
                                       self.sync.copies(None) for f, _ in candidates]),
@@ -1152,7 +1156,7 @@ class Bound:
 
     def _synced(self, fixed: Sequence[tuple[Family, int]],
                 candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-                fewer: bool, at_least: float, base: np.ndarray, classes: list,
+                fewer: bool | Sequence[bool], at_least: float, base: np.ndarray, classes: list,
                 live: np.ndarray, terms: list | None = None, fits: np.ndarray | None = None
                 ) -> np.ndarray:
         """`many`'s bound from its base and the sync floors of the classes (the fixed
@@ -1186,7 +1190,7 @@ class Bound:
 
     def _raised(self, fixed: Sequence[tuple[Family, int]],
                 candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-                fewer: bool, at_least: float, c: int, period: np.ndarray,
+                fewer: bool | Sequence[bool], at_least: float, c: int, period: np.ndarray,
                 rows: np.ndarray, base: np.ndarray, fits: np.ndarray | None
                 ) -> np.ndarray:
         """The base bound with class c (a fixed one, or the candidates' if c is past
@@ -1212,7 +1216,7 @@ class Bound:
 
     def _core(self, fixed: Sequence[tuple[Family, int]],
               candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-              fewer: bool, at_least: float,
+              fewer: bool | Sequence[bool], at_least: float,
               shift: tuple[np.ndarray, np.ndarray] | None = None,
               fits: np.ndarray | None = None) -> np.ndarray:
         """`many`'s bound before sync; `shift`: per row and open homogeneous family, sync
@@ -1236,7 +1240,9 @@ class Bound:
             0.0, shift[1][None, :] - optimizer[:, None])[:, :, None]
         open_levels = [level for level in open_levels if self.levels[level]]
         mixed = any(self._is_mixed(level) for level in open_levels)
-        homes = self._homogeneous(open_levels)[0] if fewer and not mixed else None
+        spare = np.where(fewer, n_c - 1, 0.0)  # pipelines a row's candidate may drop
+        dropping = bool(spare.any())
+        homes = self._homogeneous(open_levels)[0] if dropping and not mixed else None
         rows = len(candidates)
 
         def stacked(values: list, last: np.ndarray) -> np.ndarray:
@@ -1257,7 +1263,7 @@ class Bound:
         pipes, periods, fills = lines
         live, inv_busy = pipes > 0, 1 / periods
 
-        open_done = self._open_done(open_levels, later, free, fewer, fits) if (
+        open_done = self._open_done(open_levels, later, free, dropping, fits) if (
             open_levels and not mixed) else None
 
         def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
@@ -1282,22 +1288,22 @@ class Bound:
                       ) -> np.ndarray:
             if open_done is not None:
                 levels, per_slot = open_done(t_open, whole)
-                if not fewer:
+                if not dropping:
                     return value + levels.sum(axis=1)
                 # the levels of the types the last class uses, per slot at either end
-                touched = (counts[:, homes] > 0) & (n_c > 1)[:, None]
+                touched = (counts[:, homes] > 0) & (spare > 0)[:, None]
                 slots = free[:, homes] * per_slot
                 freed = (counts[:, homes] * per_slot).sum(axis=1)
                 linear = np.where(touched, slots, 0.0).sum(axis=1)
                 return (value + np.where(touched, 0.0, levels).sum(axis=1) + linear
-                        + np.maximum(0.0, (n_c - 1) * (freed - ones[-1])))
+                        + np.maximum(0.0, spare * (freed - ones[-1])))
             best = value if not open_levels else np.full(len(t_open), INF)
             for y, valid, beyond in self._slot_values(t_open, open_levels, whole
                                                       ) if open_levels else ():
                 more = value + (free * y).sum(axis=1) + beyond
-                if fewer:
+                if dropping:
                     freed = (counts * y).sum(axis=1)
-                    more = np.maximum(more, more + (n_c - 1) * (freed - ones[-1]))
+                    more = np.maximum(more, more + spare * (freed - ones[-1]))
                 best = np.minimum(best, more if valid is None else np.where(valid, more, INF))
             return best
 
