@@ -1194,10 +1194,10 @@ def test_a_split_prunes_the_counts_that_cannot_beat_the_best_plan(seed):
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
-def test_rows_flagged_as_up_to_n_pipelines_are_bounded_as_in_a_call_of_their_own(seed):
-    """`Bound.many` with a `fewer` flag per candidate (children bound 1..n pipelines as
-    the least of n alone and 1..n-1, in one call): each row's bound and base are those
-    of a call where every candidate is flagged as it is."""
+def test_rows_of_their_own_fewest_counts_are_bounded_as_in_a_call_of_their_own(seed):
+    """`Bound.many` with the fewest count each candidate stands for (children bound 1..n
+    pipelines as the least over n alone, h..n-1 and 1..h-1, in one call): each row's
+    bound and base are those of a call of its own (with True, for a fewest of one)."""
     rng = random.Random(seed)
     checked = 0
     for run, _, node in _walk_many_nodes(seed, 60):
@@ -1205,20 +1205,17 @@ def test_rows_flagged_as_up_to_n_pipelines_are_bounded_as_in_a_call_of_their_own
         if run.is_leaf(node):
             continue
         fixed, opened = run.fixed(node), range(node.level + 1, len(levels))
-        rows = [*((f, rng.randint(1, 3)) for f in levels[node.level] if f.min_busy < np.inf),
-                (None, 0)]
-        flags = [rng.random() < 0.5 for _ in rows]
-        fits = run.row_fits(node, rows, opened, flags)
-        both = bound.many(fixed, rows, opened, flags, (node.bound, node.base), fits)
-        for flag in (False, True):
-            at = [i for i, f in enumerate(flags) if f == flag]
-            if not at:
-                continue
-            alone = bound.many(fixed, [rows[i] for i in at], opened, flag,
-                               (node.bound, node.base),
-                               fits if fits is None or fits.ndim == 1 else fits[at])
-            np.testing.assert_allclose(both[0][at], alone[0], rtol=1e-12)
-            np.testing.assert_allclose(both[1][at], alone[1], rtol=1e-12)
+        rows = [(f, rng.randint(1, 4)) for f in levels[node.level] if f.min_busy < np.inf]
+        fewest = [rng.randint(1, n) for _, n in rows]  # (a row of no class, alone, is
+        # bounded without the sync of a class the open levels add: not with others)
+        fits = run.row_fits(node, rows, opened, fewest)
+        both = bound.many(fixed, rows, opened, fewest, (node.bound, node.base), fits)
+        for i, (row, least) in enumerate(zip(rows, fewest, strict=True)):
+            one = fits if fits is None or fits.ndim == 1 else fits[i:i + 1]
+            for fewer in ([least], *([True] if least == 1 else [])):
+                alone = bound.many(fixed, [row], opened, fewer, (node.bound, node.base), one)
+                assert both[0][i] == pytest.approx(alone[0][0], rel=1e-12)
+                assert both[1][i] == pytest.approx(alone[1][0], rel=1e-12)
             checked += 1
     assert checked
 
@@ -1226,10 +1223,10 @@ def test_rows_flagged_as_up_to_n_pipelines_are_bounded_as_in_a_call_of_their_own
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_a_bound_for_up_to_n_pipelines_is_below_each_counts_bound(seed):
-    """A node's last class stands for 1..n pipelines: its bound before sync is no
-    higher than that of any one of those counts, the open families paying the same
-    sync, more the more pipelines (a count between the ends can leave the open levels
-    more than either end)."""
+    """A node's last class stands for 1..n pipelines (or a child's row for k..n): its
+    bound before sync is no higher than that of any one of those counts, the open
+    families paying the same sync, more the more pipelines (a count between the ends
+    can leave the open levels more than either end)."""
     import numpy as np
 
     from planner.solver.search import _Search
@@ -1251,9 +1248,11 @@ def test_a_bound_for_up_to_n_pipelines_is_below_each_counts_bound(seed):
             f, n = fixed[-1]
             shift = (np.cumsum([[[rng.random() for _ in range(families[5].shape[1])]
                                 for _ in families[1]]], axis=2), families[2])
+            least = rng.choice([1, rng.randint(1, n)])
             with np.errstate(divide="ignore", invalid="ignore"):  # as `Bound.many` calls it
-                up_to_n = bound._core(fixed[:-1], [(f, n)], opened, True, 0.0, shift)
-                for count in range(1, n + 1):
+                up_to_n = bound._core(fixed[:-1], [(f, n)], opened,
+                                      True if least == 1 else [least], 0.0, shift)
+                for count in range(least, n + 1):
                     exact = bound._core(fixed[:-1], [(f, count)], opened, False, 0.0, shift)
                     assert up_to_n[0] <= exact[0] * (1 + 2e-3)  # (each within 0.1%)
         if not run.is_leaf(node):

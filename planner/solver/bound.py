@@ -800,7 +800,9 @@ class Bound:
     one node holds a stage of: `_rungs`).
 
     `fewer`: the last fixed class stands for 1..n pipelines (its smaller counts
-    are searched later); its slots then go to the open levels. On the types it
+    are searched later), or for k..n (a child's bound is the least over a few such
+    ranges); it pays the sync of its fewest, and the slots the fewer leave go to
+    the open levels. On the types it
     uses they are valued per slot as above (linear in its count, so the larger of
     the two ends bounds them all: whole classes are not, and a count between could
     finish more); the other types' levels do not depend on its count.
@@ -1034,13 +1036,13 @@ class Bound:
 
     def many(self, fixed: Sequence[tuple[Family, int]],
              candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-             fewer: bool | Sequence[bool] = False,
+             fewer: bool | Sequence[int] = False,
              at_least: tuple[float, float] = (0.0, 0.0),
              fits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The bound of `fixed` plus each candidate class (f, n) (None: no class), all at
         once, and the same without the fixed classes' sync floor (the base); with
-        `fewer` (for all candidates, or a flag each), a candidate stands for 1..n
-        pipelines. `at_least`: a bound and base
+        `fewer`, a candidate stands for 1..n pipelines (or, given per candidate, for its
+        fewest count here to n). `at_least`: a bound and base
         already known for all of them (e.g. the parent's). `fits`: per family of the
         open homogeneous levels (`Bound.open_families`), the most pipelines placement
         puts beside the fixed classes and any candidate (see `_open_done`).
@@ -1055,7 +1057,7 @@ class Bound:
 
     def _many(self, fixed: Sequence[tuple[Family, int]],
               candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-              fewer: bool | Sequence[bool], at_least: tuple[float, float],
+              fewer: bool | Sequence[int], at_least: tuple[float, float],
               fits: np.ndarray | None
               ) -> tuple[np.ndarray, np.ndarray]:
         rows = len(candidates)
@@ -1075,9 +1077,7 @@ class Bound:
         if live.any():
             classes.append((np.array([self._mask(f) for f, _ in candidates]),
                             np.array([float(len(f.types)) if f else 1.0 for f, _ in candidates]),
-                            np.array([(1.0 if few else float(n)) if f else 0.0
-                                      for (f, n), few in zip(candidates, np.broadcast_to(
-                                          fewer, rows), strict=True)]),
+                            fewest_counts(fewer, candidates),
                             np.array([float(max(n, 1)) for _, n in candidates]),
                             np.array([self.sync.copies(f.types, f.tps) if f else
                                       self.sync.copies(None) for f, _ in candidates]),
@@ -1156,7 +1156,7 @@ class Bound:
 
     def _synced(self, fixed: Sequence[tuple[Family, int]],
                 candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-                fewer: bool | Sequence[bool], at_least: float, base: np.ndarray, classes: list,
+                fewer: bool | Sequence[int], at_least: float, base: np.ndarray, classes: list,
                 live: np.ndarray, terms: list | None = None, fits: np.ndarray | None = None
                 ) -> np.ndarray:
         """`many`'s bound from its base and the sync floors of the classes (the fixed
@@ -1190,7 +1190,7 @@ class Bound:
 
     def _raised(self, fixed: Sequence[tuple[Family, int]],
                 candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-                fewer: bool | Sequence[bool], at_least: float, c: int, period: np.ndarray,
+                fewer: bool | Sequence[int], at_least: float, c: int, period: np.ndarray,
                 rows: np.ndarray, base: np.ndarray, fits: np.ndarray | None
                 ) -> np.ndarray:
         """The base bound with class c (a fixed one, or the candidates' if c is past
@@ -1216,7 +1216,7 @@ class Bound:
 
     def _core(self, fixed: Sequence[tuple[Family, int]],
               candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
-              fewer: bool | Sequence[bool], at_least: float,
+              fewer: bool | Sequence[int], at_least: float,
               shift: tuple[np.ndarray, np.ndarray] | None = None,
               fits: np.ndarray | None = None) -> np.ndarray:
         """`many`'s bound before sync; `shift`: per row and open homogeneous family, sync
@@ -1240,7 +1240,7 @@ class Bound:
             0.0, shift[1][None, :] - optimizer[:, None])[:, :, None]
         open_levels = [level for level in open_levels if self.levels[level]]
         mixed = any(self._is_mixed(level) for level in open_levels)
-        spare = np.where(fewer, n_c - 1, 0.0)  # pipelines a row's candidate may drop
+        spare = n_c - fewest_counts(fewer, candidates)  # pipelines a row's candidate may drop
         dropping = bool(spare.any())
         homes = self._homogeneous(open_levels)[0] if dropping and not mixed else None
         rows = len(candidates)
@@ -1377,6 +1377,16 @@ class Bound:
         last = [fixed[-1]] if fixed else [(None, 0)]
         full, base = self.many(fixed[:-1], last, open_levels, fewer, at_least, fits)
         return float(full[0]), float(base[0])
+
+
+def fewest_counts(fewer: bool | Sequence[int], candidates: Sequence[tuple[Family | None, int]]
+            ) -> np.ndarray:
+    """Per candidate (f, n), the fewest pipelines it stands for (`Bound.many`'s `fewer`:
+    True for one each, False for n; none for no class)."""
+    if isinstance(fewer, bool):
+        return np.array([(1.0 if fewer else float(n)) if f else 0.0 for f, n in candidates])
+    return np.array([float(k) if f else 0.0 for (f, _), k in zip(candidates, fewer,
+                                                                  strict=True)])
 
 
 _LINEAR_RUNGS = 8  # rungs of counts one node's worth apart, before they double

@@ -63,6 +63,7 @@ from planner.solver.bound import (
     crowded,
     device_work,
     families,
+    fewest_counts,
     gpipe_holds,
     optimizer_bound,
     tight_result,
@@ -102,6 +103,10 @@ SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class
                 "micro-batch shares")
 
 
+# candidates a node's children bound by ranges of their counts at once; beyond, only
+# those whose bound as one range is promising (a `many` call costs as much as some
+# dozens of rows: at 1,024 GPUs, the roots' hundreds of families)
+_RANGED = 32
 _DIVE_TRIES = 16  # times a dive prices a child's families at each level before it picks one
 _WAITING = -1  # the level of a configuration's root before it is set up (`_Search.set_up`)
 
@@ -355,24 +360,41 @@ class _Search:
                      group: list[tuple[Family | None, int]], open_levels: range
                      ) -> tuple[np.ndarray, np.ndarray]:
         """Per candidate (f, n) that stands for 1..n pipelines, the bound and base: the
-        smaller of n's own and that of 1..n-1 (in one `many` call). The bound of 1..n
-        as one pairs the compute of n pipelines with the sync of one, below every
-        count's: at 4,096 GPUs, about 3% below n's, so that three in four such nodes
-        were taken only for every count to be pruned."""
-        rows = [*group, *((f, n - 1) for f, n in group if f is not None and n > 1)]
-        fewer = [i >= len(group) for i in range(len(rows))]
-        bounds, bases = self.state[node.config][1].many(
-            fixed, rows, open_levels, fewer, (node.bound, node.base),
-            self.row_fits(node, rows, open_levels, fewer))
-        at = [i for i, (f, n) in enumerate(group) if f is not None and n > 1]
-        bounds[at] = np.minimum(bounds[at], bounds[len(group):])
-        bases[at] = np.minimum(bases[at], bases[len(group):])
-        return bounds[:len(group)], bases[:len(group)]
+        least over n alone, h..n-1 and 1..h-1, h half n (in one `many` call). The bound
+        of a range as one pairs its most pipelines' compute with its fewest's sync,
+        below every count's: for 1..n at 4,096 GPUs, about 3% below n's, so that three
+        in four such nodes were taken only for every count to be pruned. Where the
+        candidates are many (`_RANGED`), only those whose bound of 1..n is promising."""
+        bound, at_least = self.state[node.config][1], (node.bound, node.base)
+        bounds, bases = np.zeros(len(group)), np.zeros(len(group))
+        if len(group) > _RANGED:
+            bounds, bases = bound.many(fixed, group, open_levels, True, at_least,
+                                       self.row_fits(node, group, open_levels, True))
+        rows, fewest, owner = [], [], []
+        for i, (f, n) in enumerate(group):
+            if len(group) > _RANGED and (f is None or n < 2 or not self.promising(bounds[i])):
+                continue
+            half = (n + 1) // 2
+            for most, least in ((n, n), (n - 1, half), (half - 1, 1)):
+                if most >= max(least, 1) or (f is None and most == n):
+                    rows.append((f, most))
+                    fewest.append(least)
+                    owner.append(i)
+        if rows:
+            full, base = bound.many(fixed, rows, open_levels, fewest, at_least,
+                                    self.row_fits(node, rows, open_levels, fewest))
+            least_full, least_base = np.full(len(group), INF), np.full(len(group), INF)
+            np.minimum.at(least_full, owner, full)
+            np.minimum.at(least_base, owner, base)
+            at = sorted(set(owner))  # (either bound holds: the larger)
+            bounds[at] = np.maximum(bounds[at], least_full[at])
+            bases[at] = np.maximum(bases[at], least_base[at])
+        return bounds, bases
 
     def row_fits(self, node: _Node, candidates: Sequence[tuple[Family | None, int]],
-                 open_levels: range, fewer: bool | Sequence[bool]) -> np.ndarray | None:
-        """`fits` for the node's classes plus each candidate class (with `fewer`, for all
-        or a flag each, at its fewest pipelines: a prefix of its pipelines leaves the
+                 open_levels: range, fewer: bool | Sequence[int]) -> np.ndarray | None:
+        """`fits` for the node's classes plus each candidate class (at its fewest
+        pipelines, as `Bound.many` takes `fewer`: a prefix of its pipelines leaves the
         most room): one row per candidate, or one for all where none uses the open
         levels' types (a class of one type leaves the other types' nodes as they are).
         A family's count depends on its own type's nodes alone, so each row is read per
@@ -383,10 +405,10 @@ class _Search:
         kinds = [f.types[0] for f in self.state[node.config][1].open_families(open_levels)]
         columns = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in kinds}
         rows = np.zeros((len(candidates), len(kinds)))
-        for r, ((f, n), few) in enumerate(zip(candidates, np.broadcast_to(
-                fewer, len(candidates)), strict=True)):
+        for r, ((f, _), least) in enumerate(zip(candidates, fewest_counts(fewer, candidates),
+                                                strict=True)):
             shapes = _shapes(node) if f is None else _shapes(dataclasses.replace(
-                node, chosen=(*node.chosen, f.key), counts=(*node.counts, 1 if few else n)))
+                node, chosen=(*node.chosen, f.key), counts=(*node.counts, int(least))))
             for kind, at in columns.items():
                 alone = tuple(ClassShape((kind,) * count, s.n, tp) for s in shapes
                               for k, count, tp in s.blocks() if k == kind)
