@@ -1089,7 +1089,12 @@ def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
 def test_node_bounds_hold_on_clusters_of_many_nodes(seed):
     """As above, on clusters whose classes span several nodes (the bounds' node counts,
     pipeline counts and open classes' sync by count), each structure priced by
-    `refine` (equal to brute force, as tested above)."""
+    `refine` (equal to brute force, as tested above); children bounded by ranges of
+    their counts whatever their number, or only where their bound of 1..n is
+    promising (`_RANGED`)."""
+    from unittest import mock
+
+    search_module = importlib.import_module("planner.solver.search")
     rng = random.Random(seed)
     table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(3, 5)),
                                                 ("b", [1] * rng.randint(3, 5))],
@@ -1101,7 +1106,8 @@ def test_node_bounds_hold_on_clusters_of_many_nodes(seed):
             priced = price(table, config, space, shapes, batch // config.mb)
             best = priced and refine(table, priced, batch // config.mb)[0]
             values.append((config, shapes, best.step_time if best else float("inf")))
-    _check_subtree_bounds(table, batch, limits, False, values, rng)
+    with mock.patch.object(search_module, "_RANGED", rng.choice([0, search_module._RANGED])):
+        _check_subtree_bounds(table, batch, limits, False, values, rng)
 
 
 def _walk_many_nodes(seed: int, steps: int):
@@ -1218,6 +1224,39 @@ def test_rows_of_their_own_fewest_counts_are_bounded_as_in_a_call_of_their_own(s
                 assert both[1][i] == pytest.approx(alone[1][0], rel=1e-12)
             checked += 1
     assert checked
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+@example(1)
+def test_a_child_of_up_to_n_pipelines_is_bounded_below_each_counts_own_bound(seed):
+    """A child whose last class stands for 1..n pipelines is bounded by the least over
+    ranges of its counts (`_Search.counts_bound`): no higher than any count's own
+    bound, however many its siblings (`_RANGED`). (Each is found to within 0.1%
+    below the time the micro-batches are done, `bound._first_enough`.)"""
+    from unittest import mock
+
+    search_module = importlib.import_module("planner.solver.search")
+    rng = random.Random(seed)
+    checked = 0
+    with mock.patch.object(search_module, "_RANGED", rng.choice([0, search_module._RANGED])):
+        for run, _, node in _walk_many_nodes(seed, 40):
+            if run.is_leaf(node):
+                continue
+            levels, bound, index = run.state[node.config]
+            for child in run.children(node):
+                if not run.shrinks(child):
+                    continue
+                f, n = index[child.chosen[-1]], child.counts[-1]
+                opened = range(child.level, len(levels))
+                for k in range(1, n + 1):
+                    own, _ = bound.many(run.fixed(node), [(f, k)], opened, False,
+                                        (node.bound, node.base),
+                                        run.row_fits(node, [(f, k)], opened, False))
+                    assert child.bound <= own[0] * (1 + 2e-3)  # (each within 0.1%)
+                checked += n > 3
+    if seed == 1:  # (one that reaches children of four pipelines or more)
+        assert checked
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1379,8 +1379,8 @@ class Bound:
         return float(full[0]), float(base[0])
 
 
-def fewest_counts(fewer: bool | Sequence[int], candidates: Sequence[tuple[Family | None, int]]
-            ) -> np.ndarray:
+def fewest_counts(fewer: bool | Sequence[int],
+                  candidates: Sequence[tuple[Family | None, int]]) -> np.ndarray:
     """Per candidate (f, n), the fewest pipelines it stands for (`Bound.many`'s `fewer`:
     True for one each, False for n; none for no class)."""
     if isinstance(fewer, bool):

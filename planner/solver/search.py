@@ -367,12 +367,13 @@ class _Search:
         candidates are many (`_RANGED`), only those whose bound of 1..n is promising."""
         bound, at_least = self.state[node.config][1], (node.bound, node.base)
         bounds, bases = np.zeros(len(group)), np.zeros(len(group))
-        if len(group) > _RANGED:
+        filtered = len(group) > _RANGED
+        if filtered:  # (a count of one, or no class, is its own range)
             bounds, bases = bound.many(fixed, group, open_levels, True, at_least,
                                        self.row_fits(node, group, open_levels, True))
         rows, fewest, owner = [], [], []
         for i, (f, n) in enumerate(group):
-            if len(group) > _RANGED and (f is None or n < 2 or not self.promising(bounds[i])):
+            if filtered and (f is None or n < 2 or not self.promising(bounds[i])):
                 continue
             half = (n + 1) // 2
             for most, least in ((n, n), (n - 1, half), (half - 1, 1)):
@@ -386,7 +387,7 @@ class _Search:
             least_full, least_base = np.full(len(group), INF), np.full(len(group), INF)
             np.minimum.at(least_full, owner, full)
             np.minimum.at(least_base, owner, base)
-            at = sorted(set(owner))  # (either bound holds: the larger)
+            at = sorted(set(owner))  # (filtered: either bound holds, so the larger)
             bounds[at] = np.maximum(bounds[at], least_full[at])
             bases[at] = np.maximum(bases[at], least_base[at])
         return bounds, bases
