@@ -1092,9 +1092,6 @@ def test_node_bounds_hold_on_clusters_of_many_nodes(seed):
     `refine` (equal to brute force, as tested above); children bounded by ranges of
     their counts whatever their number, or only where their bound of 1..n is
     promising (`_RANGED`)."""
-    from unittest import mock
-
-    search_module = importlib.import_module("planner.solver.search")
     rng = random.Random(seed)
     table = random_table(seed, layers=4, types=[("a", [2] * rng.randint(3, 5)),
                                                 ("b", [1] * rng.randint(3, 5))],
@@ -1106,8 +1103,18 @@ def test_node_bounds_hold_on_clusters_of_many_nodes(seed):
             priced = price(table, config, space, shapes, batch // config.mb)
             best = priced and refine(table, priced, batch // config.mb)[0]
             values.append((config, shapes, best.step_time if best else float("inf")))
-    with mock.patch.object(search_module, "_RANGED", rng.choice([0, search_module._RANGED])):
+    with _ranged_or_filtered(rng):
         _check_subtree_bounds(table, batch, limits, False, values, rng)
+
+
+def _ranged_or_filtered(rng: random.Random):
+    """Children bounded by ranges of their counts whatever their number of candidates,
+    or (as the search does beyond `_RANGED`) only where their bound of 1..n is
+    promising: one of the two, drawn."""
+    from unittest import mock
+
+    search_module = importlib.import_module("planner.solver.search")
+    return mock.patch.object(search_module, "_RANGED", rng.choice([0, search_module._RANGED]))
 
 
 def _walk_many_nodes(seed: int, steps: int):
@@ -1234,12 +1241,9 @@ def test_a_child_of_up_to_n_pipelines_is_bounded_below_each_counts_own_bound(see
     ranges of its counts (`_Search.counts_bound`): no higher than any count's own
     bound, however many its siblings (`_RANGED`). (Each is found to within 0.1%
     below the time the micro-batches are done, `bound._first_enough`.)"""
-    from unittest import mock
-
-    search_module = importlib.import_module("planner.solver.search")
     rng = random.Random(seed)
     checked = 0
-    with mock.patch.object(search_module, "_RANGED", rng.choice([0, search_module._RANGED])):
+    with _ranged_or_filtered(rng):
         for run, _, node in _walk_many_nodes(seed, 40):
             if run.is_leaf(node):
                 continue

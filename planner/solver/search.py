@@ -373,11 +373,12 @@ class _Search:
                                        self.row_fits(node, group, open_levels, True))
         rows, fewest, owner = [], [], []
         for i, (f, n) in enumerate(group):
-            if filtered and (f is None or n < 2 or not self.promising(bounds[i])):
+            ranged = f is not None and n > 1
+            if filtered and not (ranged and self.promising(bounds[i])):
                 continue
             half = (n + 1) // 2
-            for most, least in ((n, n), (n - 1, half), (half - 1, 1)):
-                if most >= max(least, 1) or (f is None and most == n):
+            for most, least in ((n, n), (n - 1, half), (half - 1, 1)) if ranged else ((n, n),):
+                if most >= least:
                     rows.append((f, most))
                     fewest.append(least)
                     owner.append(i)
