@@ -407,6 +407,33 @@ def test_a_dive_past_the_deadline_settles_one_child_per_level():
     assert settled[0.0] < settled[None]
 
 
+def test_a_greedy_plan_past_the_deadline_prices_nothing_once_a_plan_is_held(monkeypatch):
+    """Each structure the greedy plan tries is priced (at a thousand layers, about a
+    second each): past the deadline it tries none once the search holds a plan, and
+    builds its plan as before when it holds none."""
+    search_module = importlib.import_module("planner.solver.search")
+    table = random_table(5, layers=5, types=[("a", [3, 3]), ("b", [3, 3]), ("c", [2])])
+    limits = Limits(max_stages=4)
+    plan = search(table, 6, limits=limits).best[0]
+    priced = []
+
+    def counting(*args, **kwargs):
+        priced.append(args[3])
+        return price(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "price", counting)
+    counts = {}
+    for deadline, held in ((None, [plan]), (0.0, []), (0.0, [plan])):
+        run = search_module._Search(table, 6, limits, Space(), 1, 0.0, False, list(held),
+                                    itertools.count())
+        run.deadline = deadline
+        priced.clear()
+        run.greedy(plan.config)
+        counts[deadline, bool(held)] = len(priced)
+    assert counts[None, True] > 0 and counts[0.0, False] == counts[None, True]
+    assert counts[0.0, True] == 0
+
+
 def test_past_the_deadline_the_first_plan_is_its_classes_first_splits():
     """Pricing a structure's best splits can take seconds on a thousand layers; past the
     deadline even the first plan stops at its classes' first splits (`Priced.upper`,

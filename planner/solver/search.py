@@ -501,6 +501,8 @@ class _Search:
                 s.n for s in chosen)
             pick = None
             for f in level:
+                if self.late() and self.best:  # (at 1,000 layers each pricing takes seconds)
+                    return
                 n = min(f.n_max, left // f.devices, pipes)
                 if n < 1 or not self.limits.allows(f.types):
                     continue
