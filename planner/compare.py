@@ -212,8 +212,6 @@ FIGURES: tuple[Figure, ...] = (
     Figure("dollars_per_m", "$ / 1M samples", LOWER, _dollars, _money),
     Figure("solver", "solver", NEUTRAL, lambda p, _: p.solver.status),
 )
-STRUCTURE = ("devices_used", "device_types", "pipelines", "stages", "tp", "micro_batch",
-             "microbatches", "schedule", "recompute", "zero")
 
 
 @dataclass(frozen=True)

@@ -192,10 +192,6 @@ class ModelGraph:
     def bwd_flops(self) -> float:
         return sum(layer.bwd_flops for layer in self.layers)
 
-    @property
-    def tokens_per_sample(self) -> int | None:
-        return self.seq_len
-
     def repeated_groups(self) -> dict[str, list[int]]:
         """Layer indices grouped by signature, for groups of two or more."""
         groups: dict[str, list[int]] = {}
