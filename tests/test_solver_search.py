@@ -452,6 +452,26 @@ def test_a_greedy_plan_past_the_deadline_prices_nothing_once_a_plan_is_held(monk
     assert counts[0.0, True] == 0
 
 
+def test_moves_around_the_best_plan_past_the_deadline_bound_nothing():
+    """The moves around the best plan (`swap`) bound each move's families first (at a
+    thousand layers, seconds in all): past the deadline it makes none."""
+    from planner.solver.search import _Search
+
+    table = random_table(5, layers=5, types=[("a", [3, 3]), ("b", [3, 3]), ("c", [2])])
+    limits = Limits(max_stages=4)
+    plan = search(table, 6, limits=limits).best[0]
+    counts = {}
+    for deadline in (None, 0.0):
+        run = _Search(table, 6, limits, Space(), 1, 0.0, False, [plan], itertools.count())
+        run.deadline = deadline
+        crowded, calls = run.crowded, []
+        run.crowded = lambda *args, crowded=crowded, calls=calls: (
+            calls.append(args), crowded(*args))[1]
+        run.swap(plan.config)
+        counts[deadline] = len(calls)
+    assert counts[None] > 0 and counts[0.0] == 0
+
+
 def test_past_the_deadline_the_first_plan_is_its_classes_first_splits():
     """Pricing a structure's best splits can take seconds on a thousand layers; past the
     deadline even the first plan stops at its classes' first splits (`Priced.upper`,

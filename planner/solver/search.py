@@ -501,8 +501,8 @@ class _Search:
                 s.n for s in chosen)
             pick = None
             for f in level:
-                if self.late() and self.best:  # (at 1,000 layers each pricing takes seconds)
-                    return
+                if self.late() and self.best:  # (at 1,000 layers each pricing takes
+                    break  # seconds: what the levels before picked is still priced below)
                 n = min(f.n_max, left // f.devices, pipes)
                 if n < 1 or not self.limits.allows(f.types):
                     continue
@@ -710,8 +710,8 @@ class _Search:
         type run on the devices freed and those left over. The `SWAPS` moves with the
         best bounds are priced: a few mixed pipelines often use what whole classes of
         one type leave idle."""
-        if self.single or not self.best or self.best[0].config != config:
-            return
+        if self.single or not self.best or self.best[0].config != config or self.late():
+            return  # (past the deadline: its moves' bounds alone take seconds at 1,000 layers)
         levels, bound, index = self.state[config]
         keys = [(s.types, s.tps) for s in self.best[0].shapes]
         if (not levels[0] or len(set(levels[0][0].types)) < 2
