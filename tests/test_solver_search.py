@@ -81,24 +81,6 @@ def test_search_equals_brute_force_tp_per_class(seed):
     assert_equals_brute_force(*_tp_per_class_instance(random.Random(seed)))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 10**9))
-def test_one_device_type_is_searched_in_the_part_of_one_class(seed):
-    """On one device type every structure has one class: the part of one class, where
-    it is searched, holds them all (with every ZeRO stage), so the other part is not
-    searched; without it (--zero 0 and 1F1B) the other part holds them."""
-    from planner.solver.search import _parts
-
-    assert _parts(Space(), Limits(), 2) == [False, True]
-    assert _parts(Space(), Limits(), 1) == [True]
-    assert _parts(Space(zeros=(0,)), Limits(schedule=Schedule.ONE_F_ONE_B), 1) == [False]
-    rng = random.Random(seed)
-    table = random_table(rng.randrange(10**6), layers=rng.randint(2, 5),
-                         types=[("t0", [rng.randint(1, 3) for _ in range(rng.randint(1, 3))])],
-                         tps=(1, 2), micro_batches=(1, 2), memory=rng.choice([2, 4, 8]) * GIB)
-    assert_equals_brute_force(table, rng.choice([2, 4, 6]), Limits(max_stages=3))
-
-
 def _tp_per_class_instance(rng):
     types = [(f"t{i}", [rng.choice([2, 4]) for _ in range(rng.randint(1, 2))])
              for i in range(rng.randint(2, 3))]

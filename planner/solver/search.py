@@ -813,7 +813,7 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
     deadline = None if time_limit is None else start + time_limit
     runs = [_Search(table, batch, limits, space, top_k, gap, single, best, counter, deadline,
                     [config for config, _ in seeds])
-            for single in _parts(space, limits, len(table.types))]
+            for single in _parts(space, limits)]
     status, taken = "optimal", float("inf")  # taken: the bound of a node mid-step
     try:
         _start(runs, table, batch, seeds, dives, start, time_limit)
@@ -887,18 +887,15 @@ def _bound(runs: list[_Search], best: list[Evaluation]) -> float:
                 *(n.bound for part in runs for n in part.heap[:1])], default=float("inf"))
 
 
-def _parts(space: Space, limits: Limits, kinds: int) -> list[bool]:
+def _parts(space: Space, limits: Limits) -> list[bool]:
     """The search space in two parts with bounds of their own (True: the part of
     structures of one class). Structures of several classes run without ZeRO
     (`evaluate.zero_space`), so their part, which also holds the structures of one
     class that run without it, is bounded without ZeRO; the structures of one class
-    are searched on their own with every ZeRO stage allowed (GPipe's only there).
-    On one device type (`kinds`) every structure has one class, so where the part of
-    one class is searched, it holds the other's structures too."""
+    are searched on their own with every ZeRO stage allowed (GPipe's only there)."""
     gpipe = limits.schedule in (None, Schedule.GPIPE)
-    parts = [single for single, wanted in ((False, 0 in space.zeros),
-                                           (True, any(space.zeros) or gpipe)) if wanted]
-    return parts[-1:] if kinds == 1 else parts
+    return [single for single, wanted in ((False, 0 in space.zeros),
+                                          (True, any(space.zeros) or gpipe)) if wanted]
 
 
 def _least_degrees(levels: list[list[Family]]) -> dict[str, int]:
