@@ -123,13 +123,24 @@ def launch(
       planner launch plan.json --out try/ --target local --steps 20 && bash try/run-local.sh
     """
     from planner.errors import PlannerError
-    from planner.launch import HostEntry, read_hosts, render_launch, write_launch
+    from planner.launch import (
+        HostEntry,
+        check_model,
+        check_out,
+        hostless_nodes,
+        parse_hosts,
+        read_hosts,
+        render_launch,
+        write_launch,
+    )
     from planner.planfile import read_plan
     from planner.solver.uniform import overflows
 
     if out is None and not dry_run:
         raise PlannerError("bad-option", "Pass --out DIR (the folder for the scripts) or "
                            "--dry-run.")
+    if out is not None and not dry_run:  # before the model is traced, not after
+        check_out(out, force=force)
     loaded = read_plan(plan)
     problems = overflows(loaded.pipelines, loaded.cluster)
     if problems:
@@ -158,20 +169,16 @@ def launch(
     _check_runtime_args(list(runtime_arg or []))
     entries = read_hosts(hosts) if hosts is not None else {}
     for node, cpu_list in _cpus(cpus).items():
-        base = entries.get(node) or HostEntry(host=node)
+        base = entries.get(node) or HostEntry()
         entries[node] = HostEntry(host=base.host, addr=base.addr, cpus=cpu_list,
                                   ifname=base.ifname, env=base.env)
     if entries:
-        from planner.launch import parse_hosts
-
         entries = parse_hosts({name: {"host": e.host, "addr": e.addr, "cpus": e.cpus,
                                       "ifname": e.ifname, "env": dict(e.env)}
                                for name, e in entries.items()}, "--hosts/--cpus")
-    # the stages' modules as every rank will build them, checked once here where the
-    # model can be built (a user's package may live on the nodes only)
-    from planner.errors import PlannerError
+    # the plan against its model as every rank will check it, once here where the model
+    # can be built (a user's package may live on the nodes only)
     from planner.models import load_model
-    from planner.runtime.stage import check_modules
 
     try:
         with err_console.status(f"Building {escape(loaded.model.describe())} on meta to "
@@ -182,7 +189,9 @@ def launch(
                           f"model, which cannot be built here: {escape(exc.message)} Every "
                           "rank checks them when it starts.", highlight=False)
     else:
-        check_modules(loaded, model.module, str(plan))
+        with err_console.status(f"Tracing {escape(loaded.model.describe())} to check the "
+                                "plan against it...", spinner="dots"):
+            check_model(loaded, model.module, str(plan))
     args = ["--steps", str(steps), "--seed", str(seed), "--lr", repr(lr)]
     if checkpoint_every:
         args += ["--checkpoint-every", str(checkpoint_every)]
@@ -194,6 +203,16 @@ def launch(
         max_restarts=max_restarts, runtime_args=args,
         python=python or (sys.executable if target is Target.local else "python3"),
         run_dir=run_dir, sbatch=list(sbatch or []))
+    hostless = hostless_nodes(loaded, entries) if target is not Target.local else []
+    if hostless:
+        given = f"{escape(str(hosts))} does not map" if hosts is not None else "no --hosts maps"
+        err_console.print(
+            f"[yellow]warning:[/] {given} node(s) {escape(', '.join(hostless))}, and the "
+            "plan's cluster gives them no host, so the scripts use these node names as host "
+            "names" + (" (SLURM's --nodelist)" if target is Target.slurm else "") + ": they "
+            "work only where the names resolve to the nodes. Map every node to its host in "
+            "a hosts file (`node: host`, --hosts FILE).",
+            highlight=False, soft_wrap=True)
     if dry_run:
         for name, text in files.items():
             if name == "plan.json":

@@ -22,16 +22,24 @@ plan (plan.json, which the scripts read from their own folder) and a README
 saying what to run where.
 
 Hosts (`read_hosts`): a YAML or JSON mapping from plan node names to a host name,
-or to {host, addr, cpus, ifname, env}: `addr` is the address other nodes reach
-it at (default: host), `cpus` a CPU list for taskset (local and torchrun
-targets; it also sets OMP_NUM_THREADS), `ifname`
+or to {host, addr, cpus, ifname, env}: `host` is a host name or IP address,
+optionally user@ (what the README's ssh lines use), `addr` the address other
+nodes reach it at (default: host, without user@), `cpus` a CPU list for taskset
+(local and torchrun targets; it also sets OMP_NUM_THREADS), `ifname`
 the network interface NCCL/gloo should use, `env` extra environment variables;
 each value is one line of printable text.
-Nodes not listed use the cluster file's host, else their node name.
+Nodes without a host use the cluster file's host, else their node name
+(`hostless_nodes` lists the latter, for a warning).
+
+Before writing, `check_model` refuses a plan its ranks would refuse (the model
+changed since the plan was made, or a model the runtime cannot run), and
+`check_out` an --out folder that cannot be written.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import json
 import re
 import shlex
@@ -41,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlannerError, closest
+from planner.files import check_writable
 from planner.planfile import plan_json
 from planner.runtime.layout import Layout, NodeRanks, rank_layout
 from planner.types import Plan
@@ -50,11 +59,35 @@ DEFAULT_PORT = 29500
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CPUS = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 _SLURM_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?"
+_HOST_NAME = re.compile(rf"{_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?")
+_USER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_IP_SCOPE = re.compile(r"[A-Za-z0-9_.-]+")
+HOST_RULE = ("a host name (letters, digits, '-' and '_' in labels separated by dots, no label "
+             "starting or ending with '-') or an IP address")
+
+
+def is_host(text: str, *, user: bool = False) -> bool:
+    """Whether `text` is a host name or an IP address (`user`: optionally after user@): what
+    ssh, torchrun and SLURM take as a host. Never an option: a leading '-' would make the
+    README's ssh line run a command here (ssh -oProxyCommand=...)."""
+    if user and "@" in text:
+        name, _, text = text.rpartition("@")
+        if not _USER_NAME.fullmatch(name):
+            return False
+    if _HOST_NAME.fullmatch(text):
+        return True
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    scope = getattr(address, "scope_id", None)  # fe80::1%eth0
+    return scope is None or bool(_IP_SCOPE.fullmatch(scope))
 
 
 @dataclass(frozen=True)
 class HostEntry:
-    host: str
+    host: str | None = None  # None: the cluster file's host, else the node's name
     addr: str | None = None
     cpus: str | None = None
     ifname: str | None = None
@@ -62,7 +95,8 @@ class HostEntry:
 
     @property
     def address(self) -> str:
-        return self.addr or self.host
+        """The address other nodes reach the host at: addr, else the host without user@."""
+        return self.addr or (self.host or "").rpartition("@")[2]
 
 
 def parse_hosts(data: Any, source: str) -> dict[str, HostEntry]:
@@ -101,13 +135,22 @@ def parse_hosts(data: Any, source: str) -> dict[str, HostEntry]:
             if value.get(key) is not None and not str(value[key]).strip():
                 raise PlannerError("bad-hosts", f"{where}: {key} is empty.",
                                    [f"give the {key}, or leave the field out"])
+        for key, user in (("host", True), ("addr", False)):
+            text = value.get(key)
+            if text is not None and not is_host(str(text), user=user):
+                raise PlannerError(
+                    "bad-hosts", f"{where}: {key} {str(text)!r} is not {HOST_RULE}"
+                    + (", optionally after user@." if user else "."),
+                    [f"give the node's {key}, e.g. `{node}: "
+                     + (f"gpu-a1` or `{node}: alice@10.0.0.1`" if user
+                        else "{host: gpu-a1, addr: 10.0.0.1}`")])
         cpus = value.get("cpus")
         if cpus is not None and not _CPUS.match(str(cpus)):
             raise PlannerError("bad-hosts", f"{where}: cpus {cpus!r} is not a CPU list like "
                                "0-3,8 (what taskset -c takes).")
-        host = str(value.get("host") or node)
         out[str(node)] = HostEntry(
-            host=host, addr=str(value["addr"]) if value.get("addr") else None,
+            host=str(value["host"]) if value.get("host") else None,
+            addr=str(value["addr"]) if value.get("addr") else None,
             cpus=str(cpus) if cpus is not None else None,
             ifname=str(value["ifname"]) if value.get("ifname") else None,
             env={str(k): str(v) for k, v in env.items()})
@@ -176,11 +219,20 @@ class _Setup:
     run_dir: str | None
 
     def host(self, node: NodeRanks) -> HostEntry:
-        return self.hosts.get(node.name) or HostEntry(host=node.host or node.name)
+        """The node's entry, its host filled in: the given one, else the cluster file's,
+        else the node's name."""
+        entry = self.hosts.get(node.name) or HostEntry()
+        return entry if entry.host else dataclasses.replace(entry, host=node.host or node.name)
 
     @property
     def master(self) -> HostEntry:
         return self.host(self.layout.nodes[0])
+
+
+def _listed_host(hosts: Mapping[str, HostEntry], node: NodeRanks) -> str | None:
+    """The host `hosts` (a hosts file, --cpus) gives the node, if any."""
+    entry = hosts.get(node.name)
+    return entry.host if entry else None
 
 
 def _check_hosts(plan: Plan, layout: Layout, hosts: Mapping[str, HostEntry]) -> None:
@@ -194,6 +246,28 @@ def _check_hosts(plan: Plan, layout: Layout, hosts: Mapping[str, HostEntry]) -> 
                 "bad-hosts", f"--hosts/--cpus name node {node!r}, which "
                 + ("the plan does not use." if unused else "the plan's cluster does not have.")
                 + hint, [f"the plan's nodes are {', '.join(names)}"])
+
+
+def _check_plan_hosts(setup: _Setup) -> None:
+    """An error where a node's host comes from the plan's cluster file and is no host name
+    (a hosts file's are checked as it is read; a node's own name, used where neither gives
+    a host, gets the warning `hostless_nodes` is for)."""
+    for node in setup.layout.nodes:
+        if node.host and not _listed_host(setup.hosts, node) and not is_host(node.host,
+                                                                             user=True):
+            raise PlannerError(
+                "bad-hosts", f"Node {node.name!r} has no host in --hosts, and its cluster file "
+                f"gives it host {node.host!r}, which is not {HOST_RULE}.",
+                [f"map the node to its host in a hosts file (--hosts FILE), e.g. "
+                 f"`{node.name}: gpu-a1`", "or correct its host in the cluster file and "
+                 "solve again"])
+
+
+def hostless_nodes(plan: Plan, hosts: Mapping[str, HostEntry]) -> list[str]:
+    """The plan's nodes that neither `hosts` nor the cluster file give a host: their
+    scripts use the node's name, which the planner made up (a100-80g-sxm-0), as its host."""
+    return [node.name for node in rank_layout(plan).nodes
+            if not node.host and not _listed_host(hosts, node)]
 
 
 def _check_one_node_per_host(setup: _Setup) -> None:
@@ -448,9 +522,9 @@ def _readme(setup: _Setup, target: str, files: Sequence[str]) -> str:
         "torchrun": ("Copy this folder to every host (or put it on a shared file system), "
                      "then on each host run its node's script; they find each other through "
                      f"a static rendezvous at {setup.master.address}:{setup.port} (node rank 0)."
-                     "\n\n" + "\n".join(f"    ssh {shlex.quote(setup.host(n).host)} bash "
-                                        f"{shlex.quote(node_script(n))}  # from this folder"
-                                        for n in layout.nodes)),
+                     "\n\n" + "\n".join(f"    ssh -- {shlex.quote(str(setup.host(n).host))} "
+                                        f"bash {shlex.quote(node_script(n))}  # from this "
+                                        "folder" for n in layout.nodes)),
         "slurm": ("From this folder on the login node: `sbatch launch.sbatch`. It asks for "
                   "the hosts below in a heterogeneous job and starts each node's script with "
                   "srun on its host; SLURM assigns the GPUs."),
@@ -511,6 +585,7 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
                    max_restarts=max_restarts, runtime_args=args, python=python,
                    run_dir=run_dir)
     if target != "local":
+        _check_plan_hosts(setup)
         _check_one_node_per_host(setup)
     files: dict[str, str] = {"plan.json": plan_json(plan)}
     scripts: dict[str, str] = {}
@@ -526,8 +601,28 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
     return files
 
 
-def write_launch(files: Mapping[str, str], out: Path, *, force: bool = False) -> list[Path]:
-    """Write the files into `out` (created); an existing `out` needs `force`."""
+def check_model(plan: Plan, model: Any, source: str = "") -> None:
+    """Refuse, before any file is written, a plan its ranks would refuse, naming `source`
+    (the plan file): a stage naming a module `model` (the plan's model, built on meta)
+    lacks, stages that no longer match the model's layers (the rule `planner explain`
+    applies, `explain.retrace`), and a model the runtime cannot run (its own check,
+    `runtime.stage.inspect_model`: one module per layer, called in a chain, a loss)."""
+    from planner.explain import retrace
+    from planner.runtime.stage import check_modules, inspect_model
+
+    check_modules(plan, model, source)
+    retrace(plan, source)
+    try:
+        inspect_model(plan)
+    except PlannerError as exc:
+        raise PlannerError(exc.kind, (f"{source}: " if source else "") + "The runtime cannot "
+                           f"run this plan: {exc.message}", exc.remedies) from None
+
+
+def check_out(out: Path, *, force: bool) -> None:
+    """A clear error, before any work is done, where the files cannot or may not be written
+    into folder `out`: an existing folder needs `force`; a new one is made where the first
+    missing folder of its path can be (the check `planner solve -o` makes of a file)."""
     if out.exists() and not out.is_dir():
         raise PlannerError("bad-path", f"{str(out)!r} is a file, not a folder.",
                            ["choose another --out folder"])
@@ -535,12 +630,31 @@ def write_launch(files: Mapping[str, str], out: Path, *, force: bool = False) ->
         raise PlannerError("file-exists", f"{str(out)!r} already exists; it was left as it is.",
                            ["pass --force to overwrite the files in it",
                             "choose another --out folder"])
-    out.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        check_writable(out / "README.md", force=True)
+        return
+    created = out  # the first folder of the path that does not exist yet
+    while not created.parent.exists() and created.parent != created:
+        created = created.parent
+    check_writable(created, force=force)
+
+
+def write_launch(files: Mapping[str, str], out: Path, *, force: bool = False) -> list[Path]:
+    """Write the files into `out` (created); an existing `out` needs `force`. A folder or
+    file that cannot be written is a PlannerError (`check_out`), never an OSError."""
+    check_out(out, force=force)
     written = []
-    for name, text in files.items():
-        path = out / name
-        path.write_text(text)
-        if name.endswith((".sh", ".sbatch")):
-            path.chmod(0o755)
-        written.append(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            path = out / name
+            path.write_text(text)
+            if name.endswith((".sh", ".sbatch")):
+                path.chmod(0o755)
+            written.append(path)
+    except OSError as exc:  # what the check cannot foresee: a read-only file, a full disk
+        raise PlannerError("bad-path", f"{str(exc.filename or out)!r} cannot be written "
+                           f"({exc.strerror or exc}); {len(written)} of the {len(files)} files "
+                           f"were written to {str(out)!r}.", ["choose another --out folder"]
+                           ) from None
     return written

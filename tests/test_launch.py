@@ -100,24 +100,29 @@ def test_slurm_asks_for_one_component_per_device_type(hetero_plan):
     assert sbatch.count("#SBATCH --time=01:00:00") == 2
     with pytest.raises(PlannerError, match="not a name SLURM can place"):
         render_launch(hetero_plan, target="slurm",
-                      hosts=parse_hosts({"v100-32g-0": "bad host"}, "t"))
+                      hosts=parse_hosts({"v100-32g-0": "alice@gpu-v1"}, "t"))
 
 
-def test_a_host_name_with_shell_metacharacters_is_quoted_not_executed(tmp_path, hetero_plan):
-    hosts = parse_hosts({"a100-80g-sxm-0": EVIL}, "test")
+def test_values_with_shell_metacharacters_are_quoted_not_executed(tmp_path, hetero_plan):
+    """Host names are checked (test_launch_checks.py); env values and runtime arguments
+    may hold anything printable, and reach the program as written."""
+    hosts = parse_hosts({"a100-80g-sxm-0": {"host": "alice@gpu-a1", "env": {"EVIL": EVIL}},
+                         "v100-32g-0": {"host": "gpu-v1", "env": {"EVIL": EVIL}}},
+                        "test")
     files = render_launch(hetero_plan, target="torchrun", hosts=hosts,
                           runtime_args=["--data", "$(touch pwned3)"])
     out = _check_shell(tmp_path, files)
-    # line breaks are refused (test_a_hosts_value_with_a_line_break_is_refused), so it
-    # stays in its comment
-    assert f"# Run it on host {EVIL};" in files["node-0-a100-80g-sxm-0.sh"]
-    # the README's ssh line quotes it too: copied into a shell, it runs nothing
+    # the README's ssh lines end ssh's options before the host: copied into a shell, they
+    # run each node's script on its host and nothing here
     readme = files["README.md"]
-    ssh = readme[readme.index("    ssh "):].split("  # from this folder")[0]
-    assert shlex.split(ssh) == ["ssh", EVIL, "bash", "node-0-a100-80g-sxm-0.sh"]
-    # run the script with a stand-in python that records its arguments
+    ssh = [line.split("  # from this folder")[0] for line in readme.splitlines()
+           if line.startswith("    ssh ")]
+    assert [shlex.split(line) for line in ssh] == [
+        ["ssh", "--", "alice@gpu-a1", "bash", "node-0-a100-80g-sxm-0.sh"],
+        ["ssh", "--", "gpu-v1", "bash", "node-1-v100-32g-0.sh"]]
+    # run the script with a stand-in python that records its arguments and environment
     fake = tmp_path / "fake-python"
-    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGS_FILE"\n')
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$EVIL" "$@" > "$ARGS_FILE"\n')
     fake.chmod(0o755)
     work = tmp_path / "cwd"
     work.mkdir()
@@ -126,8 +131,9 @@ def test_a_host_name_with_shell_metacharacters_is_quoted_not_executed(tmp_path, 
                    env=env, check=True)
     args = (tmp_path / "args").read_text().split("\n")
     assert not list(work.iterdir()) and not list(out.glob("pwned*"))
-    addr = "\n".join(args[args.index("--nproc-per-node=4") + 4:]).split("--master-port")[0]
-    assert addr.startswith("--master-addr=gpu-a1$(touch pwned);`touch pwned2` 'x' \"y\"")
+    assert args[0] == EVIL
+    # the master address is node rank 0's host; a user@ names the login, not the address
+    assert "--master-addr=gpu-a1" in args
     assert args[args.index("--data") + 1] == "$(touch pwned3)"
     assert args[-3:-1] == ["--steps", "2"] and args[args.index("--plan") + 1] == str(
         out / "plan.json")
