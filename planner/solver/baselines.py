@@ -2,9 +2,13 @@
 
   data-parallel     every device holds the whole model, shares of the batch even
   uniform           the best Megatron-style TP x PP x DP recipe: even layer split,
-                    even shares, devices in cluster-file order (what a planner that
+                    even shares, devices by type, fastest first (what a planner that
                     assumes identical GPUs can do at best)
   fastest-type      the best plan using only the fastest device type
+
+The recipes take the nodes fastest type first (`by_speed`) and hand the micro-batches
+an even split leaves over to the fastest pipelines (`uniform.even_shares`), so no
+baseline changes when the cluster file lists its nodes in another order.
 
 Each takes the constraints given where its recipe has the knob (tp, pp and dp
 degrees, micro-batch size, schedule, recompute and ZeRO, stage pins, --no-mixed;
@@ -165,6 +169,7 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
     raises the PlannerError the search on them ended with (the baseline then says what
     ruled them out: their memory, or the constraints given)."""
     limits, space = limits or Limits(), space or Space()
+    cluster = by_speed(cluster, training.dtype)
     common = dict(layers=layers, cluster=cluster, training=training, costs=costs)
     whole = dict(common, model=model)
     savers = memory_savers(space)
@@ -207,8 +212,8 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
     else:
         why = f"the constraints given ({given}) rule out every uniform recipe"
     out.append(_baseline("uniform", "best Megatron-style TP x PP x DP recipe: even layers, "
-                         "even shares, devices in file order", uniform, why))
-    fastest = max(cluster.device_types().values(), key=lambda d: d.flops(training.dtype))
+                         "even shares, devices by type, fastest first", uniform, why))
+    fastest = cluster.nodes[0].device
     alone = dataclasses.replace(cluster, nodes=tuple(n for n in cluster.nodes
                                                      if n.device.name == fastest.name))
     reason = f"the model does not fit the {fastest.name} devices alone"
@@ -222,6 +227,15 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
                        f"devices alone (within {plan.solver.gap:.1%} of their optimum)")
     out.append(_baseline("fastest-type", description, plan, reason))
     return tuple(out)
+
+
+def by_speed(cluster: ClusterSpec, dtype: str) -> ClusterSpec:
+    """The cluster with its nodes fastest device type first (the most peak FLOP/s in
+    `dtype`, then the type's name), a type's nodes by name: the order a recipe takes
+    devices in, the same whatever the order of the cluster file (`planner estimate`
+    reproduces a recipe on a file that lists the nodes so)."""
+    return dataclasses.replace(cluster, nodes=tuple(sorted(
+        cluster.nodes, key=lambda n: (-n.device.flops(dtype), n.device.name, n.name))))
 
 
 def _ruled_out(error: PlannerError, where: str) -> str:

@@ -3,8 +3,9 @@
 Devices are taken node by node in cluster-file order and cut into tensor-
 parallel groups of `tp` devices; `dp` pipelines take `pp` consecutive groups
 each; layers are split evenly (with v chunks per stage for an interleaved
-schedule); every pipeline gets an even share of the global batch. `estimate`
-prices a recipe the user fixes; the Megatron baseline is the best such recipe.
+schedule); every pipeline gets an even share of the global batch, the micro-batches
+left over one each to the fastest pipelines (`even_shares`). `estimate` prices a
+recipe the user fixes; the Megatron baseline is the best such recipe.
 """
 
 from __future__ import annotations
@@ -144,10 +145,11 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
     # the runtime shards a stage with ZeRO among its replicas of one device type, and
     # only layers no other replica set holds: stage positions on mixed types get none
     mixed = {s for s in range(pp) if len({slots[p * pp + s][2] for p in range(dp)}) > 1}
-    for p, m in enumerate(_even(total, dp)):
+    layout = [slots[p * pp:(p + 1) * pp] for p in range(dp)]
+    for p, m in enumerate(even_shares(total, layout, cluster, training.dtype)):
         stages = []
         for s in range(pp):
-            node, slot, kind = slots[p * pp + s]
+            node, slot, kind = layout[p][s]
             key = (s, m, id(cluster.node(node).device))
             if key not in alike:
                 held = tuple(chunks[j * pp + s] for j in range(interleave))
@@ -177,8 +179,21 @@ def _moved(stage: StagePlan, devices: DeviceGroup) -> StagePlan:
                      memory=stage.memory)
 
 
-def _even(total: int, parts: int) -> list[int]:
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+def even_shares(total: int, layout: Sequence[Sequence[tuple[str, int, str]]],
+                cluster: ClusterSpec, dtype: str) -> list[int]:
+    """Micro-batches per pipeline of `layout` (each pipeline's `groups` slots): `total`
+    shared evenly, the ones left over one each to the fastest pipelines, those whose
+    slowest device has the most peak FLOP/s (with layers split evenly it paces every
+    micro-batch), then by their stages' device type names. Both are the same in any
+    order of the cluster file's nodes, so reordering the file does not hand the extra
+    micro-batches to other devices (pipelines alike in both keep their own order)."""
+    def pace(p: int) -> tuple[float, tuple[str, ...]]:
+        slowest = min(cluster.node(node).device.flops(dtype) for node, _, _ in layout[p])
+        return -slowest, tuple(kind for _, _, kind in layout[p])
+
+    base, left_over = divmod(total, len(layout))
+    faster = set(sorted(range(len(layout)), key=pace)[:left_over])
+    return [base + (p in faster) for p in range(len(layout))]
 
 
 def _feeds(total: int, dp: int, pp: int, interleave: int, zero: int) -> bool:

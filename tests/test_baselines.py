@@ -1,0 +1,99 @@
+"""The baselines do not depend on the order of the cluster file's nodes: their recipes
+take the devices fastest type first and hand the micro-batches an even split leaves
+over to the fastest pipelines (reversing one file moved the data-parallel baseline by
+37%, so "Nx faster than data parallelism" changed with it)."""
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cost_models.cluster import load_cluster
+from cost_models.model import AnalyticalCostModel
+from planner.models import model_spec
+from planner.solver import Limits, SolveOptions, solve
+from planner.solver.baselines import baselines
+from planner.solver.uniform import uniform_plan
+from planner.trace import trace_model
+from planner.types import TrainingSpec
+
+# three device types, nodes of a type that differ in size, device counts that leave
+# pipelines mixing types
+CLUSTERS = ["1x3xA100-40G,1x3xV100-16G,1x2xT4@100Gbps",
+            "1x2xA100-40G,1x4xA100-40G,1x3xV100-16G,1x2xT4@100Gbps"]
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace_model(model_spec("opt-125m", {"layers": 4}), seq_len=512, dtype="fp16")
+
+
+def _reordered(cluster, order):
+    return dataclasses.replace(cluster, nodes=tuple(cluster.nodes[i] for i in order))
+
+
+def _baselines(graph, cluster, training, limits):
+    def fastest_alone(alone):  # (as `solve` searches it, on the cluster it is handed)
+        return solve(graph, alone, training, SolveOptions(gap=0.0, limits=limits,
+                                                          with_baselines=False))[0]
+
+    return {b.name: (b.prediction and b.prediction.step_time, b.description, b.reason)
+            for b in baselines(layers=graph.layers, model=graph.spec, cluster=cluster,
+                               training=training, costs=AnalyticalCostModel(cluster),
+                               fastest_alone=fastest_alone, limits=limits)}
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), spec=st.sampled_from(CLUSTERS), batch=st.integers(9, 40),
+       limits=st.sampled_from([Limits(), Limits(pp=2), Limits(pp=2, dp=3), Limits(pp=4)]))
+def test_reordering_the_cluster_file_leaves_every_baseline_as_it_was(graph, data, spec,
+                                                                     batch, limits):
+    cluster = load_cluster(spec)
+    order = data.draw(st.permutations(range(len(cluster.nodes))))
+    training = TrainingSpec(global_batch=batch, seq_len=512, dtype="fp16")
+    assert _baselines(graph, _reordered(cluster, order), training, limits) == _baselines(
+        graph, cluster, training, limits)
+
+
+@pytest.mark.parametrize("spec", CLUSTERS)
+def test_a_solve_on_the_reversed_file_reports_the_same_baselines(graph, spec):
+    cluster = load_cluster(spec)
+    training = TrainingSpec(global_batch=30, seq_len=512, dtype="fp16")
+    plans = [solve(graph, c, training, SolveOptions(gap=0.0))[0]
+             for c in (cluster, _reordered(cluster, range(len(cluster.nodes) - 1, -1, -1)))]
+    first, second = ([(b.name, b.prediction and b.prediction.step_time, b.description)
+                      for b in plan.baselines] for plan in plans)
+    assert first == second
+
+
+def test_a_fixed_recipe_hands_the_left_over_micro_batches_to_the_fastest_pipelines(graph):
+    """`planner estimate` keeps the file's order for placement, but not for the shares:
+    6 micro-batches over 4 replicas run 2 on each A100 and 1 on each V100, whichever
+    node the file lists first."""
+    training = TrainingSpec(global_batch=6, seq_len=512, dtype="fp16")
+    steps = []
+    for spec in ("1x2xV100-16G,1x2xA100-40G@100Gbps", "1x2xA100-40G,1x2xV100-16G@100Gbps"):
+        cluster = load_cluster(spec)
+        plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                            training=training, costs=AnalyticalCostModel(cluster), tp=1, pp=1)
+        assert sorted((p.stages[0].device_type, p.num_microbatches) for p in plan.pipelines) == [
+            ("A100-40G-SXM", 2), ("A100-40G-SXM", 2), ("V100-16G", 1), ("V100-16G", 1)]
+        steps.append(plan.prediction.step_time)
+    assert steps[0] == pytest.approx(steps[1], rel=1e-12)
+
+
+def test_pipelines_alike_in_pace_take_the_left_overs_by_device_type_name(graph):
+    """Pipelines paced by the same kind of device are told apart by their types' names,
+    not by where the file puts them: 3 micro-batches over an A100 + V100 pipeline and a
+    V100 + V100 one run 2 on the first (the faster), in either order of the nodes."""
+    training = TrainingSpec(global_batch=3, seq_len=512, dtype="fp16")
+    for spec in ("1x1xA100-40G,1x3xV100-16G@100Gbps", "1x3xV100-16G,1x1xA100-40G@100Gbps"):
+        cluster = load_cluster(spec)
+        plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=cluster,
+                            training=training, costs=AnalyticalCostModel(cluster), tp=1, pp=2)
+        counts = {frozenset(s.device_type for s in p.stages): p.num_microbatches
+                  for p in plan.pipelines}
+        assert counts == {frozenset({"A100-40G-SXM", "V100-16G"}): 2,
+                          frozenset({"V100-16G"}): 1}
