@@ -33,7 +33,7 @@ from typing import Any
 
 from cost_models import catalog
 from cost_models.memory import framework_reserve
-from cost_models.yamlfile import Fields, read_yaml
+from cost_models.yamlfile import CLUSTER_FILE, SEE_FORMAT, Fields, folder_given, read_yaml
 from planner.dtypes import DTYPES
 from planner.errors import PlannerError, closest
 from planner.types import (
@@ -73,6 +73,8 @@ def load_cluster(spec: str) -> ClusterSpec:
         return parse_cluster(read_yaml(EXAMPLES / f"{spec}.yaml"), f"example {spec}")
     if any(_INLINE_ITEM.match(item) for item in spec.split("@", 1)[0].split(",")):
         return parse_inline(spec)
+    if path.is_dir():
+        raise folder_given(path)
     near = closest(spec, example_names())
     hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
     raise PlannerError(
@@ -83,18 +85,22 @@ def load_cluster(spec: str) -> ClusterSpec:
          "or write it inline: 2x8xA100-80G,4x8xV100-32G@100Gbps (nodes x devices x type)"])
 
 
+def parse_inline_network(text: str) -> LinkSpec:
+    """The network of an inline spec, after its `@`: `BANDWIDTH[/LATENCY]`, e.g. `100Gbps`,
+    `25GB/s/2us` (5 us without a latency)."""
+    bandwidth, _, latency = text.partition("/")
+    if latency.strip()[:1] in ("s", "S"):  # "25GB/s[/2us]": that '/' is part of the unit
+        unit, _, latency = latency.partition("/")
+        bandwidth = f"{bandwidth}/{unit}"
+    return LinkSpec(name=f"{bandwidth.strip()} network",
+                    bandwidth=parse_bandwidth(bandwidth.strip(), "the inline network"),
+                    latency=parse_duration(latency.strip() or "5us", "the inline network"))
+
+
 def parse_inline(spec: str) -> ClusterSpec:
     """`[NODES x] DEVICES x TYPE, ... [@BANDWIDTH[/LATENCY]]`, e.g. `2x8xA100-80G@100Gbps`."""
     body, at, net = spec.partition("@")
-    network = DEFAULT_NETWORK
-    if at:
-        bandwidth, _, latency = net.partition("/")
-        if latency.strip().startswith("s"):  # "25GB/s[/2us]": that '/' is part of the unit
-            unit, _, latency = latency.partition("/")
-            bandwidth = f"{bandwidth}/{unit}"
-        network = LinkSpec(name=f"{bandwidth.strip()} network",
-                           bandwidth=parse_bandwidth(bandwidth.strip(), "the inline network"),
-                           latency=parse_duration(latency.strip() or "5us", "the inline network"))
+    network = parse_inline_network(net) if at else DEFAULT_NETWORK
     nodes: list[NodeSpec] = []
     counters: dict[str, int] = {}
     for item in body.split(","):
@@ -157,7 +163,7 @@ def _link(fields: Fields, key: str, default: LinkSpec | None, *, per: str) -> Li
     value = fields.get(key)
     if value is None:
         return default
-    if isinstance(value, str) and not re.match(r"^\s*[0-9.]", value):
+    if isinstance(value, str) and not re.match(r"^\s*-?[0-9.]", value):  # (-5Gbps: a number)
         try:
             return catalog.link(value)
         except PlannerError as exc:
@@ -295,6 +301,8 @@ def _chain(groups: dict[str, GroupSpec], innermost: str | None) -> tuple[str, ..
 
 def parse_cluster(data: Any, source: str) -> ClusterSpec:
     """A validated ClusterSpec from parsed YAML; errors name the file, line and field."""
+    if data is None:  # (no YAML value: nothing, or only comments)
+        raise PlannerError("bad-cluster", f"{source} is empty; {CLUSTER_FILE}.", [SEE_FORMAT])
     top = Fields(data, source)
     version = top.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:

@@ -46,7 +46,29 @@ def load_yaml(text: str, source: str) -> Any:
                            ["check indentation and quoting around that line"]) from exc
 
 
+# what a cluster file holds, and where to see one, for errors about the file as a whole
+CLUSTER_FILE = ("a cluster file is YAML: a mapping of schema_version, name, network and "
+                "nodes (each node's device type and device count)")
+SEE_FORMAT = ("see docs/clusters.md for the format, or copy a built-in example from "
+              "examples/clusters/ (a100-v100-lab.yaml, say)")
+
+
+def folder_given(path: Path) -> PlannerError:
+    """The error for a folder passed as the cluster file (it read "does not exist")."""
+    try:
+        inside = sorted(p.name for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+    except OSError:  # (a folder we may not list)
+        inside = []
+    return PlannerError("bad-file", f"{str(path)!r} is a folder, not a cluster file; "
+                        f"{CLUSTER_FILE}.",
+                        [f"pass one of its files: {', '.join(inside[:3])}"
+                         + (", ..." if len(inside) > 3 else "") if inside
+                         else "pass the path of the cluster's YAML file", SEE_FORMAT])
+
+
 def read_yaml(path: Path) -> Any:
+    if path.is_dir():
+        raise folder_given(path)
     if not path.is_file():
         raise PlannerError("bad-file", f"File {str(path)!r} does not exist.", ["check the path"])
     try:
@@ -66,7 +88,8 @@ class Fields:
         self.data: dict = data if isinstance(data, dict) else {}
         self.used: set[str] = set()
         if not isinstance(data, dict):
-            raise self.error(f"must be a mapping (got {type(data).__name__})")
+            got = "it is empty" if data is None else f"got {type(data).__name__}"
+            raise self.error(f"must be a mapping ({got})")
 
     def where(self, key: str | None = None) -> str:
         line = getattr(self.data, "lines", {}).get(key) if key else getattr(self.data, "line",

@@ -1,6 +1,17 @@
 """Human units at the file/CLI boundary: parse "100Gbps", "25 GB/s", "80GiB", "5us";
 format SI values back for people. Inside the planner everything is SI (bytes,
 seconds, bytes/s, FLOP/s).
+
+Case is read where it cannot change the meaning, and only there:
+
+- Prefixes of sizes, rates and FLOP/s are read in any case (`100gbps`, `80giB`,
+  `312 tflops`): nothing here is measured in milli- or pico-units, so `m` and `p`
+  can only mean mega and peta. Durations keep theirs (`ms` is milliseconds).
+- Bits or bytes per second: the letter B decides where it stands alone, `B/s`
+  bytes and `b/s` bits (`/s` in any case), so `25GB/s` and `25Gb/s` stay apart.
+  `Bps` (a capital B, then lower case) is bytes: that mixed spelling exists to
+  say so; `bps` in any other case (`gbps`, `GBPS`) is bits, as networks are
+  rated. Spelled out, `bit/s` and `bits/s` are bits in any case (`25GBIT/s`).
 """
 
 from __future__ import annotations
@@ -15,18 +26,19 @@ _PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15
 _BINARY = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60.0}
 
-_BYTES_RE = re.compile(
-    rf"^\s*{_NUMBER}\s*(?P<prefix>Ki|Mi|Gi|Ti|Pi|[kKMGTP]?)(?P<unit>B|bytes?)?\s*$")
-_RATE_RE = re.compile(
-    rf"^\s*{_NUMBER}\s*(?P<prefix>Ki|Mi|Gi|Ti|Pi|[kKMGTP]?)(?P<unit>B/s|Bps|bps|bit/s|b/s)\s*$")
+_ANY_PREFIX = r"(?P<prefix>(?i:[kmgtp]i?)?)"  # decimal or binary, any case (see above)
+_BYTES_RE = re.compile(rf"^\s*{_NUMBER}\s*{_ANY_PREFIX}(?P<unit>B|bytes?)?\s*$")
+_RATE_RE = re.compile(  # (with a sign: "-100Gbps" is refused as not positive, not unread)
+    rf"^\s*(?P<sign>-?){_NUMBER}\s*{_ANY_PREFIX}(?P<unit>(?i:bits?/s|bps|b/s))\s*$")
 _TIME_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>s|ms|us|µs|ns|min)?\s*$")
-_FLOPS_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<prefix>[kKMGTP]?)(?:FLOP/s|FLOPS|flops|flop/s)?\s*$")
+_FLOPS_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<prefix>(?i:[kmgtp])?)(?i:flop/s|flops)?\s*$")
 
 
-def _bad(what: str, text: object, examples: str, field: str | None) -> PlannerError:
+def _bad(what: str, text: object, examples: str, field: str | None,
+         guess: str | None = None) -> PlannerError:
     where = f" (for {field})" if field else ""
-    return PlannerError("bad-unit", f"Cannot read {text!r} as {what}{where}; write it like "
-                        f"{examples}.")
+    advice = (f"did you mean {guess!r}? Write it" if guess else "write it") + f" like {examples}."
+    return PlannerError("bad-unit", f"Cannot read {text!r} as {what}{where}; {advice}")
 
 
 def _finite(value: float, text: object, what: str) -> None:
@@ -36,7 +48,18 @@ def _finite(value: float, text: object, what: str) -> None:
 
 
 def _scale(prefix: str) -> float:
-    return _BINARY.get(prefix) or _PREFIX[prefix]
+    """The factor of a prefix as written in any case: 'g' and 'G' 1e9, 'gi' 2**30."""
+    canonical = prefix[:1].upper() + prefix[1:].lower()
+    return _BINARY.get(canonical) or _PREFIX[canonical]
+
+
+def _in_bits(unit: str) -> bool:
+    """Whether a rate unit counts bits (else bytes), by the rule above."""
+    if unit.lower().startswith("bit"):
+        return True
+    if unit.lower() == "bps":
+        return unit != "Bps"
+    return unit.startswith("b")  # b/s, B/s
 
 
 def parse_bytes(text: str | float | int, field: str | None = None) -> float:
@@ -61,9 +84,12 @@ def parse_bandwidth(text: str | float | int, field: str | None = None) -> float:
     else:
         m = _RATE_RE.match(str(text))
         if not m:
-            raise _bad("a bandwidth", text, "'100Gbps', '25 GB/s' or '600GB/s'", field)
-        bits = m["unit"] in ("bps", "bit/s", "b/s")
-        value = float(m["num"]) * _scale(m["prefix"]) / (8.0 if bits else 1.0)
+            per_second = f"{str(text).strip()}/s"  # "25 Gbit", "40GB": an amount, not a rate
+            raise _bad("a bandwidth", text, "'100Gbps', '25 GB/s' or '600GB/s'", field,
+                       per_second if _RATE_RE.match(per_second) else None)
+        bits = _in_bits(m["unit"])
+        value = (-1.0 if m["sign"] else 1.0) * float(m["num"]) * _scale(m["prefix"]) / (
+            8.0 if bits else 1.0)
     _finite(value, text, field or "bandwidth")
     if value <= 0:
         raise PlannerError("bad-value", f"{field or 'bandwidth'} must be positive (got {text}).")
@@ -95,7 +121,7 @@ def parse_flops(text: str | float | int, field: str | None = None) -> float:
         m = _FLOPS_RE.match(str(text))
         if not m:
             raise _bad("a compute rate", text, "'312 TFLOPS' or '19.5TFLOP/s'", field)
-        value = float(m["num"]) * _PREFIX[m["prefix"]]
+        value = float(m["num"]) * _scale(m["prefix"])
     _finite(value, text, field or "compute rate")
     if value <= 0:
         raise PlannerError("bad-value", f"{field or 'compute rate'} must be positive "

@@ -161,6 +161,16 @@ def test_units():
     ("nodes: [{name: a, device: A100-80G, devices: 8}\n", "not valid YAML"),
     ("groups: [{name: x, parent: y, bandwidth: 1Gbps}, {name: y, parent: x, bandwidth: 1Gbps}]"
      "\nnodes: [{name: a, device: A100-80G, devices: 8}]", "cycle"),
+    # a negative card read as a link name ("Unknown link type"), an empty file as "got
+    # NoneType"
+    ("nodes:\n  - {name: a, device: A100-80G, devices: 8, nic: -100Gbps}\n",
+     "line 2, nodes[0].nic: bandwidth must be positive (got -100Gbps)"),
+    ("nodes:\n  - {name: a, device: A100-80G, devices: 8, nic: {bandwidth: -1GB/s}}\n",
+     "line 2, nodes[0].nic.bandwidth: bandwidth must be positive (got -1GB/s)"),
+    ("", "is empty; a cluster file is YAML: a mapping of schema_version, name, network and "
+     "nodes"),
+    ("# nothing but a comment\n", "is empty"),
+    ("nodes: [~]", ", nodes[0]: must be a mapping (it is empty)"),
 ])
 def test_bad_files_name_file_line_and_field(tmp_path, text, needle):
     path = write(tmp_path, text)
@@ -168,6 +178,21 @@ def test_bad_files_name_file_line_and_field(tmp_path, text, needle):
         load_cluster(path)
     assert needle in err.value.message
     assert path in err.value.message
+
+
+@pytest.mark.parametrize("name", ["lab.yaml", "lab"])
+def test_a_folder_is_named_as_a_folder(tmp_path, name):
+    """It read "does not exist" (or, without a suffix, "not a file, a built-in example or
+    an inline spec"); the cluster files in it are offered."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "a.yaml").write_text("schema_version: 1\n")
+    with pytest.raises(PlannerError) as err:
+        load_cluster(str(folder))
+    assert err.value.message.startswith(f"'{folder}' is a folder, not a cluster file; a "
+                                        "cluster file is YAML")
+    assert err.value.remedies[0] == "pass one of its files: a.yaml"
+    assert "docs/clusters.md" in err.value.remedies[1]
 
 
 def test_a_binary_cluster_file_is_named(tmp_path):
