@@ -16,7 +16,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cli import options as opt
@@ -43,7 +42,8 @@ def profile(
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Write the profile (JSON) to this file.")] = None,
     quick: Annotated[bool, typer.Option(
-        "--quick/--full", help="A short sweep (seconds) or the full one (minutes).")] = False,
+        "--quick/--full", help="A short sweep (about 10 s on a 2-core CPU, 20 s when it is "
+        "busy; more with --model) or the full one (minutes).")] = False,
     model: Annotated[str | None, typer.Option(
         "--model", help="Also time each layer of this model (a zoo flavor, "
         "package.module:factory or transformers config) in training steps.")] = None,
@@ -65,7 +65,8 @@ def profile(
 
     Measures matmul FLOP/s per dtype and memory bandwidth of the CPU and each CUDA
     device, each layer's forward and backward time of a model (--model), and
-    collectives among local processes.
+    collectives among local processes. Each measurement is announced on stderr as it
+    starts, and a warning follows one whose repeated samples disagree (a busy machine).
 
     Examples:
       planner profile --quick
@@ -75,22 +76,19 @@ def profile(
         return
     import torch
 
-    from cost_models.profile import run_profile
+    from cost_models.profile import noise_warnings, run_profile
 
     if output is not None:  # before the measurements, not after them
         check_writable(output, force=force)
     if devices is Devices.all and not torch.cuda.is_available():
         err_console.print("no CUDA device: profiling the CPU")
-    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
     start = time.perf_counter()
-    with Progress(*columns, console=err_console, transient=True) as bar:
-        task = bar.add_task("starting", total=None)
-        doc = run_profile(quick=quick, model=model, seq_len=seq_len, dtype=dtype,
-                          processes=processes, devices=devices.value, comm=not no_comm,
-                          progress=lambda label, done, total: bar.update(
-                              task, description=label, completed=done, total=total))
+    doc = run_profile(quick=quick, model=model, seq_len=seq_len, dtype=dtype,
+                      processes=processes, devices=devices.value, comm=not no_comm,
+                      progress=_announce)
     elapsed = time.perf_counter() - start
+    for line in noise_warnings(doc):
+        err_console.print(f"[yellow]warning:[/] {escape(line)}", soft_wrap=True)
     if output is not None:
         try:
             output.write_text(json.dumps(doc, indent=1) + "\n")
@@ -105,7 +103,16 @@ def profile(
         console.print(f"Wrote the profile to {output}", soft_wrap=True, markup=False)
 
 
+def _announce(stage: str, done: int, total: int) -> None:
+    """A line on stderr as each measurement starts (a line, not a live bar: it shows
+    in logs and pipes too, where a bar shows nothing)."""
+    err_console.print(f"[{done + 1}/{total}] {stage}", markup=False, highlight=False,
+                      soft_wrap=True)
+
+
 def _render(doc: dict, elapsed: float) -> None:
+    from cost_models.profile.noise import device_label
+
     dtypes = [d for d in ("fp32", "tf32", "bf16", "fp16")
               if any(d in dev["matmul"] for dev in doc["devices"])]
     load = doc["load_average"][0]
@@ -117,7 +124,7 @@ def _render(doc: dict, elapsed: float) -> None:
         table.add_column(column, justify="left" if column in ("device", "name") else "right")
     for dev in doc["devices"]:
         threads = f", {dev['threads']} threads" if dev.get("threads") else ""
-        table.add_row(_label(dev), dev["name"] + threads, fmt_bytes(dev["memory_bytes"]),
+        table.add_row(device_label(dev), dev["name"] + threads, fmt_bytes(dev["memory_bytes"]),
                       *(fmt_flops(dev["matmul"][d]["best_flops"]) + "/s"
                         if d in dev["matmul"] else "-" for d in dtypes),
                       fmt_rate(dev["memory_bandwidth"]["best"]))
@@ -130,10 +137,12 @@ def _render(doc: dict, elapsed: float) -> None:
 
 
 def _render_layers(dev: dict) -> None:
+    from cost_models.profile.noise import device_label
+
     layers = dev["layers"]
     batches = [s["micro_batch"] for s in layers["steps"]]
-    table = Table(title=f"Layer times on {_label(dev)}: {escape(layers['model'])}, seq "
-                        f"{layers['seq_len'] or '-'}, {layers['dtype']} (median)")
+    table = Table(title=f"Layer times on {device_label(dev)}: {escape(layers['model'])}, seq "
+                        f"{layers['seq_len'] or '-'}, {layers['dtype']} (the fastest step's)")
     table.add_column("layer")
     for b in batches:
         table.add_column(f"fwd ×{b}", justify="right")
@@ -147,10 +156,6 @@ def _render_layers(dev: dict) -> None:
     steps = ", ".join(f"{fmt_seconds(s['seconds'])} at micro-batch {s['micro_batch']}"
                       for s in layers["steps"])
     console.print(f"Whole training step (forward, loss, backward): {steps}.", soft_wrap=True)
-
-
-def _label(dev: dict) -> str:
-    return "cpu" if dev["kind"] == "cpu" else f"cuda:{dev['index']}"
 
 
 def _render_comm(comm: dict) -> None:

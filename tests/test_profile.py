@@ -1,23 +1,56 @@
 """`planner profile`: real quick-mode measurements of this machine's CPU, the layer
-time attribution, the alpha-beta fit, profile validation and the CLI."""
+time attribution, the alpha-beta fit, sampling and its spread (with a fake clock or
+made-up samples: nothing here depends on how busy the machine is), profile validation
+and the CLI."""
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from typer.testing import CliRunner
 
 from cli.main import app
-from cost_models.profile import load_profile, run_profile
-from cost_models.profile.comm import fit_alpha_beta
+from cost_models.profile import load_profile, noise_warnings, run_profile
+from cost_models.profile.comm import _free_port, _mean_seconds, fit_alpha_beta
 from cost_models.profile.layers import split_pass
-from cost_models.profile.timing import Clock
+from cost_models.profile.timing import Clock, Samples, sample_seconds
 from planner.errors import PlannerError
 from planner.models import model_spec
 from planner.trace import trace_model
 
 runner = CliRunner()
+CPU = torch.device("cpu")
+AGREE = (1e-3, 1e-3, 1.1e-3, 1e-3, 1e-3)  # a slow sample now and then: spread 1
+DISAGREE = (1e-3, 3e-3, 1e-3, 3e-3, 1e-3)  # the middle half 3x apart
+
+
+class FakeWork:
+    """Work that takes the next of `durations` seconds of a fake clock per call."""
+
+    def __init__(self, durations) -> None:
+        self.durations, self.now, self.calls = list(durations), 0.0, 0
+
+    def __call__(self) -> None:
+        self.now += self.durations[min(self.calls, len(self.durations) - 1)]
+        self.calls += 1
+
+    def timer(self) -> float:
+        return self.now
+
+
+class FixedSamples:
+    """A sampler (`timing.sample_seconds`'s stand-in) that times nothing: every
+    measurement gets `seconds` (or `repeats` samples of 1 ms); it counts the calls."""
+
+    def __init__(self, seconds=None) -> None:
+        self.seconds, self.requests = seconds, []
+
+    def __call__(self, fn, clock, *, repeats: int, budget: float) -> Samples:
+        self.requests.append(repeats)
+        return Samples(self.seconds or (1e-3,) * repeats)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +77,9 @@ def test_quick_cpu_profile_is_valid_and_measured(profiled):
     assert bandwidth["best"] > 1e8
     assert all(p["bandwidth"] == pytest.approx(p["bytes"] / p["seconds"])
                for p in bandwidth["sweep"])
+    for p in [*bandwidth["sweep"], *(p for m in cpu["matmul"].values() for p in m["sweep"])]:
+        assert 3 <= len(p["samples"]) <= 5 and p["seconds"] == statistics.median(p["samples"])
+        assert p["spread"] == Samples(tuple(p["samples"])).spread >= 1
 
 
 def test_comm_sweeps_follow_nccl_tests_conventions(profiled):
@@ -111,6 +147,10 @@ def _edit(doc, change):
      ["'communication.collectives.p2p.sweep[0].seconds'"]),
     (lambda d: d["devices"][0].pop("memory_bandwidth"),
      ["'devices[0].memory_bandwidth'", "missing"]),
+    (lambda d: d["devices"][0]["matmul"]["fp32"]["sweep"][0].update(spread=-1.0),
+     ["'devices[0].matmul.fp32.sweep[0].spread'", "non-negative"]),
+    (lambda d: d["devices"][0]["layers"]["steps"][0].update(samples="fast"),
+     ["'devices[0].layers.steps[0].samples'", "must be a list"]),
 ])
 def test_load_profile_rejects_bad_documents(profiled, tmp_path, change, words):
     path = tmp_path / "bad.json"
@@ -188,3 +228,146 @@ def test_a_bad_model_fails_before_any_measurement():
         run_profile(quick=True, model="gpt-tinyy", devices="cpu", comm=False,
                     progress=lambda *a: ticks.append(a))
     assert not ticks
+
+
+def test_samples_time_each_call_after_a_warm_up_and_a_pilot():
+    # warm-up 9 ms, pilot 5 ms: neither is a sample; a lone slow sample leaves the
+    # spread at 1, two of five move the median's neighbours: spread 3
+    work = FakeWork([9e-3, 5e-3, 2e-3, 2e-3, 6e-3, 2e-3, 2e-3])
+    samples = sample_seconds(work, Clock(CPU, timer=work.timer), repeats=5, budget=1.0)
+    assert samples.seconds == pytest.approx((2e-3, 2e-3, 6e-3, 2e-3, 2e-3))
+    assert samples.median == pytest.approx(2e-3) and samples.spread == pytest.approx(1.0)
+    assert Samples((2e-3, 6e-3, 2e-3, 6e-3, 2e-3)).spread == pytest.approx(3.0)
+    assert Samples((4e-3,)).spread == 1.0 and Samples((4e-3,)).median == 4e-3
+
+
+def test_samples_stop_at_the_budget_but_not_before_three():
+    work = FakeWork([2e-3])  # 2 ms a call: five samples fill a 10 ms budget
+    samples = sample_seconds(work, Clock(CPU, timer=work.timer), repeats=50, budget=0.01)
+    assert len(samples.seconds) == 5
+    slow = FakeWork([0.5])  # a call past the budget still gets three samples
+    assert len(sample_seconds(slow, Clock(CPU, timer=slow.timer), repeats=10,
+                              budget=0.1).seconds) == 3
+
+
+def test_short_calls_are_timed_in_batches():
+    work = FakeWork([1e-4, 2.5e-4, *([2e-4, 3e-4] * 40)])  # pilot 0.25 ms: batches of 4
+    samples = sample_seconds(work, Clock(CPU, timer=work.timer), repeats=3, budget=1.0)
+    assert samples.seconds == pytest.approx((2.5e-4,) * 3) and work.calls == 2 + 3 * 4
+
+
+def test_a_profile_keeps_each_points_samples_their_median_and_spread():
+    sampler = FixedSamples(DISAGREE)
+    doc = run_profile(quick=True, devices="cpu", comm=False, sample=sampler)
+    (cpu,) = doc["devices"]
+    points = [*cpu["matmul"]["fp32"]["sweep"], *cpu["memory_bandwidth"]["sweep"]]
+    for point in points:
+        assert point["samples"] == list(DISAGREE) and point["seconds"] == 1e-3
+        assert point["spread"] == pytest.approx(3.0)
+    assert len(points) == 4 + 2 and len(sampler.requests) == 3 * 4 + 2
+
+
+def _quiet(doc: dict) -> dict:
+    """`doc` as if the machine had been idle at the start (the load is the test's)."""
+    return dict(doc, load_average=[0.0, 0.0, 0.0])
+
+
+def test_disagreeing_samples_are_warned_about_and_agreeing_ones_not():
+    agree = _quiet(run_profile(quick=True, devices="cpu", comm=False,
+                               sample=FixedSamples(AGREE)))
+    assert noise_warnings(agree) == []
+    disagree = _quiet(run_profile(quick=True, devices="cpu", comm=False,
+                                  sample=FixedSamples(DISAGREE)))
+    lines = noise_warnings(disagree)
+    assert len(lines) == 4  # fp32, bf16, fp16 matmul and the memory bandwidth
+    assert lines[0] == ("cpu fp32 matmul at 1024×1024×1024: the middle half of 5 samples "
+                        "spans 3.0x (716 GFLOP/s .. 2.15 TFLOP/s); the machine may be busy. "
+                        "The profile keeps their median.")
+    assert lines[3].startswith("cpu memory bandwidth, 256 MiB copies: the middle half of 5 "
+                               "samples spans 3.0x (179 GB/s .. 537 GB/s)")
+
+
+def test_layer_steps_that_disagree_and_a_busy_start_are_warned_about(profiled):
+    doc = json.loads(json.dumps(profiled[0]))
+    cpu = doc["devices"][0]
+    for point in [*cpu["memory_bandwidth"]["sweep"],
+                  *(p for m in cpu["matmul"].values() for p in m["sweep"])]:
+        point.update(samples=[1e-3] * 5, spread=1.0)
+    cpu["layers"]["steps"][0].update(samples=[0.05] * 3, spread=1.0)
+    cpu["layers"]["steps"][1].update(samples=[0.1, 0.3, 0.1], spread=2.0)
+    cpu["cores"] = 2
+    assert noise_warnings(dict(doc, load_average=[1.9, 1.0, 1.0])) == [
+        "cpu training step of gpt-tiny at micro-batch 2: the middle half of 3 samples spans "
+        "2.0x (100 ms .. 200 ms); the machine may be busy. The profile keeps their fastest."]
+    busy = noise_warnings(dict(doc, load_average=[2.0, 1.0, 1.0]))
+    assert busy[-1] == ("the machine was busy when the profile started (load average 2.0 on "
+                        "2 cores): its figures may be low and differ from run to run; profile "
+                        "again when it is idle.")
+
+
+def test_profiles_without_samples_still_load_and_warn_of_nothing(profiled, tmp_path):
+    """Files written before points kept their samples (the fields are optional)."""
+    doc = json.loads(json.dumps(profiled[0]))
+    for device in doc["devices"]:
+        for point in [*device["memory_bandwidth"]["sweep"], *device["layers"]["steps"],
+                      *(p for m in device["matmul"].values() for p in m["sweep"])]:
+            del point["samples"], point["spread"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    assert noise_warnings(_quiet(load_profile(path))) == []
+
+
+def test_quick_mode_measures_less_than_full(profiled):
+    """Counted, not timed: stages, timed points and the samples asked of each (the
+    samples are made up, so the full sweep's shapes cost their allocation only)."""
+    runs = {}
+    for quick in (True, False):
+        stages, sampler = [], FixedSamples()
+        run_profile(quick=quick, devices="cpu", comm=False, sample=sampler,
+                    progress=lambda *stage, heard=stages: heard.append(stage))
+        assert [stage[1:] for stage in stages] == [(k, len(stages)) for k in range(len(stages))]
+        runs[quick] = len(sampler.requests), sum(sampler.requests)
+    assert runs[True] == (3 * 4 + 2, (3 * 4 + 2) * 5)  # 4 shapes of 3 dtypes, 2 copies
+    assert runs[True][0] < runs[False][0] and runs[True][1] * 3 < runs[False][1]
+    # the real quick profile: 3 timed steps at micro-batches 1 and 2, 5 message sizes
+    steps = profiled[0]["devices"][0]["layers"]["steps"]
+    assert [(s["micro_batch"], len(s["samples"])) for s in steps] == [(1, 3), (2, 3)]
+    assert len(profiled[0]["communication"]["collectives"]["all_reduce"]["sweep"]) == 5
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_collective_that_slows_down_stops_near_its_budget(one_process_group):
+    """Warm-up and pilot calls take 0.1 ms, every later one 10 ms (the machine got busy):
+    a call count fixed by the pilot (2,000 for a 0.2 s budget) ran 20 s; now the calls
+    stop after the round that passes the budget (a quarter of the pilot's count)."""
+    work = FakeWork([1e-4] * 8 + [1e-2])
+    mean = _mean_seconds(work, Clock(CPU, timer=work.timer), 0.2, CPU)
+    assert work.calls == 2 + 3 + 500 and work.now < 5.0
+    assert mean == pytest.approx((work.now - 2e-4) / (work.calls - 2))
+
+
+def test_cli_announces_each_measurement_and_warns_of_disagreement(monkeypatch):
+    real = run_profile
+
+    def fake_profile(**options):
+        return _quiet(real(**options, sample=FixedSamples(DISAGREE)))
+    monkeypatch.setattr("cost_models.profile.run_profile", fake_profile)
+    result = runner.invoke(app, ["profile", "--quick", "--no-comm", "--devices", "cpu"])
+    assert result.exit_code == 0, result.output
+    err = result.stderr.splitlines()
+    assert err[:4] == ["[1/4] cpu: fp32 matmul", "[2/4] cpu: bf16 matmul",
+                       "[3/4] cpu: fp16 matmul", "[4/4] cpu: memory bandwidth"]
+    assert "warning: cpu fp32 matmul at 1024×1024×1024: the middle half of 5 samples " \
+           "spans 3.0x" in result.stderr
+    monkeypatch.setattr("cost_models.profile.run_profile", lambda **options: _quiet(
+        real(**options, sample=FixedSamples(AGREE))))
+    calm = runner.invoke(app, ["profile", "--quick", "--no-comm", "--devices", "cpu"])
+    assert calm.exit_code == 0 and "[4/4] cpu: memory bandwidth" in calm.stderr
+    assert "warning" not in calm.stderr

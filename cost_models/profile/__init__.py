@@ -3,11 +3,13 @@
     doc = run_profile(quick=True, model="gpt2-small", seq_len=None, dtype="fp32",
                       processes=2, devices="all", progress=None)
     doc = load_profile("profile.json")  # validated; PlannerError names file and field
+    noise_warnings(doc)  # measurements whose samples disagree (cost_models.profile.noise)
 
 Parts: `device` (what each device is, matmul FLOP/s per dtype, memory bandwidth),
 `layers` (each traced layer's forward and backward seconds in real training steps),
-`comm` (collectives and point-to-point among local processes), `schema` (the
-document and its validation).
+`comm` (collectives and point-to-point among local processes), `timing` (samples
+and their spread), `noise` (warnings from the spread), `schema` (the document and
+its validation).
 """
 
 from __future__ import annotations
@@ -25,24 +27,28 @@ import torch
 from cost_models.profile.comm import measure_comm
 from cost_models.profile.device import describe, matmul_dtypes, measure_bandwidth, measure_matmul
 from cost_models.profile.layers import micro_batches, profile_layers
+from cost_models.profile.noise import noise_warnings
 from cost_models.profile.schema import KIND, SCHEMA_VERSION, validate
+from cost_models.profile.timing import Sampler, sample_seconds
 from planner import __version__
 from planner.dtypes import canonical_dtype
 from planner.errors import PlannerError
 from planner.models import load_model, model_spec
 
-__all__ = ["load_profile", "run_profile"]
+__all__ = ["load_profile", "noise_warnings", "run_profile"]
 
 Progress = Callable[[str, int, int], None]  # (stage starting, stages done, stages in all)
 
 
 def run_profile(*, quick: bool, model: str | None = None, seq_len: int | None = None,
                 dtype: str = "fp32", processes: int = 2, devices: str = "all",
-                comm: bool = True, progress: Progress | None = None) -> dict:
+                comm: bool = True, progress: Progress | None = None,
+                sample: Sampler = sample_seconds) -> dict:
     """Profile the CPU and (devices "cuda" or "all") each CUDA device, and with `comm`
     the communication among `processes` local processes (nccl when there are that
     many GPUs and `devices` is not "cpu", else gloo on the CPU). With `model`, time
-    its layers in `dtype` on each device."""
+    its layers in `dtype` on each device. `progress` hears of each stage as it starts;
+    `sample` times the matmuls and copies (tests give a fake)."""
     dtype = canonical_dtype(dtype)
     if seq_len is not None and model is None:
         raise PlannerError("bad-option", "--seq-len is the sequence length of --model; "
@@ -68,9 +74,10 @@ def run_profile(*, quick: bool, model: str | None = None, seq_len: int | None = 
         entry["matmul"] = {}
         for name in matmul_dtypes(device):
             tick(f"{device}: {name} matmul")
-            entry["matmul"][name] = measure_matmul(device, name, quick)
+            entry["matmul"][name] = measure_matmul(device, name, quick, sample)
         tick(f"{device}: memory bandwidth")
-        entry["memory_bandwidth"] = measure_bandwidth(device, entry["memory_bytes"], quick)
+        entry["memory_bandwidth"] = measure_bandwidth(device, entry["memory_bytes"], quick,
+                                                      sample)
         entry["layers"] = profile_layers(model, seq_len=seq_len, dtype=dtype, device=device,
                                          quick=quick, tick=tick) if model else None
         doc["devices"].append(entry)
@@ -78,7 +85,6 @@ def run_profile(*, quick: bool, model: str | None = None, seq_len: int | None = 
         tick(f"communication: {processes} processes on {comm_device}")
         doc["communication"] = measure_comm(processes=processes, device=comm_device,
                                             quick=quick)
-    tick.finish()
     return doc
 
 
@@ -109,10 +115,6 @@ class _Ticker:
         if self.progress is not None:
             self.progress(label, self.done, self.total)
         self.done += 1
-
-    def finish(self) -> None:
-        if self.progress is not None:
-            self.progress("done", self.total, self.total)
 
 
 def _devices(selection: str) -> list[torch.device]:

@@ -3,10 +3,11 @@
 The processes are spawned with torch.multiprocessing and joined with
 torch.distributed over TCP on localhost: gloo on CPU tensors, nccl with one GPU
 per process. For each message size, after warm-up calls, each operation is timed
-call by call on rank 0 for a time budget (at least `_MIN_CALLS` calls; rank 0 sets
-the count for all) and the mean kept: a training step pays the mean, and on a shared
-machine the per-call time is bimodal (a scheduler tick decides the mode), so a median
-of a few calls jumps between modes while the mean over many is stable. Figures follow
+call by call on rank 0 for a time budget (at least `_MIN_CALLS` calls; rank 0 says
+when to stop, see `_mean_seconds`) and the mean kept: a training step pays the mean,
+and on a shared machine the per-call time is bimodal (a scheduler tick decides the
+mode), so a median of a few calls jumps between modes while the mean over many is
+stable. Figures follow
 nccl-tests: algbw = bytes / seconds; busbw = algbw × 2(n-1)/n for all_reduce
 (bytes = the buffer), algbw × (n-1)/n for all_gather (bytes = the whole output),
 and algbw for p2p, whose time is half a send/recv ping-pong between ranks 0 and 1.
@@ -35,11 +36,12 @@ import torch.multiprocessing as mp
 from cost_models.profile.timing import Clock
 from planner.errors import PlannerError
 
-_SIZES = {True: tuple(2**i for i in range(10, 27, 2)),  # 1 KiB .. 64 MiB
-          False: tuple(2**i for i in range(10, 29, 2))}  # 1 KiB .. 256 MiB
-_BUDGET_S = {True: 0.2, False: 1.0}  # seconds of timed calls per operation and size
-_MIN_CALLS = 5
-_WARM_UP_CALLS = 3
+_SIZES = {True: tuple(2**i for i in range(10, 27, 4)),  # 1 KiB .. 64 MiB, 16x apart
+          False: tuple(2**i for i in range(10, 29, 2))}  # 1 KiB .. 256 MiB, 4x apart
+_BUDGET_S = {True: 0.1, False: 1.0}  # seconds of timed calls per operation and size
+_MIN_CALLS = 3
+_ROUNDS = 4  # the budget's calls come in about this many rounds (see `_mean_seconds`)
+_WARM_UP_CALLS = 2
 _OP_TIMEOUT = {True: 60, False: 300}  # seconds one collective may wait for the others
 _DEADLINE = {True: 300, False: 1800}  # seconds for the whole measurement
 OPERATIONS = ("all_reduce", "all_gather", "p2p")
@@ -64,8 +66,15 @@ def measure_comm(*, processes: int, device: str, quick: bool) -> dict:
             nprocs=processes, join=False, start_method="spawn")
         _join(context, _DEADLINE[quick], backend)
         seconds = json.loads(out.read_text())
-    return {"backend": backend, "world_size": processes, "device": device,
-            "collectives": {op: _summary(op, seconds[op], processes) for op in OPERATIONS}}
+    return summarize(seconds, backend=backend, world=processes, device=device)
+
+
+def summarize(seconds: dict[str, list[list[float]]], *, backend: str, world: int,
+              device: str) -> dict:
+    """The profile's `communication` from the workers' measurements: per operation,
+    [message size, mean seconds of a call] for each size (p2p: a whole ping-pong)."""
+    return {"backend": backend, "world_size": world, "device": device,
+            "collectives": {op: _summary(op, seconds[op], world) for op in OPERATIONS}}
 
 
 def _free_port() -> int:
@@ -139,12 +148,17 @@ def _operation(op: str, size: int, rank: int, world: int,
 def _mean_seconds(fn: Callable[[], object], clock: Clock, budget_s: float,
                   device: torch.device) -> float:
     """Mean seconds per call of `fn`, timed call by call for about `budget_s` seconds
-    (the call count from rank 0's pilot of `_MIN_CALLS` calls: ranks past 1 sit the
-    ping-pong out and would pick another)."""
+    of rank 0's time. After a pilot of `_MIN_CALLS` calls the calls come in rounds,
+    each sized from rank 0's pilot to take 1/`_ROUNDS` of the budget, and before each
+    round rank 0 says whether to go on: every rank makes the same calls (ranks past 1
+    sit the ping-pong out and would judge otherwise), and a machine that gets busy
+    midway stops near the budget, not after the many calls a fast pilot promised
+    (a fixed count from the pilot once took minutes on a loaded machine)."""
     for _ in range(_WARM_UP_CALLS):
         fn()
     clock.sync()
     dist.barrier()
+    deadline = clock.timer() + budget_s  # rank 0's is the one that counts
     samples = []
 
     def timed(calls: int) -> None:
@@ -154,10 +168,15 @@ def _mean_seconds(fn: Callable[[], object], clock: Clock, budget_s: float,
             samples.append(clock.seconds(start, clock.mark()))
 
     timed(_MIN_CALLS)
-    calls = torch.tensor([budget_s * len(samples) / max(sum(samples), 1e-9)], device=device)
-    dist.broadcast(calls, 0)
-    timed(max(0, int(calls.item()) - _MIN_CALLS))
-    return statistics.fmean(samples)
+    per_round = torch.tensor([budget_s / _ROUNDS * len(samples) / max(sum(samples), 1e-9)],
+                             device=device)
+    dist.broadcast(per_round, 0)
+    while True:
+        go_on = torch.tensor([float(clock.timer() < deadline)], device=device)
+        dist.broadcast(go_on, 0)
+        if not go_on.item():
+            return statistics.fmean(samples)
+        timed(max(1, int(per_round.item())))
 
 
 def _summary(op: str, measured: list[list[float]], world: int) -> dict:

@@ -3,12 +3,14 @@
 Matmul: `A @ B` with A m×k and B k×n is 2·m·n·k FLOPs. Shapes (square and
 rectangular) run from the smallest to the largest; the sweep stops after the first
 shape whose single call exceeds the mode's limit, so a dtype without a fast path
-(bf16 and fp16 on many CPUs run 100× slower than fp32) costs little. The device's
-figure is the best over the sweep. "fp32" on CUDA forbids TF32; "tf32" allows it.
+(bf16 and fp16 on many CPUs run 100× slower than fp32) costs little. Each shape's
+time is the median of its samples (`timing.Samples`; each point keeps its samples and
+their spread); the device's figure is the best over the sweep. "fp32" on CUDA forbids
+TF32; "tf32" allows it.
 
 Memory bandwidth: `dst.copy_(src)` of tensors larger than any cache; `bytes` counts
 what is read plus what is written (twice the tensor), and the figure is the best
-over the sweep.
+over the sweep, each size's time again the median of its samples.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from cost_models.profile.timing import Clock, best_seconds, tf32
+from cost_models.profile.timing import Clock, Sampler, sample_seconds, tf32
 from planner.dtypes import torch_dtype
 
 MiB = 2**20
@@ -83,8 +85,10 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_matmul(device: torch.device, dtype: str, quick: bool) -> dict:
-    """Best achieved FLOP/s of `dtype` matmuls over the mode's shapes."""
+def measure_matmul(device: torch.device, dtype: str, quick: bool,
+                   sample: Sampler = sample_seconds) -> dict:
+    """Best achieved FLOP/s of `dtype` matmuls over the mode's shapes, each timed by
+    `sample` (tests give a fake)."""
     sweep = _SWEEPS[device.type, quick]
     clock = Clock(device)
     points = []
@@ -93,19 +97,22 @@ def measure_matmul(device: torch.device, dtype: str, quick: bool) -> dict:
         for m, n, k in sorted(sweep.shapes, key=lambda s: s[0] * s[1] * s[2]):
             a = torch.randn(m, k, device=device).to(torch_dtype(dtype))
             b = torch.randn(k, n, device=device).to(torch_dtype(dtype))
-            seconds = best_seconds(lambda a=a, b=b: a @ b, clock, repeats=sweep.repeats,
-                                   budget=sweep.budget)
+            samples = sample(lambda a=a, b=b: a @ b, clock, repeats=sweep.repeats,
+                             budget=sweep.budget)
+            seconds = samples.median
             points.append({"m": m, "n": n, "k": k, "seconds": seconds,
-                           "flops": 2 * m * n * k / seconds})
+                           "flops": 2 * m * n * k / seconds, **samples.record()})
             del a, b
             if seconds > sweep.max_call:
                 break
     return {"best_flops": max(p["flops"] for p in points), "sweep": points}
 
 
-def measure_bandwidth(device: torch.device, memory_bytes: int, quick: bool) -> dict:
-    """Best copy bandwidth (read + write bytes per second) over the mode's sizes;
-    sizes whose two tensors would take more than a quarter of the memory are skipped."""
+def measure_bandwidth(device: torch.device, memory_bytes: int, quick: bool,
+                      sample: Sampler = sample_seconds) -> dict:
+    """Best copy bandwidth (read + write bytes per second) over the mode's sizes, each
+    timed by `sample`; sizes whose two tensors would take more than a quarter of the
+    memory are skipped."""
     sweep = _SWEEPS[device.type, quick]
     clock = Clock(device)
     sizes = [s for s in sweep.copy_sizes if 2 * s <= memory_bytes / 4] or [min(sweep.copy_sizes)]
@@ -113,8 +120,10 @@ def measure_bandwidth(device: torch.device, memory_bytes: int, quick: bool) -> d
     for size in sizes:
         src = torch.ones(size // 4, device=device)
         dst = torch.empty_like(src)
-        seconds = best_seconds(lambda src=src, dst=dst: dst.copy_(src), clock,
-                               repeats=sweep.repeats, budget=sweep.budget)
-        points.append({"bytes": 2 * size, "seconds": seconds, "bandwidth": 2 * size / seconds})
+        samples = sample(lambda src=src, dst=dst: dst.copy_(src), clock,
+                         repeats=sweep.repeats, budget=sweep.budget)
+        seconds = samples.median
+        points.append({"bytes": 2 * size, "seconds": seconds, "bandwidth": 2 * size / seconds,
+                       **samples.record()})
         del src, dst
     return {"best": max(p["bandwidth"] for p in points), "sweep": points}

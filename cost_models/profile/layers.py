@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_models.profile.timing import Clock, tf32
+from cost_models.profile.timing import Clock, Samples, tf32
 from planner.dtypes import canonical_dtype, torch_dtype
 from planner.models import LoadedModel, load_model, model_spec
 from planner.trace import trace_loaded
@@ -150,8 +150,10 @@ def profile_layers(model: str, *, seq_len: int | None, dtype: str, device: torch
     """Forward and backward seconds of every traced layer of `model` at each micro-batch
     size, from the fastest of the timed steps, and that step's time: other work on a
     shared machine only ever adds time, and it comes in bursts that can cover several
-    steps, so the fastest step is the one that measures the model. Calls `tick` once
-    before tracing and once before each micro-batch."""
+    steps, so the fastest step is the one that measures the model. Each step entry
+    keeps every timed step's seconds and their spread (`timing.Samples`), which says
+    whether the machine was busy. Calls `tick` once before tracing and once before each
+    micro-batch."""
     dtype = canonical_dtype(dtype)
     spec = model_spec(model)
     tick(f"{device}: tracing {spec.describe()}")
@@ -169,12 +171,13 @@ def profile_layers(model: str, *, seq_len: int | None, dtype: str, device: torch
                 tick(f"{device}: layers of {spec.describe()}, micro-batch {batch}")
                 inputs = _inputs(loaded, batch, device, dtype)
                 _step(loaded, recorder, inputs)  # warm-up: allocations at this shape
-                fwd, bwd, seconds = min((_step(loaded, recorder, inputs)
-                                         for _ in range(_REPEATS[quick])), key=lambda r: r[2])
+                timed = [_step(loaded, recorder, inputs) for _ in range(_REPEATS[quick])]
+                fwd, bwd, seconds = min(timed, key=lambda r: r[2])
                 timings += [{"layer": layer.name, "signature": layer.signature,
                              "micro_batch": batch, "fwd": fwd[i], "bwd": bwd[i]}
                             for i, layer in enumerate(layers)]
-                steps.append({"micro_batch": batch, "seconds": seconds})
+                steps.append({"micro_batch": batch, "seconds": seconds,
+                              **Samples(tuple(r[2] for r in timed)).record()})
     finally:
         recorder.remove()
     return {"model": spec.describe(), "seq_len": meta.seq_len, "dtype": dtype,

@@ -1,7 +1,10 @@
 """The device-profile document (schema_version 1) and its validation.
 
-Every field below must be present (more are allowed, e.g. a CPU's `cores`); numbers
-must be finite and not negative. Units are SI: seconds, bytes, FLOP/s, bytes/s.
+Every field below must be present but the optional ones (more are allowed, e.g. a
+CPU's `cores`); numbers must be finite and not negative. Units are SI: seconds, bytes,
+FLOP/s, bytes/s. Optional fields came after files were first written, which still
+load: a timed point's `samples` (the seconds of each sample) and their `spread` (see
+`timing.Samples`).
 """
 
 from __future__ import annotations
@@ -29,16 +32,24 @@ class _Maybe:
     of: object
 
 
+@dataclass(frozen=True)
+class _Optional:
+    """A field that may be absent; when present, `of`."""
+
+    of: object
+
+
 NUMBER = float  # any finite, non-negative int or float
 
+_SAMPLED = {"samples": _Optional([NUMBER]), "spread": _Optional(NUMBER)}
 _MATMUL = {"best_flops": NUMBER, "sweep": [
-    {"m": NUMBER, "n": NUMBER, "k": NUMBER, "seconds": NUMBER, "flops": NUMBER}]}
+    {"m": NUMBER, "n": NUMBER, "k": NUMBER, "seconds": NUMBER, "flops": NUMBER, **_SAMPLED}]}
 _BANDWIDTH = {"best": NUMBER, "sweep": [{"bytes": NUMBER, "seconds": NUMBER,
-                                         "bandwidth": NUMBER}]}
+                                         "bandwidth": NUMBER, **_SAMPLED}]}
 _LAYERS = {"model": str, "seq_len": _Maybe(NUMBER), "dtype": str,
            "timings": [{"layer": str, "signature": str, "micro_batch": NUMBER, "fwd": NUMBER,
                         "bwd": NUMBER}],
-           "steps": [{"micro_batch": NUMBER, "seconds": NUMBER}]}
+           "steps": [{"micro_batch": NUMBER, "seconds": NUMBER, **_SAMPLED}]}
 _DEVICE = {"index": NUMBER, "kind": str, "name": str, "memory_bytes": NUMBER,
            "matmul": _Each(_MATMUL), "memory_bandwidth": _BANDWIDTH, "layers": _Maybe(_LAYERS)}
 _COLLECTIVE = {"alpha": NUMBER, "beta_bandwidth": NUMBER, "sweep": [
@@ -84,8 +95,10 @@ def _check(value: object, schema: object, path: str, source: str) -> None:
         for key, sub in fields:
             where = f"{path}.{key}" if path else key
             if key not in value:
+                if isinstance(sub, _Optional):
+                    continue
                 raise _bad(source, where, "is missing")
-            _check(value[key], sub, where, source)
+            _check(value[key], sub.of if isinstance(sub, _Optional) else sub, where, source)
     elif isinstance(schema, list):
         if not isinstance(value, list):
             raise _bad(source, path, "must be a list")
