@@ -1,16 +1,33 @@
-"""Training dtypes by the names users type ("bf16"), their sizes and torch types."""
+"""Training dtypes by the names users type ("bf16"), their sizes and torch types.
+
+Torch is imported only by `torch_dtype`: planning needs names and sizes alone, and
+importing torch takes about a second of a solve whose trace is cached.
+"""
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from planner.errors import PlannerError
 
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "tf32": torch.float32,  # stored as fp32; matmuls run on tf32 tensor cores
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Dtype:
+    """How a training dtype is stored: bytes per element and the torch dtype's name."""
+
+    itemsize: int
+    torch_name: str
+
+
+DTYPES: dict[str, Dtype] = {
+    "fp32": Dtype(4, "float32"),
+    "tf32": Dtype(4, "float32"),  # stored as fp32; matmuls run on tf32 tensor cores
+    "bf16": Dtype(2, "bfloat16"),
+    "fp16": Dtype(2, "float16"),
 }
 ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
            "half": "fp16"}
@@ -26,8 +43,10 @@ def canonical_dtype(name: str) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[canonical_dtype(name)]
+    import torch
+
+    return getattr(torch, DTYPES[canonical_dtype(name)].torch_name)
 
 
 def dtype_bytes(name: str) -> int:
-    return torch_dtype(name).itemsize
+    return DTYPES[canonical_dtype(name)].itemsize

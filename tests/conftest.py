@@ -1,6 +1,16 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(autouse=True)
+def _trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """Every test (and the commands it runs) caches traces in a fresh folder of its own,
+    never in the user's cache, and with the cache on whatever the environment says."""
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.delenv("PLANNER_NO_CACHE", raising=False)

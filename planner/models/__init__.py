@@ -3,7 +3,8 @@
 `model_spec("llama3-8b")`, `model_spec("mypkg.models:build")`,
 `model_spec("hf:LlamaConfig")` or `model_spec("path/to/config.json")` name a
 model; `load_model` builds it (on the meta device by default) together with
-example inputs and its training loss.
+example inputs and its training loss. Naming a model and the zoo's flavors need no
+torch: it is imported where a model is built (a solve whose trace is cached builds none).
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from planner.errors import PlannerError
-from planner.models.user import load_factory, load_hf
-from planner.models.zoo import FLAVORS, build_zoo_model
+from planner.models.zoo import FLAVORS
 from planner.types import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = ["FLAVORS", "LoadedModel", "load_model", "model_spec"]
 
@@ -66,6 +67,8 @@ def _config_dict(config: Any) -> dict[str, Any]:
 def _skip_meta_init() -> Iterator[None]:
     """Make torch.nn.init's in-place initializers return meta tensors untouched:
     they hold no values, and initializing them costs seconds for big models."""
+    import torch
+
     init = torch.nn.init
     originals = {n: getattr(init, n) for n in dir(init)
                  if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))}
@@ -89,6 +92,11 @@ def _skip_meta_init() -> Iterator[None]:
 def load_model(spec: ModelSpec, *, seq_len: int | None = None,
                device: str | torch.device = "meta") -> LoadedModel:
     """Build the model named by `spec` on `device` (meta: no memory is allocated)."""
+    import torch
+
+    from planner.models.user import load_factory, load_hf
+    from planner.models.zoo import build_zoo_model
+
     if seq_len is not None and seq_len <= 0:
         raise PlannerError("bad-value", f"--seq-len must be positive (got {seq_len}).")
     meta = torch.device(device).type == "meta"

@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planner.models.configs import MLPConfig
 from planner.models.stack import Stack
-
-
-@dataclass(frozen=True, kw_only=True)
-class MLPConfig:
-    inputs: int = 1024
-    hidden: int = 4096
-    layers: int = 8
-    classes: int = 1000
-
-    def validate(self) -> list[str]:
-        return [f"{name} must be positive (got {getattr(self, name)})"
-                for name in ("inputs", "hidden", "layers", "classes")
-                if getattr(self, name) <= 0]
 
 
 class MLPBlock(nn.Module):

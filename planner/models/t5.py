@@ -9,32 +9,12 @@ but activations. This adds 0.004% parameters to t5-base.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True, kw_only=True)
-class T5Config:
-    vocab_size: int = 32128
-    hidden: int = 768
-    layers: int = 12  # encoder layers; the decoder has as many
-    decoder_layers: int | None = None
-    heads: int = 12
-    head_dim: int = 64
-    ffn: int = 3072
-    seq_len: int = 512  # source length; the target has the same length
-    buckets: int = 32
-    max_distance: int = 128
-    norm_eps: float = 1e-6
-
-    def validate(self) -> list[str]:
-        return [f"{name} must be positive (got {getattr(self, name)})"
-                for name in ("vocab_size", "hidden", "layers", "heads", "head_dim", "ffn",
-                             "seq_len")
-                if getattr(self, name) <= 0]
+from planner.models.configs import T5Config
 
 
 def relative_buckets(q_len: int, k_len: int, *, bidirectional: bool, buckets: int,

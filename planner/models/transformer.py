@@ -9,85 +9,13 @@ shapes).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planner.models.configs import TransformerConfig
 from planner.models.stack import Stack
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransformerConfig:
-    vocab_size: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int | None = None  # grouped-query attention; None = heads
-    ffn: int | None = None  # None = 4 * hidden
-    seq_len: int = 2048  # default training sequence length
-    max_positions: int | None = None  # learned positions; None = seq_len
-    position_offset: int = 0  # OPT stores two extra position rows
-    positions: str = "learned"  # "learned" | "rope"
-    rope_theta: float = 10000.0
-    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
-    norm_eps: float = 1e-5
-    activation: str = "gelu"  # "gelu" | "relu" | "swiglu"
-    causal: bool = True
-    pre_norm: bool = True
-    final_norm: bool = True
-    tie_embeddings: bool = True
-    bias: bool = True
-    embed_dim: int | None = None  # OPT-350M: embeddings narrower than hidden
-    type_vocab: int = 0  # BERT segment embeddings
-    embed_norm: bool = False  # BERT: layer norm after the embeddings
-    mlm_head: bool = False  # BERT: dense + act + norm before the tied decoder
-    experts: int = 0  # > 0: mixture-of-experts MLP (Mixtral style)
-    top_k: int = 2
-    capacity_factor: float = 1.0
-
-    @property
-    def ffn_dim(self) -> int:
-        return self.ffn or 4 * self.hidden
-
-    @property
-    def kv_heads_(self) -> int:
-        return self.kv_heads or self.heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def validate(self) -> list[str]:
-        """Problems with the shapes, as messages naming the field."""
-        problems = []
-        for name in ("vocab_size", "hidden", "layers", "heads", "seq_len"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be positive (got {getattr(self, name)})")
-        if self.ffn is not None and self.ffn <= 0:
-            problems.append(f"ffn must be positive (got {self.ffn})")
-        if self.heads > 0 and self.hidden % self.heads:
-            problems.append(f"heads ({self.heads}) must divide hidden ({self.hidden})")
-        if self.kv_heads is not None and (self.kv_heads <= 0 or self.heads % self.kv_heads):
-            problems.append(f"kv_heads ({self.kv_heads}) must be positive and divide "
-                            f"heads ({self.heads})")
-        if self.positions == "rope" and self.heads > 0 and self.head_dim % 2:
-            problems.append(f"rotary positions need an even head size (hidden/heads = "
-                            f"{self.hidden}/{self.heads})")
-        if self.max_positions is not None and self.max_positions <= 0:
-            problems.append(f"max_positions must be positive (got {self.max_positions})")
-        elif self.positions == "learned" and self.seq_len > (self.max_positions
-                                                             or self.seq_len):
-            problems.append(f"seq_len ({self.seq_len}) exceeds the {self.max_positions} "
-                            f"learned positions (raise max_positions)")
-        if self.experts < 0 or (self.experts and not 0 < self.top_k <= self.experts):
-            problems.append(f"top_k ({self.top_k}) must be between 1 and experts "
-                            f"({self.experts})")
-        if not 0 < self.capacity_factor < math.inf:  # NaN too
-            problems.append(f"capacity_factor must be a positive, finite number (got "
-                            f"{self.capacity_factor})")
-        return problems
 
 
 def make_norm(cfg: TransformerConfig, dim: int) -> nn.Module:

@@ -2,46 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planner.models.configs import ResNetConfig, ViTConfig
 from planner.models.stack import Stack
-from planner.models.transformer import Block, TransformerConfig
-
-
-@dataclass(frozen=True, kw_only=True)
-class ViTConfig:
-    image_size: int = 224
-    patch: int = 16
-    hidden: int = 1024
-    layers: int = 24
-    heads: int = 16
-    ffn: int = 4096
-    classes: int = 1000
-    channels: int = 3
-
-    @property
-    def seq_len(self) -> int:
-        return (self.image_size // self.patch) ** 2 + 1
-
-    def block_config(self) -> TransformerConfig:
-        return TransformerConfig(vocab_size=1, hidden=self.hidden, layers=self.layers,
-                                 heads=self.heads, ffn=self.ffn, seq_len=self.seq_len,
-                                 norm_eps=1e-6, causal=False, positions="none")
-
-    def validate(self) -> list[str]:
-        problems = [f"{name} must be positive (got {getattr(self, name)})"
-                    for name in ("image_size", "patch", "hidden", "layers", "heads", "ffn",
-                                 "classes")
-                    if getattr(self, name) <= 0]
-        if not problems and self.image_size % self.patch:
-            problems.append(f"patch ({self.patch}) must divide image_size ({self.image_size})")
-        if not problems and self.hidden % self.heads:
-            problems.append(f"heads ({self.heads}) must divide hidden ({self.hidden})")
-        return problems
+from planner.models.transformer import Block
 
 
 class PatchEmbedding(nn.Module):
@@ -100,21 +67,6 @@ class ViT(Stack):
                       generator: torch.Generator | None = None):
         cfg = self.cfg
         return random_images(batch, cfg.channels, cfg.image_size, cfg.classes, device, generator)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResNetConfig:
-    blocks: tuple[int, int, int, int] = (3, 4, 6, 3)
-    width: int = 64
-    classes: int = 1000
-    image_size: int = 224
-
-    def validate(self) -> list[str]:
-        problems = [f"{name} must be positive (got {getattr(self, name)})"
-                    for name in ("width", "classes", "image_size") if getattr(self, name) <= 0]
-        if any(b <= 0 for b in self.blocks):
-            problems.append(f"every stage needs at least one block (got {self.blocks})")
-        return problems
 
 
 class Bottleneck(nn.Module):

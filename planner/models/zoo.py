@@ -10,15 +10,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from planner.errors import PlannerError, unknown_name_error
-from planner.models.mlp import MLPConfig, MLPModel
-from planner.models.t5 import T5, T5Config
-from planner.models.transformer import Transformer, TransformerConfig
-from planner.models.vision import ResNet, ResNetConfig, ViT, ViTConfig
+from planner.models.configs import (
+    MLPConfig,
+    ResNetConfig,
+    T5Config,
+    TransformerConfig,
+    ViTConfig,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -106,10 +110,17 @@ _FLAVORS = [
 ]
 FLAVORS: Mapping[str, Flavor] = {f.name: f for f in _FLAVORS}
 
-_MODEL_CLASSES: Mapping[type, Callable[[Any], nn.Module]] = {
-    TransformerConfig: Transformer, T5Config: T5, ViTConfig: ViT, ResNetConfig: ResNet,
-    MLPConfig: MLPModel,
-}
+
+def _model_class(config: Any) -> Callable[[Any], nn.Module]:
+    """The module that builds `config`'s family, imported only here: the flavors and their
+    checks above need no torch."""
+    from planner.models.mlp import MLPModel
+    from planner.models.t5 import T5
+    from planner.models.transformer import Transformer
+    from planner.models.vision import ResNet, ViT
+
+    return {TransformerConfig: Transformer, T5Config: T5, ViTConfig: ViT, ResNetConfig: ResNet,
+            MLPConfig: MLPModel}[type(config)]
 
 # User-facing override names -> config field, per config class.
 OVERRIDES: Mapping[type, Mapping[str, str]] = {
@@ -227,4 +238,4 @@ def build_zoo_model(name: str, overrides: Mapping[str, Any], seq_len: int | None
                     ) -> tuple[Flavor, Any, nn.Module]:
     """Build a zoo model on the current default device (use `torch.device("meta")`)."""
     base, config = configure(name, overrides, seq_len)
-    return base, config, _MODEL_CLASSES[type(config)](config)
+    return base, config, _model_class(config)(config)

@@ -4,31 +4,40 @@
     graph.layers[1].fwd_flops   # per sample
 
 No weights are allocated, so a 405B model traces in seconds on a laptop.
+`planner.trace.cache` keeps traces on disk; torch and networkx are imported where a
+model is traced, so reading a cached trace (which imports this package) needs neither.
 """
 
 from __future__ import annotations
 
-import networkx as nx
-import torch
+from typing import TYPE_CHECKING
 
 from planner.collector import paused
 from planner.dtypes import canonical_dtype, torch_dtype
 from planner.errors import PlannerError
 from planner.models import LoadedModel, load_model
-from planner.trace.capture import Capture, acquire_graph, replay
-from planner.trace.layers import build_layers
 from planner.types import ModelGraph, ModelSpec
+
+if TYPE_CHECKING:
+    import networkx as nx
+    import torch
+
+    from planner.trace.capture import Capture
 
 __all__ = ["trace_loaded", "trace_model", "trace_module"]
 
 
 def _cast(tree: object, dtype: torch.dtype) -> object:
+    import torch
+
     return torch.utils._pytree.tree_map(
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
         tree)
 
 
 def _op_graph(capture: Capture, node_layer: dict[str, int]) -> nx.DiGraph:
+    import networkx as nx
+
     graph = nx.DiGraph()
     special = {"placeholder": "input", "get_attr": "parameter", "output": "output"}
     for r in capture.records:
@@ -62,6 +71,9 @@ def trace_loaded(loaded: LoadedModel, *, batch: int = 1, dtype: str = "bf16",
 
 
 def _trace(loaded: LoadedModel, batch: int, dtype: str, reuse: bool) -> ModelGraph:
+    from planner.trace.capture import acquire_graph, replay
+    from planner.trace.layers import build_layers
+
     dtype = canonical_dtype(dtype)
     module = loaded.module.to(torch_dtype(dtype)).train()
     args, kwargs, targets = loaded.example(batch, "meta")
@@ -86,6 +98,8 @@ def trace_module(module: torch.nn.Module, inputs: tuple, *, targets: object = No
                  reuse: bool = True) -> ModelGraph:
     """Trace any module with example inputs (moved to meta; the batch is the first
     input's leading dimension). `loss(output, targets)` is traced too if given."""
+    import torch
+
     def meta(tree: object) -> object:
         return torch.utils._pytree.tree_map(
             lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, tree)

@@ -11,6 +11,7 @@ named `*_fixed` (weights read by a kernel) do not.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -162,7 +163,8 @@ class ModelGraph:
     """A traced model: the op graph and the ordered layers built from it.
 
     The graph's node attributes are for the traced batch (`batch` samples);
-    the layers' figures are per sample.
+    the layers' figures are per sample. `graph` is None for a model read from the trace
+    cache (`planner.trace.cache`), which keeps what planning reads, not the op graph.
     """
 
     spec: ModelSpec
@@ -172,7 +174,7 @@ class ModelGraph:
     dtype: str
     tracer: str  # "fx" or "export"
     layers: tuple[Layer, ...]
-    graph: nx.DiGraph = field(compare=False, hash=False, repr=False)
+    graph: nx.DiGraph | None = field(default=None, compare=False, hash=False, repr=False)
     config: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @property
@@ -198,6 +200,26 @@ class ModelGraph:
         for layer in self.layers:
             groups.setdefault(layer.signature, []).append(layer.index)
         return {sig: idx for sig, idx in groups.items() if len(idx) > 1}
+
+
+def layer_json(layer: Layer) -> dict[str, Any]:
+    """`layer` as plain JSON values (enums by value); `layer_from_json` reads it back equal."""
+    data = dataclasses.asdict(layer)
+    data["kind"] = layer.kind.value
+    for kernel in data["kernels"]:
+        kernel["op_class"] = kernel["op_class"].value
+    return data
+
+
+def layer_from_json(data: Mapping[str, Any]) -> Layer:
+    """The layer `layer_json` wrote (JSON's lists back to the tuples the fields hold); a
+    KeyError, TypeError or ValueError for data it did not write."""
+    kernels = tuple(Kernel(**{**kernel, "op_class": OpClass(kernel["op_class"]),
+                              "gemm": None if kernel["gemm"] is None else tuple(kernel["gemm"])})
+                    for kernel in data["kernels"])
+    return Layer(**{**data, "kind": LayerKind(data["kind"]), "modules": tuple(data["modules"]),
+                    "kernels": kernels, "tied": tuple(tuple(pair) for pair in data["tied"]),
+                    "saved_by_class": dict(data["saved_by_class"])})
 
 
 def params_per_rank(layers: Sequence[Layer], tp: int) -> float:
