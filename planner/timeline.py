@@ -10,6 +10,12 @@ have identical timings and micro-batch counts run identical timelines; they
 share lanes (the lane lists every device it stands for) unless `group=False`.
 Bars are compute (fwd, bwd), transfers (send, send-grad, on link lanes) and,
 after the last backward, the gradient sync and optimizer step on every device.
+
+Every chart names kinds of bar with `kind_name` and lists them with `legend`, so
+the SVG, the HTML report and the terminal chart say the same. In SVG, bars too
+narrow to tell apart (dozens of micro-batches) are merged into striped blocks
+(`merge_narrow`), so a long step stays readable: warm-up, steady state, drain and
+bubbles show; each block's tooltip counts the bars it holds.
 """
 
 from __future__ import annotations
@@ -23,18 +29,24 @@ from cost_models.model import CostModel
 from planner.simulate import BWD, FWD, OPTIMIZER, SEND, SEND_GRAD, SYNC, simulate
 from planner.solver.predict import stage_timings, sync_and_optimizer
 from planner.solver.timing import StageTiming
-from planner.types import Layer, Plan, Schedule
+from planner.types import Layer, Plan, Recompute, Schedule
 from planner.units import fmt_seconds
 
 KINDS = (FWD, BWD, SEND, SEND_GRAD, SYNC, OPTIMIZER)
 COLORS = {FWD: "#4c78a8", BWD: "#54a24b", SEND: "#9ecae9", SEND_GRAD: "#88d27a",
           SYNC: "#eeca3b", OPTIMIZER: "#b279a2"}
-NAMES = {FWD: "forward", BWD: "backward (with recompute)", SEND: "activation send",
+NAMES = {FWD: "forward", BWD: "backward", SEND: "activation send",
          SEND_GRAD: "gradient send", SYNC: "gradient sync", OPTIMIZER: "optimizer step"}
 FILL = {FWD: "▓", BWD: "█", SEND: ">", SEND_GRAD: "<", SYNC: "≈", OPTIMIZER: "o"}
 IDLE = "·"
 
 MAX_WIDTH = 2000  # columns of a terminal timeline (a million printed megabytes)
+# SVG: bars narrower than this (pixels) carry no label, and a run of them reads as a
+# strip of colour (64 micro-batches on a 750-pixel chart: 4 and 7 pixels), so
+# touching ones are merged into one block
+MIN_BAR_PX = 12.0
+# idle time narrower than this does not show between bars: narrow bars merge across it
+MIN_GAP_PX = 2.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,7 @@ class Lane:
     label: str
     device_type: str
     devices: tuple[str, ...]  # "node:index" of every device the lane stands for
+    recompute: bool = False  # its stage recomputes activations in its backward
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,7 @@ class Run:
     devices: tuple[tuple[str, ...], ...]  # per stage: "node:index" of every device
     schedule: Schedule = Schedule.ONE_F_ONE_B
     interleave: int = 1
+    recomputes: tuple[bool, ...] = ()  # per stage (none if empty)
 
 
 def lay_out(runs: Sequence[Run], *, sync: float = 0.0, optimizer: float = 0.0,
@@ -117,7 +131,8 @@ def lay_out(runs: Sequence[Run], *, sync: float = 0.0, optimizer: float = 0.0,
             device_lane[s] = len(lanes)
             lanes.append(Lane(kind="device", pipelines=members, stage=s,
                               label=f"{tag} s{s} {kind}", device_type=kind.split(" x")[0],
-                              devices=run.devices[s]))
+                              devices=run.devices[s],
+                              recompute=bool(run.recomputes) and run.recomputes[s]))
             if s in links_used:
                 link_lane[s] = len(lanes)
                 lanes.append(Lane(kind="link", pipelines=members, stage=s,
@@ -147,7 +162,8 @@ def build_timeline(plan: Plan, layers: Sequence[Layer], costs: CostModel, *,
     groups: dict[tuple, list[int]] = {}
     for p, pipeline in enumerate(plan.pipelines):
         key = (tuple(timings[p]), pipeline.num_microbatches, pipeline.schedule,
-               pipeline.interleave, tuple((s.device_type, s.tp) for s in pipeline.stages))
+               pipeline.interleave,
+               tuple((s.device_type, s.tp, s.recompute) for s in pipeline.stages))
         groups.setdefault(key if group else (p,), []).append(p)
     runs = []
     for members in groups.values():
@@ -158,6 +174,7 @@ def build_timeline(plan: Plan, layers: Sequence[Layer], costs: CostModel, *,
             interleave=rep.interleave,
             device_types=tuple(s.device_type + (f" x{s.tp}" if s.tp > 1 else "")
                                for s in rep.stages),
+            recomputes=tuple(s.recompute is not Recompute.NONE for s in rep.stages),
             devices=tuple(tuple(f"{plan.pipelines[m].stages[s].devices.node}:{d}"
                                 for m in members
                                 for d in plan.pipelines[m].stages[s].devices.devices)
@@ -173,7 +190,8 @@ def timeline_dict(timeline: Timeline) -> dict:
             "predicted_step_time": timeline.predicted,
             "lanes": [{"kind": lane.kind, "pipelines": list(lane.pipelines),
                        "stage": lane.stage, "label": lane.label,
-                       "device_type": lane.device_type, "devices": list(lane.devices)}
+                       "device_type": lane.device_type, "devices": list(lane.devices),
+                       "recompute": lane.recompute}
                       for lane in timeline.lanes],
             "bars": [{"lane": b.lane, "kind": b.kind, "microbatch": b.microbatch,
                       "chunk": b.chunk, "start": b.start, "end": b.end}
@@ -247,10 +265,140 @@ def nice_ticks(total: float, count: int = 8) -> list[float]:
     return ticks
 
 
+def kind_name(kind: str, recompute: bool = False) -> str:
+    """The one name of a kind of bar that every chart and tooltip gives; a backward
+    says it includes recompute only where its stage recomputes."""
+    return NAMES[kind] + (" (with recompute)" if recompute and kind == BWD else "")
+
+
+def legend(timeline: Timeline) -> list[tuple[str, str]]:
+    """(kind, name) of every kind of bar the timeline holds, in `KINDS` order: what
+    each chart's legend lists."""
+    present = {b.kind for b in timeline.bars}
+    devices = [lane for lane in timeline.lanes if lane.kind == "device"]
+    recomputing = [lane for lane in devices if lane.recompute]
+    names = {BWD: (kind_name(BWD, True) if recomputing and len(recomputing) == len(devices)
+                   else "backward (with recompute where a stage recomputes)" if recomputing
+                   else kind_name(BWD))}
+    return [(kind, names.get(kind, kind_name(kind))) for kind in KINDS if kind in present]
+
+
+@dataclass(frozen=True)
+class Block:
+    """What the SVG draws as one bar: a bar of one lane wide enough to draw alone, or
+    consecutive bars too narrow to tell apart, merged."""
+
+    lane: int
+    bars: tuple[Bar, ...]
+
+    @property
+    def start(self) -> float:
+        return min(b.start for b in self.bars)
+
+    @property
+    def end(self) -> float:
+        return max(b.end for b in self.bars)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        present = {b.kind for b in self.bars}
+        return tuple(kind for kind in KINDS if kind in present)
+
+    @property
+    def busy(self) -> float:
+        """Seconds of the block some bar covers (link lanes' sends may overlap)."""
+        covered, reached = 0.0, self.start
+        for b in sorted(self.bars, key=lambda b: b.start):
+            covered += max(0.0, b.end - max(b.start, reached))
+            reached = max(reached, b.end)
+        return covered
+
+
+def merge_narrow(bars: Sequence[Bar], *, min_width: float, min_gap: float) -> list[Block]:
+    """One lane's bars (sorted by start) as blocks to draw: a bar at least `min_width`
+    seconds long stays alone; consecutive shorter ones merge while the idle time between
+    them is under `min_gap` seconds (it would not show)."""
+    groups: list[list[Bar]] = []
+    reached = 0.0  # where the last group's bars end
+    for bar in bars:
+        last = groups[-1] if groups else []
+        if (bar.end - bar.start < min_width and last
+                and last[-1].end - last[-1].start < min_width
+                and bar.start - reached < min_gap):
+            last.append(bar)
+            reached = max(reached, bar.end)
+        else:
+            groups.append([bar])
+            reached = bar.end
+    return [Block(lane=group[0].lane, bars=tuple(group)) for group in groups]
+
+
+def _tooltip(block: Block, lane: Lane) -> str:
+    span = f"{fmt_seconds(block.start)} to {fmt_seconds(block.end)}"
+    if len(block.bars) == 1:
+        (b,) = block.bars
+        what = kind_name(b.kind, lane.recompute) + (
+            f", micro-batch {b.microbatch}" if b.microbatch is not None else "") + (
+            f", chunk {b.chunk}" if b.chunk else "")
+        return f"{what}: {span}"
+    counts = [(kind, sum(b.kind == kind for b in block.bars)) for kind in block.kinds]
+    microbatches = [b.microbatch for b in block.bars if b.microbatch is not None]
+    return (f"{len(block.bars)} bars too short to draw one by one: "
+            + ", ".join(f"{n} {kind_name(kind, lane.recompute)}" for kind, n in counts)
+            + (f", micro-batches {ranges(microbatches)}" if microbatches else "")
+            + f"; {span}, busy {block.busy / (block.end - block.start):.0%}")
+
+
+@dataclass(frozen=True)
+class _Swatch:
+    """A legend entry: its colours (stripes, top to bottom) and its text."""
+
+    colors: tuple[str, ...]
+    text: str
+
+
+def _legend_rows(swatches: Sequence[_Swatch], left: float, right: float,
+                 ) -> list[list[tuple[float, _Swatch]]]:
+    """Legend entries placed left to right, wrapping before `right` (11 px text is
+    about 6.2 px a character)."""
+    rows: list[list[tuple[float, _Swatch]]] = [[]]
+    x = left
+    for swatch in swatches:
+        step = 14 + 6.2 * len(swatch.text) + 14
+        if rows[-1] and x + step > right:
+            rows.append([])
+            x = left
+        rows[-1].append((x, swatch))
+        x += step
+    return rows
+
+
+def _stripes(x: float, y: float, width: float, height: float,
+             colors: Sequence[str]) -> str:
+    each = height / len(colors)
+    return "".join(f'<rect x="{x:.2f}" y="{y + k * each:.2f}" width="{width:.2f}" '
+                   f'height="{each:.2f}" fill="{color}"/>' for k, color in enumerate(colors))
+
+
 def to_svg(timeline: Timeline, *, width: int = 1100, standalone: bool = True) -> str:
-    """The timeline as SVG text: no scripts, fonts or links, tooltips as <title>."""
+    """The timeline as SVG text: no scripts, fonts or links, tooltips as <title>. Bars
+    too narrow to draw one by one are merged (`merge_narrow`), striped by kind."""
     label_w, chart_w = 330, max(200, width - 330 - 20)
-    top, lane_h, link_h, gap = 58, 22, 10, 4
+    total = timeline.step_time or 1.0
+    per_px = total / chart_w
+    by_lane: dict[int, list[Bar]] = {}
+    for b in timeline.bars:
+        by_lane.setdefault(b.lane, []).append(b)
+    blocks = [block for lane in sorted(by_lane) for block in merge_narrow(
+        by_lane[lane], min_width=MIN_BAR_PX * per_px, min_gap=MIN_GAP_PX * per_px)]
+    swatches = [_Swatch((COLORS[kind],), name) for kind, name in legend(timeline)]
+    if any(len(block.bars) > 1 for block in blocks):
+        swatches.append(_Swatch(tuple(COLORS[kind] for kind in (FWD, BWD)),
+                                "striped: bars too short to draw one by one, merged "
+                                "(their kinds; hover for counts)"))
+    legend_rows = _legend_rows(swatches, label_w, width - 10)
+    lane_h, link_h, gap = 22, 10, 4
+    top = 38 + 16 * len(legend_rows) + 4
     heights = [lane_h if lane.kind == "device" else link_h for lane in timeline.lanes]
     ys = []
     y = top
@@ -258,7 +406,6 @@ def to_svg(timeline: Timeline, *, width: int = 1100, standalone: bool = True) ->
         ys.append(y)
         y += h + gap
     height = y + 36
-    total = timeline.step_time or 1.0
 
     def x(t: float) -> float:
         return label_w + t / total * chart_w
@@ -273,11 +420,11 @@ def to_svg(timeline: Timeline, *, width: int = 1100, standalone: bool = True) ->
                  f"{escape(timeline.title)}</text>")
     parts.append(f'<text x="8" y="32">simulated step {escape(fmt_seconds(timeline.step_time))}'
                  f" (closed-form prediction {escape(fmt_seconds(timeline.predicted))})</text>")
-    lx = label_w
-    for kind in KINDS:
-        parts.append(f'<rect x="{lx}" y="38" width="10" height="10" fill="{COLORS[kind]}"/>'
-                     f'<text x="{lx + 14}" y="47">{escape(NAMES[kind])}</text>')
-        lx += 14 + 6.2 * len(NAMES[kind]) + 14
+    for row, entries in enumerate(legend_rows):
+        for lx, swatch in entries:
+            ly = 38 + 16 * row
+            parts.append(f'<g class="legend">{_stripes(lx, ly, 10, 10, swatch.colors)}'
+                         f'<text x="{lx + 14:.1f}" y="{ly + 9}">{escape(swatch.text)}</text></g>')
     for tick in nice_ticks(total):
         tx = x(tick)
         parts.append(f'<line x1="{tx:.1f}" y1="{top - 4}" x2="{tx:.1f}" y2="{y}" '
@@ -289,24 +436,31 @@ def to_svg(timeline: Timeline, *, width: int = 1100, standalone: bool = True) ->
         devices = ", ".join(lane.devices) if lane.devices else "link between stages"
         parts.append(f'<g class="lane" data-kind="{lane.kind}" data-stage="{lane.stage}" '
                      f"data-devices={quoteattr(' '.join(lane.devices))}>")
-        parts.append(f"<title>{escape(lane.label)}: {escape(devices)}</title>")
+        parts.append(f"<title>{escape(lane.label)}: {escape(devices)}"
+                     f"{'; recomputes activations' if lane.recompute else ''}</title>")
         parts.append(f'<rect x="{label_w}" y="{ys[i]}" width="{chart_w}" height="{h}" '
                      f'fill="{"#f4f4f4" if lane.kind == "device" else "#fbfbfb"}"/>')
         parts.append(f'<text x="{label_w - 6}" y="{ys[i] + h / 2 + 4:.1f}" '
                      f'text-anchor="end" font-size="{11 if lane.kind == "device" else 9}">'
                      f"{escape(lane.label)}</text>")
         parts.append("</g>")
-    for b in timeline.bars:
-        i = b.lane
+    for block in blocks:
+        i = block.lane
         h = heights[i]
-        x0, x1 = x(b.start), x(b.end)
-        what = NAMES[b.kind] + (f", micro-batch {b.microbatch}" if b.microbatch is not None
-                                else "") + (f", chunk {b.chunk}" if b.chunk else "")
-        tip = f"{what}: {fmt_seconds(b.start)} to {fmt_seconds(b.end)}"
-        parts.append(f'<rect x="{x0:.2f}" y="{ys[i] + 1}" width="{max(0.5, x1 - x0):.2f}" '
-                     f'height="{h - 2}" fill="{COLORS[b.kind]}" stroke="#ffffff" '
-                     f'stroke-width="0.5" data-kind="{b.kind}"><title>{escape(tip)}</title>'
-                     "</rect>")
+        x0, x1 = x(block.start), x(block.end)
+        tip = escape(_tooltip(block, timeline.lanes[i]))
+        kinds = " ".join(block.kinds)
+        if len(block.bars) > 1:
+            parts.append(f'<g class="bar" data-kind="{kinds}" data-count="{len(block.bars)}">'
+                         f"<title>{tip}</title>"
+                         + _stripes(x0, ys[i] + 1, max(0.5, x1 - x0), h - 2,
+                                    [COLORS[kind] for kind in block.kinds]) + "</g>")
+            continue
+        (b,) = block.bars
+        parts.append(f'<rect class="bar" x="{x0:.2f}" y="{ys[i] + 1}" '
+                     f'width="{max(0.5, x1 - x0):.2f}" height="{h - 2}" fill="{COLORS[b.kind]}" '
+                     f'stroke="#ffffff" stroke-width="0.5" data-kind="{b.kind}" data-count="1">'
+                     f"<title>{tip}</title></rect>")
         label = _label(b)
         if label and (x1 - x0) > 7 * len(label) + 4 and h >= lane_h:
             parts.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{ys[i] + h / 2 + 4:.1f}" '

@@ -5,6 +5,7 @@ and golden renderings of the terminal charts and tables."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -194,8 +195,9 @@ def test_svg_and_html_are_self_contained(solved, tmp_path):
                 assert f"{s.devices.node}:{d}" in devices
     labels = [t.text for t in root.iter(f"{SVG}text")]
     assert any(" s0 " in (t or "") for t in labels) and any(" s1 " in (t or "") for t in labels)
-    bars = [r for r in root.iter(f"{SVG}rect") if r.get("data-kind")]
-    assert len(bars) == len(a.timeline.bars)
+    # every bar is drawn, alone or merged with neighbours too narrow to tell apart
+    bars = [e for e in root.iter() if e.get("class") == "bar"]
+    assert sum(int(e.get("data-count")) for e in bars) == len(a.timeline.bars)
     for text in (svg, report_html(a)):
         assert not re.search(r"(?:src|href)\s*=", text), "no external references"
         assert "@import" not in text and "url(" not in text
@@ -224,6 +226,178 @@ def _synthetic():
             Run(pipelines=(1, 2), stages=fast, microbatches=8, device_types=("A100", "A100"),
                 devices=(("a-0:0", "a-0:2"), ("a-0:1", "a-0:3")))]
     return lay_out(runs, sync=1.0, optimizer=0.5, title="synthetic", predicted=20.0)
+
+
+def _dense(recomputes: tuple[bool, ...] = ()):
+    """64 micro-batches through two balanced stages: bars a few pixels wide."""
+    stages = (StageTiming(fwd=1.0, bwd=2.0, send=0.05), StageTiming(fwd=1.0, bwd=2.0))
+    run = Run(pipelines=(0,), stages=stages, microbatches=64, device_types=("A100", "V100"),
+              devices=(("a-0:0",), ("v-0:0",)), recomputes=recomputes)
+    return lay_out([run], sync=8.0, optimizer=2.0, title="dense", predicted=205.0)
+
+
+def _drawn(svg: str) -> dict[tuple[int, int], list[tuple[float, float, int]]]:
+    """(x0, x1, bars it stands for) of every drawn bar, per lane by its y and height."""
+    root = ET.fromstring(svg.split("\n", 1)[1])
+    lanes: dict[tuple[int, int], list[tuple[float, float, int]]] = {}
+    for element in root.iter():
+        if element.get("class") != "bar":
+            continue
+        rects = [element] if element.tag == f"{SVG}rect" else element.findall(f"{SVG}rect")
+        x0 = min(float(r.get("x")) for r in rects)
+        x1 = max(float(r.get("x")) + float(r.get("width")) for r in rects)
+        y0 = min(float(r.get("y")) for r in rects)
+        y1 = max(float(r.get("y")) + float(r.get("height")) for r in rects)
+        lanes.setdefault((round(y0), round(y1 - y0)), []).append(
+            (x0, x1, int(element.get("data-count"))))
+    return lanes
+
+
+def test_svg_merges_bars_too_narrow_to_tell_apart():
+    """At 64 micro-batches a lane was a solid strip of 128 bars a few pixels wide:
+    bars narrower than MIN_BAR_PX merge with neighbours closer than MIN_GAP_PX into
+    one striped block, so no two narrow bars touch; every bar is still counted, and
+    warm-up, drain, sync and optimizer stay bars of their own."""
+    from planner.timeline import MIN_BAR_PX, MIN_GAP_PX
+
+    timeline = _dense()
+    svg = to_svg(timeline)
+    lanes = _drawn(svg)
+    assert sum(count for drawn in lanes.values() for *_, count in drawn) == len(timeline.bars)
+    device_lanes = [drawn for (_, height), drawn in lanes.items() if height == 20]
+    assert len(device_lanes) == 2
+    for drawn in device_lanes:
+        assert len(drawn) <= 8, "a few blocks, not 128 slivers"
+    for drawn in lanes.values():
+        drawn.sort()
+        for (a0, a1, _), (b0, b1, _) in itertools.pairwise(drawn):
+            if a1 - a0 < MIN_BAR_PX and b1 - b0 < MIN_BAR_PX:
+                assert b0 - a1 >= MIN_GAP_PX - 1e-6
+    root = ET.fromstring(svg.split("\n", 1)[1])
+    merged = [g for g in root.iter(f"{SVG}g") if g.get("class") == "bar"]
+    steady = [g for g in merged if g.get("data-kind") == "fwd bwd"]
+    assert len(steady) == 2  # one per stage: its stripes are forward over backward
+    assert [r.get("fill") for r in steady[0].findall(f"{SVG}rect")] == ["#4c78a8", "#54a24b"]
+    tip = steady[0].find(f"{SVG}title").text
+    assert "forward" in tip and "backward" in tip and "micro-batches" in tip
+    golden("timeline_dense.svg", svg)
+
+
+def test_one_set_of_names_and_recompute_only_where_a_stage_recomputes(solved):
+    """The SVG legend said "backward (with recompute)" without recompute, and the
+    report's second legend and the terminal chart used other names: every legend
+    now lists `timeline.legend`, whose backward mentions recompute only if a stage
+    recomputes; bar tooltips say it on those stages only."""
+    from cli.render_explain import gantt
+    from planner.report import MEMORY_COLORS
+    from planner.timeline import legend
+
+    def svg_legend(svg: str) -> list[str]:
+        root = ET.fromstring(svg.split("\n", 1)[1])
+        return [g.find(f"{SVG}text").text for g in root.iter(f"{SVG}g")
+                if g.get("class") == "legend"]
+
+    def terminal_legend(timeline) -> list[str]:
+        console = Console(width=200, color_system=None, record=True)
+        console.print(gantt(timeline, 200))
+        entries = console.export_text().splitlines()[-1].strip().split("   ")
+        assert entries[-2:] == ["· idle", "Fn, Bn: micro-batch n"]
+        return [entry[2:] for entry in entries[:-2]]  # (after its fill character)
+
+    plain, some = _dense(), _dense(recomputes=(False, True))
+    names = [name for _, name in legend(plain)]
+    assert names == ["forward", "backward", "activation send", "gradient send",
+                     "gradient sync", "optimizer step"]
+    assert "recompute" not in to_svg(plain)
+    assert svg_legend(to_svg(plain))[:len(names)] == names == terminal_legend(plain)
+    some_names = [name for _, name in legend(some)]
+    assert some_names[1] == "backward (with recompute where a stage recomputes)"
+    assert svg_legend(to_svg(some))[:len(names)] == some_names == terminal_legend(some)
+    tips = [t.text for t in ET.fromstring(to_svg(some).split("\n", 1)[1]).iter(f"{SVG}title")]
+    assert any("backward (with recompute)" in t for t in tips)
+    assert [lane.recompute for lane in some.lanes if lane.kind == "device"] == [False, True]
+    everywhere = _dense(recomputes=(True, True))
+    assert legend(everywhere)[1] == ("bwd", "backward (with recompute)")
+    # the report's legends: the timeline's names and the memory terms, nothing else
+    _, plan, graph = solved
+    analysis = analyze(plan, graph.layers)
+    html = report_html(analysis)
+
+    class Legends(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.depth = 0
+            self.texts: list[str] = []
+
+        def handle_starttag(self, tag, attrs):
+            if self.depth or ("class", "legend") in attrs:
+                self.depth += 1
+
+        def handle_endtag(self, tag):
+            self.depth = max(0, self.depth - 1)
+
+        def handle_data(self, data):
+            if self.depth and data.strip():
+                self.texts.append(data.strip())
+
+    parser = Legends()
+    parser.feed(html)
+    timeline_names = {name for _, name in legend(analysis.timeline)}
+    assert timeline_names <= set(parser.texts)
+    assert {t for t in parser.texts if not t.startswith("striped")} <= (
+        timeline_names | set(MEMORY_COLORS))
+
+
+def test_memory_bars_carry_their_figures(solved):
+    """Memory bars had only colours (figures in hover text): each is labelled used /
+    capacity, terms wide enough carry their size, and a stage over its device's memory
+    is marked at the capacity."""
+    from planner.explain import MemoryRow
+    from planner.report import BAR_PX, memory_bar
+    from planner.units import fmt_bytes
+
+    _, plan, graph = solved
+    analysis = analyze(plan, graph.layers)
+    html = report_html(analysis)
+    bars = re.findall(r'<svg class="bar".*?</svg>', html)
+    for m in analysis.memory:
+        caption = f"{fmt_bytes(m.total)} / {fmt_bytes(m.capacity)} ({m.fraction:.0%})"
+        assert any(f">{caption}</text>" in bar for bar in bars), caption
+    gib = 2.0 ** 30
+    row = MemoryRow(pipelines=(0,), stage=1, node="v-0", device_type="V100-16G",
+                    capacity=16 * gib, terms={"weights": 6 * gib, "gradients": 6 * gib,
+                                              "optimizer": 0.1 * gib, "activations": 8 * gib,
+                                              "reserve": 0.0}, total=20.1 * gib)
+    svg = ET.fromstring(memory_bar(row))
+    texts = [t.text for t in svg.iter("text")]
+    assert "20.1 GiB / 16 GiB (126%)" in texts
+    assert {"6 GiB", "8 GiB"} <= set(texts) and fmt_bytes(0.1 * gib) not in texts
+    (limit,) = svg.iter("line")
+    assert float(limit.get("x1")) == pytest.approx(BAR_PX * 16 / 20.1, abs=0.01)
+    caption = next(t for t in svg.iter("text") if t.get("class") == "caption")
+    assert caption.get("fill") == "#cc0000"
+
+
+def test_step_time_by_cause_is_drawn(solved):
+    """Step time by cause was a bare table: each cause has a bar as long as its share
+    of the step, beside its seconds and share as text."""
+    from planner.explain import TERM_WORDS
+    from planner.report import BAR_PX
+
+    _, plan, graph = solved
+    html = report_html(analyze(plan, graph.layers))
+    section = html[html.index("Step time by cause"):]
+    section = section[:section.index("</table>")]
+    pred = plan.prediction
+    rows = re.findall(r"<tr><td>(.*?)</td>.*?(<svg.*?</svg>)", section)
+    assert [cause for cause, _ in rows] == [TERM_WORDS[k] for k in pred.terms()]
+    for (cause, bar), value in zip(rows, pred.terms().values(), strict=True):
+        svg = ET.fromstring(bar)
+        drawn = [r for r in svg.iter("rect") if r.find("title") is not None]
+        width = sum(float(r.get("width")) for r in drawn)
+        assert width == pytest.approx(BAR_PX * value / pred.step_time, abs=0.02), cause
+        if value > 0:
+            assert cause in drawn[0].find("title").text
 
 
 def test_gantt_text_golden():
