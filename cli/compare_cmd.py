@@ -12,9 +12,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from cli import options as opt
-from cli.solve_cmd import Output
+from cli.solve_cmd import Output, warn_small_batch
+from cli.tables import output_console
 
-console = Console(emoji=False)
+console = output_console()
 err_console = Console(emoji=False, stderr=True)
 
 Price = Annotated[list[str] | None, typer.Option(
@@ -151,6 +152,7 @@ def what_if(
 
     import yaml
 
+    from cli.progress import solve_progress
     from cost_models.cluster import cluster_to_dict
     from planner import whatif
     from planner.compare import diff, headline, parse_prices, rows_json
@@ -214,13 +216,15 @@ def what_if(
     if new_dtype != plan.training.dtype:
         edits.append(f"dtype {new_dtype}")
     tracing = f"Tracing {escape(plan.model.describe())}..."
-    with err_console.status(tracing, spinner="dots") as status:
+    with err_console.status(tracing, spinner="dots"):
         graph = Tracer()(plan.model, seq_len or plan.training.seq_len, training.dtype)
-        training = dataclasses.replace(training, seq_len=graph.seq_len)
-        status.update("Searching plans...")
+    training = dataclasses.replace(training, seq_len=graph.seq_len)
+    with solve_progress(err_console, time_limit) as progress:
         plans = solve_plans(graph, cluster, training, constraints, time_limit=time_limit,
-                            top_k=1, progress=status.update)
+                            top_k=1, progress=progress.update)
     new = plans[0]
+    progress.finish(new)
+    warn_small_batch(new)
     rows = diff(plan, new, prices)
     if output is not None:
         write_atomic(output, plan_json(new), force=True)

@@ -8,17 +8,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from cli import options as opt
-from cli.tables import fit_words
+from cli.tables import fit_words, output_console
 
 if TYPE_CHECKING:
     from cost_models.catalog import Catalog
     from planner.types import DeviceSpec
 
-console = Console(emoji=False)
+console = output_console()
 
 
 def devices(

@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from cli import options as opt
+from cli.tables import output_console
 
-console = Console(emoji=False)
+console = output_console()
 err_console = Console(emoji=False, stderr=True)
 
 PlanArg = Annotated[Path, typer.Argument(

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.markup import escape
-from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from cli.tables import FitWords, fit_words
+from cli.tables import FitPanel, FitWords, counted, fit_words
+from planner.compare import percent_change
 from planner.units import fmt_bytes, fmt_rate, fmt_seconds
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def _cell(row: Row, i: int) -> Text:
     verdict = row.verdicts[i]
     change = row.changes[i]
     if verdict in ("better", "worse") and change is not None:
-        text += f" ({change:+.1%})"
+        text += f" ({percent_change(change)})"
     return Text(text, style=VERDICT_STYLES.get(verdict, ""))
 
 
@@ -64,7 +64,7 @@ def diff_table(rows: Sequence[Row], *, title: str = "What changed") -> FitWords:
     for row in rows:
         verdict = row.verdicts[1]
         change = row.changes[1]
-        note = (f"{change:+.1%}" if change is not None and verdict in ("better", "worse")
+        note = (percent_change(change) if change is not None and verdict in ("better", "worse")
                 else "" if verdict == "same" else verdict)
         table.add_row(row.label, Text(row.texts[0]), Text(row.texts[1],
                                                     style=VERDICT_STYLES.get(verdict, "")),
@@ -81,15 +81,15 @@ def explanation_panel(analysis: Analysis) -> Group:
         lines.append(f"• {r.kind}: ", style="bold")
         lines.append(r.text + "\n")
     binding = Text.assemble(("Binding constraint: ", "bold"), e.binding)
-    parts: list[Any] = [Panel(Group(Text(e.headline, style="bold"), binding, Text(""), lines),
-                              title="Why this plan", title_align="left")]
+    parts: list[Any] = [FitPanel(Group(Text(e.headline, style="bold"), binding, Text(""),
+                                       lines), title="Why this plan", title_align="left")]
     if e.alternatives:
         table = Table(title="Runner-ups and baselines: why they lose", title_justify="left")
         for column in ("alternative", "step time", "slower by", "why", "what"):
             table.add_column(column, overflow="fold")
         for a in e.alternatives:
             table.add_row(a.name, fmt_seconds(a.step_time) if a.step_time else "-",
-                          Text(f"{a.slower_by:+.1%}" if a.slower_by is not None else "-",
+                          Text(percent_change(a.slower_by) if a.slower_by is not None else "-",
                                style="red" if (a.slower_by or 0) > 0 else ""),
                           a.why, a.description)
         parts.append(fit_words(table))
@@ -97,14 +97,20 @@ def explanation_panel(analysis: Analysis) -> Group:
 
 
 def stage_timing_table(analysis: Analysis) -> FitWords:
-    from planner.explain import describe_pipelines
+    from planner.explain import (
+        MICRO_BATCHES,
+        MICRO_BATCHES_KEY,
+        describe_pipelines,
+        micro_batches,
+    )
 
     table = Table(title="Stages (seconds per micro-batch; load: busy time against the "
-                  "pipeline's busiest stage)", title_justify="left")
+                  "pipeline's busiest stage)", title_justify="left",
+                  caption=MICRO_BATCHES_KEY, caption_justify="left")
     extra = [(name, key) for name, key in (("recompute", "recompute_time"),
                                            ("tp comm", "tp_time"))
              if any(getattr(r, key) for r in analysis.stages)]
-    columns = ["pipes", "stage", "layers", "device", "micro batches", "savers",
+    columns = ["pipes", "stage", "layers", "device", MICRO_BATCHES, "savers",
                "fwd / bwd", *(name for name, _ in extra), "send", "load"]
     for column in columns:
         table.add_column(column, overflow="fold",
@@ -119,8 +125,8 @@ def stage_timing_table(analysis: Analysis) -> FitWords:
                                        f"ZeRO-{r.zero}" if r.zero else "") if x) or "-"
         table.add_row(describe_pipelines(r.pipelines) if r.stage == 0 else "", str(r.stage),
                       r.layers, r.device_type + (f" x{r.tp}" if r.tp > 1 else ""),
-                      f"{r.microbatches} x {r.micro_batch}{r.schedule}" if r.stage == 0
-                      else "", savers,
+                      micro_batches(r.microbatches, r.micro_batch) + r.schedule
+                      if r.stage == 0 else "", savers,
                       f"{fmt_seconds(r.fwd)} / {fmt_seconds(r.bwd)}",
                       *(fmt_seconds(getattr(r, key)) for _, key in extra),
                       fmt_seconds(r.send),
@@ -191,7 +197,7 @@ def traffic_table(analysis: Analysis) -> FitWords:
 
 def gantt(timeline: Timeline, width: int) -> Group:
     """The step as a terminal Gantt chart: one line per lane."""
-    from planner.timeline import FILL, IDLE, nice_ticks, text_rows
+    from planner.timeline import FILL, IDLE, legend, nice_ticks, text_rows
 
     label_w = min(44, max(len(lane.label) for lane in timeline.lanes))
     chart_w = max(20, width - label_w - 3)
@@ -211,27 +217,31 @@ def gantt(timeline: Timeline, width: int) -> Group:
         for text, kind in segments:
             line.append(text, style=KIND_STYLES.get(kind, ""))
         lines.append(line)
-    legend = Text("  ")
-    for kind, name in (("fwd", "forward (Fn: micro-batch n)"), ("bwd", "backward"),
-                       ("send", "activation"), ("send-grad", "gradient"),
-                       ("sync", "gradient sync"), ("optimizer", "optimizer"), ("", "idle")):
-        if len(legend) + len(name) + 5 > width:
-            lines.append(legend)
-            legend = Text("  ")
-        legend.append(FILL.get(kind, IDLE), style=KIND_STYLES[kind])
-        legend.append(f" {name}   ")
-    lines.append(legend)
+    key = Text("  ")
+    for kind, name in (*legend(timeline), ("", "idle")):
+        if len(key) + len(name) + 5 > width:
+            lines.append(key)
+            key = Text("  ")
+        key.append(FILL.get(kind, IDLE), style=KIND_STYLES[kind])
+        key.append(f" {name}   ")
+    hint = "Fn, Bn: micro-batch n"
+    if len(key) + len(hint) > width:
+        lines.append(key)
+        key = Text("  ")
+    lines.append(key.append(hint))
     return Group(*lines)
 
 
 def render_analysis(console: Console, analysis: Analysis, *, width: int | None = None) -> None:
-    from cli.render_plan import baseline_table, prediction_panel, solver_panel
+    """Everything `planner explain` shows; the baselines once, in the explanation's table
+    of why the alternatives lose."""
+    from cli.render_plan import prediction_panel, solver_panel
 
     plan = analysis.plan
     console.print(Text.from_markup(
         f"[bold]{escape(plan.model.describe())}[/] on cluster [bold]"
-        f"{escape(plan.cluster.name)}[/] ({plan.num_devices} of {plan.cluster.num_devices} "
-        f"devices used)"))
+        f"{escape(plan.cluster.name)}[/] ({plan.num_devices:,} of "
+        f"{counted(plan.cluster.num_devices, 'device')} used)"))
     console.print(stage_timing_table(analysis))
     console.print(device_map_table(analysis))
     console.print(memory_table(analysis, width=max(12, min(40, console.width - 62))))
@@ -240,9 +250,6 @@ def render_analysis(console: Console, analysis: Analysis, *, width: int | None =
     console.print(prediction_panel(plan))
     console.print(explanation_panel(analysis))
     console.print(solver_panel(plan))
-    baselines = baseline_table(plan)
-    if baselines is not None:
-        console.print(baselines)
 
 
 # ---------------------------------------------------------------- session replies
@@ -283,6 +290,11 @@ def render_reply(console: Console, reply: Reply) -> None:
 
             plan, names = value
             render(console, plan, names)
+        elif kind == "plan-summary":  # after a change: its stages only, the change in view
+            from cli.render_plan import stage_table
+
+            plan, names = value
+            console.print(stage_table(plan, names))
         elif kind == "diff":
             _old, _new, rows = value
             console.print(diff_table(rows))

@@ -6,13 +6,17 @@ from collections import Counter
 
 from rich.console import Console, Group
 from rich.markup import escape
-from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from cli.tables import FitWords, fit_words
+from cli.tables import FitPanel, FitWords, counted, fit_words
+from planner.compare import speedup
+from planner.explain import MICRO_BATCHES, MICRO_BATCHES_KEY, micro_batches
 from planner.types import PipelinePlan, Plan
 from planner.units import fmt_bytes, fmt_seconds
+
+NOISE = 1e-9  # a cost term this far below zero (relative to the step) is float noise
+SPEEDUP_STYLES = {"faster": "green", "slower": "red"}
 
 
 def pipeline_classes(plan: Plan) -> list[tuple[PipelinePlan, list[PipelinePlan]]]:
@@ -41,14 +45,21 @@ def _used_of(used: float, capacity: float) -> str:
     return f"{a} / {b}"
 
 
+def _micro_batches(rep: PipelinePlan, members: list[PipelinePlan]) -> str:
+    """`32 x 1`, or where the pipelines alike run different counts `2 x 1 (227 pipes),
+    1 x 1 (58 pipes)`; the schedule where it is not plain 1F1B."""
+    counts = Counter(p.num_microbatches for p in members)
+    return ", ".join(micro_batches(count, rep.micro_batch)
+                     + (f" ({counted(pipes, 'pipe')})" if len(counts) > 1 else "")
+                     for count, pipes in sorted(counts.items(), reverse=True)
+                     ) + rep.schedule_note()
+
+
 def stage_table(plan: Plan, layer_names: list[str] | None = None) -> FitWords:
-    columns = ("pipes", "stage", "layers", "device", "tp", "micro batches", "recompute",
+    columns = ("pipes", "stage", "layers", "device", "tp", MICRO_BATCHES, "recompute",
                "ZeRO", "memory")
     rows: list[tuple[list, bool]] = []  # (cells, whether a new group of pipelines starts)
     for rep, members in pipeline_classes(plan):
-        counts = Counter(p.num_microbatches for p in members)
-        shares = ", ".join(f"{m}x{n}" if n > 1 else str(m)
-                           for m, n in sorted(counts.items(), reverse=True))
         for s in rep.stages:
             capacity = plan.cluster.node(s.devices.node).device.memory
             over = s.memory.total > capacity
@@ -56,10 +67,10 @@ def stage_table(plan: Plan, layer_names: list[str] | None = None) -> FitWords:
             layers = " + ".join(_layer_names(c, layer_names) for c in s.chunks)
             rows.append(([str(len(members)) if s.index == 0 else "", str(s.index), layers,
                           s.device_type, str(s.tp),
-                          f"{shares} of {rep.micro_batch}{rep.schedule_note()}"
-                          if s.index == 0 else "",
+                          _micro_batches(rep, members) if s.index == 0 else "",
                           s.recompute.value, str(s.zero), memory], s.index == 0))
-    table = Table(title="Pipelines (identical pipelines grouped)", title_justify="left")
+    table = Table(title="Pipelines (identical pipelines grouped)", title_justify="left",
+                  caption=MICRO_BATCHES_KEY, caption_justify="left")
     for column in columns:
         table.add_column(column, justify="right" if column in ("tp", "ZeRO") else "left",
                          overflow="fold")
@@ -70,7 +81,7 @@ def stage_table(plan: Plan, layer_names: list[str] | None = None) -> FitWords:
     return fit_words(table)
 
 
-def prediction_panel(plan: Plan) -> Panel:
+def prediction_panel(plan: Plan) -> FitPanel:
     p = plan.prediction
     lines = [f"step time [bold]{fmt_seconds(p.step_time)}[/]   "
              f"{p.samples_per_s:,.1f} samples/s"
@@ -78,17 +89,20 @@ def prediction_panel(plan: Plan) -> Panel:
              + f"   MFU {p.mfu:.1%}"]
     width = 40
     for name, value in p.terms().items():
+        if -NOISE * p.step_time < value < 0:  # (a bubble of -1e-17 s read "-0.0%")
+            value = 0.0
         share = value / p.step_time if p.step_time else 0.0
         bar = "█" * round(share * width)
         lines.append(f"{name:>10} {bar:<{width}} {fmt_seconds(value):>9} {share:6.1%}")
-    devices = sum(s.tp for pipe in plan.pipelines for s in pipe.stages)
-    title = (f"Prediction: {len(plan.pipelines)} pipeline(s) on {devices} of "
-             f"{plan.cluster.num_devices} devices, global batch {plan.training.global_batch}, "
-             f"{plan.training.dtype}")
-    return Panel("\n".join(lines), title=title, title_align="left")
+    title = (f"Prediction: {counted(len(plan.pipelines), 'pipeline')} on {plan.num_devices:,} "
+             f"of {counted(plan.cluster.num_devices, 'device')}, global batch "
+             f"{plan.training.global_batch}, {plan.training.dtype}")
+    return FitPanel("\n".join(lines), title=title, title_align="left")
 
 
-def solver_panel(plan: Plan) -> Panel:
+def solver_panel(plan: Plan, *, search_space: bool = True) -> FitPanel:
+    """The search's report; `search_space`: with the paragraph that says what it covers
+    (the same for every plan: shown once, not with every runner-up or what-if)."""
     r = plan.solver
     if r.status == "fixed":
         text = "configuration fixed by the user (planner estimate)"
@@ -98,9 +112,9 @@ def solver_panel(plan: Plan) -> Panel:
                 f"objective {fmt_seconds(r.objective)}, best bound {fmt_seconds(r.best_bound)}"
                 f", gap {r.gap:.2%}\n"
                 f"no plan of any shape can beat {fmt_seconds(r.lower_bound)} "
-                "(LP bound without communication or bubbles)\n"
-                f"[dim]search space: {escape(r.search_space)}[/]")
-    return Panel(text, title="Solver", title_align="left")
+                "(LP bound without communication or bubbles)"
+                + (f"\n[dim]search space: {escape(r.search_space)}[/]" if search_space else ""))
+    return FitPanel(text, title="Solver", title_align="left")
 
 
 def baseline_table(plan: Plan) -> FitWords | None:
@@ -113,19 +127,22 @@ def baseline_table(plan: Plan) -> FitWords | None:
         if b.prediction is None:
             table.add_row(b.name, "-", "-", f"{b.description}: {b.reason}")
             continue
-        speedup = b.prediction.step_time / plan.prediction.step_time
+        verdict = speedup(b.prediction.step_time / plan.prediction.step_time)
         table.add_row(b.name, fmt_seconds(b.prediction.step_time),
-                      Text(f"{speedup:.2f}x faster" if speedup >= 1 else
-                           f"{1 / speedup:.2f}x slower",
-                           style="green" if speedup >= 1 else "red"), b.description)
+                      Text(verdict, style=SPEEDUP_STYLES.get(verdict.rpartition(" ")[2], "")),
+                      b.description)
     return fit_words(table)
 
 
-def render(console: Console, plan: Plan, layer_names: list[str] | None = None) -> None:
+def render(console: Console, plan: Plan, layer_names: list[str] | None = None, *,
+           verbose: bool = False) -> None:
+    """The plan, its prediction, the solver's report and the baselines; `verbose`: with
+    the search space the solver covered (a paragraph the same for every plan)."""
     header = (f"[bold]{escape(plan.model.describe())}[/] on cluster "
-              f"[bold]{escape(plan.cluster.name)}[/] ({plan.cluster.num_devices} devices)")
+              f"[bold]{escape(plan.cluster.name)}[/] "
+              f"({counted(plan.cluster.num_devices, 'device')})")
     parts = [Text.from_markup(header), stage_table(plan, layer_names), prediction_panel(plan),
-             solver_panel(plan)]
+             solver_panel(plan, search_space=verbose)]
     baselines = baseline_table(plan)
     if baselines is not None:
         parts.append(baselines)

@@ -12,11 +12,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from cli import options as opt
+from cli.tables import output_console
 
 if TYPE_CHECKING:
     from planner.types import ClusterSpec, ModelGraph, Plan, TrainingSpec
 
-console = Console(emoji=False)
+console = output_console()
 err_console = Console(emoji=False, stderr=True)
 
 DEFAULT_CLUSTER = "a100-v100-lab"
@@ -35,9 +36,9 @@ def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dty
            shape: dict) -> tuple[ModelGraph, ClusterSpec, TrainingSpec]:
     from cost_models.cluster import load_cluster
     from cost_models.compute import rate_dtype
-    from planner.models import load_model, model_spec
+    from planner.models import model_spec
     from planner.session import resolve_dtype
-    from planner.trace import trace_loaded
+    from planner.trace.cache import cached_trace
     from planner.types import TrainingSpec
 
     spec = load_cluster(cluster)
@@ -51,7 +52,7 @@ def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dty
     model_to_trace = model_spec(model, shape)
     with err_console.status(f"Building and tracing {escape(model_to_trace.describe())}...",
                             spinner="dots"):
-        graph = trace_loaded(load_model(model_to_trace, seq_len=seq_len), batch=1, dtype=dtype)
+        graph = cached_trace(model_to_trace, seq_len=seq_len, dtype=dtype)
     return graph, spec, TrainingSpec(global_batch=global_batch, seq_len=graph.seq_len,
                                      dtype=dtype)
 
@@ -67,9 +68,19 @@ def _emit(plan: Plan, graph: ModelGraph, output: Path | None, force: bool,
         return
     from cli.render_plan import render
 
-    render(console, plan, [layer.name for layer in graph.layers])
+    render(console, plan, [layer.name for layer in graph.layers], verbose=True)
     if output is not None:
         console.print(f"Wrote the plan to {output}", markup=False)
+
+
+def warn_small_batch(plan: Plan) -> None:
+    """On stderr, where the global batch is too small for the devices the plan uses
+    (`planner.small_batch`)."""
+    from planner.small_batch import small_batch
+
+    found = small_batch(plan)
+    if found is not None:
+        err_console.print(f"[yellow]warning:[/] {escape(found.message)}", soft_wrap=True)
 
 
 def _policies(recompute: str | None) -> tuple:
@@ -127,6 +138,7 @@ def solve(
       planner solve gpt3-1.3b --cluster 1x8xA100-40G,1x8xV100-16G@100Gbps -B 512 -o plan.json
       planner solve llama2-70b --cluster lab.yaml --tp 8 --time-limit 30
     """
+    from cli.progress import solve_progress
     from planner.errors import PlannerError
     from planner.files import check_writable
     from planner.solver import Limits, SolveOptions, Space, solve
@@ -153,10 +165,10 @@ def solve(
         space=Space(policies=_policies(recompute),
                     zeros=(zero,) if zero is not None else (0, 1, 2, 3)),
         exclude=tuple(exclude or ()), top_k=top_k, gap=gap, time_limit=time_limit)
-    with err_console.status("Searching plans...", spinner="dots") as status:
-        plans = solve(graph, spec, training, options,
-                      progress=lambda now: status.update(now.describe())
-                      if now.explored % 200 == 0 else None)
+    with solve_progress(err_console, time_limit) as progress:
+        plans = solve(graph, spec, training, options, progress=progress)
+    progress.finish(plans[0])
+    warn_small_batch(plans[0])
     if len(plans) < top_k:  # say so, not leave the reader to count
         found = ("exist under the constraints given" if plans[0].solver.status == "optimal"
                  else "were found before the search stopped")
@@ -209,7 +221,8 @@ def estimate(
     """Predict a configuration you fix (a Megatron-style TP x PP x DP recipe).
 
     Devices are taken node by node in cluster-file order, layers split evenly,
-    the batch shared evenly.
+    the batch shared evenly (micro-batches left over go one each to the fastest
+    pipelines, whatever their place in the file).
 
     Example: planner estimate llama2-70b --cluster dgx-a100-pod --tp 8 --pp 4 --micro-batch 1
              --recompute full --interleave 2

@@ -14,13 +14,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from cli import options as opt
-from cli.tables import fit_words
+from cli.tables import fit_words, output_console
 from planner.units import fmt_bytes, fmt_count, fmt_flops
 
 if TYPE_CHECKING:
     from planner.types import ModelGraph
 
-console = Console(emoji=False)
+console = output_console()
 err_console = Console(emoji=False, stderr=True)
 
 

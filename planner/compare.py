@@ -280,8 +280,24 @@ def headline(old: Plan, new: Plan) -> str:
     a, b = old.prediction, new.prediction
     dt = (b.step_time - a.step_time) / a.step_time
     ds = (b.samples_per_s - a.samples_per_s) / a.samples_per_s
-    return (f"step time {fmt_seconds(a.step_time)} -> {fmt_seconds(b.step_time)} ({dt:+.1%}), "
-            f"{a.samples_per_s:,.0f} -> {b.samples_per_s:,.0f} samples/s ({ds:+.1%})")
+    return (f"step time {fmt_seconds(a.step_time)} -> {fmt_seconds(b.step_time)} "
+            f"({percent_change(dt)}), {a.samples_per_s:,.0f} -> {b.samples_per_s:,.0f} "
+            f"samples/s ({percent_change(ds)})")
+
+
+def percent_change(fraction: float) -> str:
+    """`+6.9%`, `-52.7%`; a change too small to show `0.0%`, not `-0.0%` (float noise)."""
+    text = f"{fraction:+.1%}"
+    return text[1:] if text[1:] == "0.0%" else text
+
+
+def speedup(ratio: float) -> str:
+    """How a plan compares with one taking `ratio` times its step: `1.85x faster`,
+    `1.20x slower`, or `as fast` where the factor rounds to 1.00."""
+    factor = f"{max(ratio, 1 / ratio):.2f}"
+    if factor == "1.00":
+        return "as fast"
+    return f"{factor}x {'faster' if ratio > 1 else 'slower'}"
 
 
 def rows_json(rows: Sequence[Row]) -> list[dict]:

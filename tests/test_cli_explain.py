@@ -35,7 +35,7 @@ def test_explain_tables_and_files(plans):
     out = result.stdout
     for text in ("Stages", "Device map", "Memory per device", "Communication per step",
                  "Timeline of one step", "Why this plan", "Binding constraint", "Solver",
-                 "Baselines", f"Wrote the HTML report to {html}"):
+                 "Runner-ups and baselines", f"Wrote the HTML report to {html}"):
         assert text in out, text
     assert html.read_text().startswith("<!DOCTYPE html>")
     assert svg.read_text().startswith("<?xml")
