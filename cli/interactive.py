@@ -121,21 +121,25 @@ class Terminal:
     def _ask_model(self) -> None:
         self.console.print("[bold]1. The model.[/] A zoo name (gpt-tiny, llama3-8b, ...), "
                            "'list' for the zoo, 'search TEXT', or package.module:factory.")
+        while True:  # the name is checked (the model built) here: a typo re-asks only it
+            name = self.ask("Model", default="gpt-tiny")
+            words = name.split()
+            if name.lower() in ("list", "?", "ls") or words[:1] == ["models"]:  # (as hints say)
+                self.do(shlex.join(["models", *words[1:]]))
+                continue
+            if name.lower().startswith("search "):
+                self.do("models " + name[7:])
+                continue
+            if self._interruptible(shlex.join(["model", name])):
+                break
         while True:
-            answer = self.ask("Model", default="gpt-tiny")
-            if answer.lower() in ("list", "?", "ls"):
-                self.do("models")
-                continue
-            if answer.lower().startswith("search "):
-                self.do("models " + answer[7:])
-                continue
             extra = self.ask("Shape overrides, e.g. --layers 2 (Enter for none)", default="")
             try:
                 words = shlex.split(extra)
             except ValueError:
                 self.console.print("[red]Cannot read those options; try again.[/]")
                 continue
-            if self._interruptible(shlex.join(["model", answer, *words])):
+            if not words or self._interruptible(shlex.join(["model", name, *words])):
                 return
 
     def _ask_cluster(self) -> None:
@@ -161,6 +165,7 @@ class Terminal:
 
     def _build_cluster(self) -> str:
         from cost_models import catalog
+        from cost_models.cluster import parse_inline_network
         from planner.errors import PlannerError
 
         items = []
@@ -185,8 +190,14 @@ class Terminal:
             items.append(f"{nodes}x{per}x{name}")
             if not self.confirm("Add another kind of node?"):
                 break
-        network = self.ask("Network between nodes (bandwidth per node)", default="100Gbps")
-        return ",".join(items) + f"@{network}"
+        while True:  # checked here: a typo re-asks the network, not every question before
+            network = self.ask("Network between nodes (bandwidth per node)", default="100Gbps")
+            try:
+                parse_inline_network(network)
+            except PlannerError as exc:
+                self.console.print(f"[red]{escape(exc.message)}[/]")
+                continue
+            return ",".join(items) + f"@{network}"
 
     def _ask_training(self) -> None:
         state = self.session.state
@@ -195,8 +206,14 @@ class Terminal:
             batch = self.ask_int("Global batch (samples per step)", state.global_batch)
             if self._interruptible(f"set global-batch {batch}"):
                 break
+        needed = self.session.needs_seq_len()  # (a factory's model may have no default)
         while True:
-            seq = self.ask("Sequence length (Enter: the model's)", default="")
+            seq = (self.ask("Sequence length (the model has no default)") if needed else
+                   self.ask("Sequence length (Enter: the model's)", default=""))
+            if not seq and needed:
+                self.console.print("[red]This model has no default sequence length: give "
+                                   "one, e.g. 2048.[/]")
+                continue
             if not seq or self._interruptible(f"set seq-len {shlex.quote(seq)}"):
                 break
         dtype = self.ask("Training dtype (auto: bf16 if every device has it, else fp16)",

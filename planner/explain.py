@@ -46,11 +46,9 @@ TERM_WORDS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "ten
 def retrace(plan: Plan, source: str = "") -> ModelGraph:
     """The plan's model traced again (batch 1, the plan's sequence length and dtype),
     checked against the plan's stages (`source`: the plan file, which errors name)."""
-    from planner.models import load_model
-    from planner.trace import trace_loaded
+    from planner.trace.cache import cached_trace
 
-    graph = trace_loaded(load_model(plan.model, seq_len=plan.training.seq_len), batch=1,
-                         dtype=plan.training.dtype)
+    graph = cached_trace(plan.model, seq_len=plan.training.seq_len, dtype=plan.training.dtype)
     check_layers(plan, graph.layers, source)
     return graph
 
@@ -466,7 +464,11 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
             frac = s.memory.total / cap
             if worst is None or frac > worst[0]:
                 worst = (frac, p.index, s, cap)
-    binding = ""
+    # The one rule for whether memory binds: the plan does not fit, a memory saver is what
+    # makes it fit, or its fullest device is at least 85% full. `memory_binding` says which
+    # (empty where none holds); the memory reasons below read it.
+    memory_binding = ""
+    needed = ""  # the memory saver without which the plan would not fit
     fixed = plan.solver.status == "fixed"  # `planner estimate`: the user chose the layout
     # a plan `estimate` wrote all the same, or one edited by hand: its stored memory is
     # over a device's, whatever the savers would save
@@ -497,8 +499,10 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
                           p, s, cap))
         frac, p, s, cap = max(needs, key=lambda x: x[0])
         if frac > 1:
-            binding = binding or (f"memory: {what} is needed to fit {s.device_type} "
-                                  f"(stage {s.index} of pipeline {p.index})")
+            needed = needed or what
+            memory_binding = memory_binding or (f"memory: {what} is needed to fit "
+                                                f"{s.device_type} (stage {s.index} of pipeline "
+                                                f"{p.index})")
             verdict = (f"without it stage {s.index} of pipeline {p.index} ({s.device_type}) "
                        f"would need {fmt_bytes(frac * cap)} of {fmt_bytes(cap)}: it is what "
                        "makes the plan fit")
@@ -518,20 +522,21 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
         largest = f"its largest term is {term} ({fmt_bytes(s.memory.terms()[term])})"
         tight = frac >= 0.85
         if unfit:
-            binding = f"memory: {unfit}"
+            memory_binding = f"memory: {unfit}"
             text = (f"The plan does not fit: pipeline {p_index} stage {s.index} holds "
                     f"{fmt_bytes(s.memory.total)} per device on {s.devices.node} "
                     f"({s.device_type}), which has {fmt_bytes(cap)} ({frac:.0%}); {largest}. "
                     "`planner launch` refuses it.")
         else:
             if tight:
-                binding = binding or (f"memory: {s.devices.node} ({s.device_type}) is "
-                                      f"{frac:.0%} full")
-            text = (f"Memory {'binds' if tight else 'does not bind'}: the fullest device "
-                    f"(pipeline {p_index} stage {s.index} on {s.devices.node}, "
+                memory_binding = memory_binding or (f"memory: {s.devices.node} "
+                                                    f"({s.device_type}) is {frac:.0%} full")
+            text = (f"Memory {'binds' if memory_binding else 'does not bind'}: the fullest "
+                    f"device (pipeline {p_index} stage {s.index} on {s.devices.node}, "
                     f"{s.device_type}) holds {fmt_bytes(s.memory.total)} of {fmt_bytes(cap)} "
                     f"({frac:.0%}); {largest}."
-                    + (" Fewer stages or bigger micro-batches would not fit." if tight else ""))
+                    + (" Fewer stages or bigger micro-batches would not fit." if tight else
+                       f" It fits only with {needed} (above)." if needed else ""))
         reasons.append(Reason("memory", text))
     # what the step time is made of
     shares = {t: getattr(pred, t) / step for t in TERMS}
@@ -607,6 +612,7 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
             f"Solver: {r.status}; no plan in the search space beats "
             f"{fmt_seconds(r.best_bound)} (gap {r.gap:.1%}), and no plan of any shape beats "
             f"{fmt_seconds(r.lower_bound)} (compute alone, perfectly balanced).")))
+    binding = memory_binding
     if not binding:
         comm_share = max(shares["pp_comm"], shares["dp_comm"], shares["tp_comm"])
         if constraints:
@@ -698,6 +704,17 @@ def describe_pipelines(members: Sequence[int]) -> str:
     return f"p{members[0]}" if len(members) == 1 else f"p{ranges(members)} (x{len(members)})"
 
 
-__all__ = ["Analysis", "analysis_dict", "analyze", "check_layers", "describe_pipelines",
-           "device_map", "explain", "memory_rows", "retrace", "stage_rows",
-           "structure", "traffic", "why_slower"]
+# The stage tables' notation of a pipeline's micro-batches: their column, and a note
+# under the table that says what it holds.
+MICRO_BATCHES = "micro batches"
+MICRO_BATCHES_KEY = "micro batches: per pipeline and step, count x size (samples)"
+
+
+def micro_batches(count: int, size: int) -> str:
+    """`32 x 1`: a pipeline's micro-batches per step, of `size` samples each."""
+    return f"{count} x {size}"
+
+
+__all__ = ["MICRO_BATCHES", "MICRO_BATCHES_KEY", "Analysis", "analysis_dict", "analyze",
+           "check_layers", "describe_pipelines", "device_map", "explain", "memory_rows",
+           "micro_batches", "retrace", "stage_rows", "structure", "traffic", "why_slower"]

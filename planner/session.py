@@ -13,7 +13,10 @@ loop over it; transcripts replay through the same `Session.run`.
 Every command is one line (shell-like quoting, `#` starts a comment). A command
 either succeeds, changing the state (kept for `undo`) and appending the line to
 the transcript, or fails with a `PlannerError` and changes nothing. `COMMANDS`
-lists them with their non-interactive equivalents.
+lists them with their non-interactive equivalents. Errors name the session's
+commands where the library's name the CLI's options (`set seq-len N`, not
+`--seq-len`). A `solve` that failed is tried again after each change, as a solved
+session re-solves, until it succeeds (the transcript then records that `solve`).
 
 The state is a frozen value; tracing results are cached per (model, sequence
 length, dtype), analyses per plan. Library code only: no printing, no prompts.
@@ -22,15 +25,19 @@ length, dtype), analyses per plan. Library code only: no printing, no prompts.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.errors import PlannerError, closest
 from planner.files import write_atomic
 from planner.types import ClusterSpec, ModelGraph, ModelSpec, Plan, TrainingSpec
+
+if TYPE_CHECKING:
+    from planner.models import LoadedModel
 
 DEFAULT_TIME_LIMIT = 10.0
 TOP_K = 3
@@ -277,9 +284,11 @@ class Tabular:
 @dataclass
 class Reply:
     """What a command produced. items are (kind, value) for the renderer:
-    text, note, warning: str; table: Tabular; plan: (Plan, layer names);
+    text, note, warning: str; table: Tabular; plan: (Plan, layer names), shown whole;
+    plan-summary: the same, shown compactly (after a change, below what changed);
     diff: (old Plan, new Plan, rows); explanation, memory, traffic: Analysis;
-    timeline: (Timeline, width); help: list of Command; cli: list of str."""
+    timeline: (Timeline, width); help: list of Command; cli: list of str.
+    then: lines the transcript records after this command's (a `solve` it ran)."""
 
     command: str
     ok: bool = True
@@ -287,6 +296,7 @@ class Reply:
     error: PlannerError | None = None
     quit: bool = False
     data: dict = field(default_factory=dict)
+    then: list[str] = field(default_factory=list)
 
     def add(self, kind: str, value: Any) -> Reply:
         self.items.append((kind, value))
@@ -340,6 +350,52 @@ def parse_options(tokens: Sequence[str], *, values: Sequence[str] = (),
     return positional, found
 
 
+# The CLI's options as the session spells them: library errors name the options of
+# `planner solve` (`--seq-len`, `--tp 4`), which a session sets with its own commands.
+_NUMBER_VALUE = r"\d+(?:\.\d+)?"
+_SET_OPTIONS = {"global-batch": _NUMBER_VALUE, "seq-len": _NUMBER_VALUE,
+                "time-limit": _NUMBER_VALUE, "dtype": r"bf16|fp16|fp32|tf32|auto"}  # its values
+_PLACEHOLDERS = {"time-limit": "SECONDS", "dtype": "DTYPE"}  # (else N)
+_WORD_VALUES = {"schedule": r"1f1b|gpipe|interleaved", "recompute": r"none|selective|full",
+                "first-stage": r"[A-Z][\w.@-]*", "last-stage": r"[A-Z][\w.@-]*"}
+_OPTION = re.compile(
+    r"(?<![\w-])--(?P<no>no-)?(?P<name>"
+    + "|".join(sorted([*_SET_OPTIONS, *CONSTRAINT_KEYS, "exclude"], key=len, reverse=True))
+    + r")(?![\w-])(?:[ =](?P<value>"
+    + "|".join(sorted({*_SET_OPTIONS.values(), *_WORD_VALUES.values()}))
+    + r")(?![\w-]))?")
+_CLI_COMMAND = re.compile(r"`planner (?P<name>\w+)`")
+
+
+def _session_option(match: re.Match) -> str:
+    """One CLI option (and its value, if written) as the session command that sets it."""
+    name, value = match["name"], match["value"]
+    if name in _SET_OPTIONS:
+        return f"`set {name} {value or _PLACEHOLDERS.get(name, 'N')}`"
+    if name in _SWITCHES:
+        return f"`constrain {name}={'no' if match['no'] else 'yes'}`"
+    if name == "exclude":
+        return f"`exclude {value or 'NODE'}`"
+    return f"`constrain {name}={value or ('VALUE' if name in _WORD_VALUES else 'N')}`"
+
+
+def in_session_terms(error: PlannerError) -> PlannerError:
+    """`error` (of any PlannerError class) naming the session's commands where it names
+    the CLI's: `set seq-len N` for --seq-len, `constrain tp=4` for --tp 4, `models` for
+    `planner models`. Shape options (--layers, ...) read the same in both."""
+    def words(text: str) -> str:
+        text = _OPTION.sub(_session_option, text)
+        return _CLI_COMMAND.sub(lambda m: f"`{m['name']}`" if m["name"] in _BY_NAME
+                                else m[0], text)
+
+    translated = type(error).__new__(type(error))  # (its class's fields, as they are)
+    translated.__dict__.update(error.__dict__)
+    translated.message = words(error.message)
+    translated.remedies = tuple(words(remedy) for remedy in error.remedies)
+    translated.args = (translated.render(),)
+    return translated
+
+
 def resolve_dtype(dtype: str, cluster: ClusterSpec) -> str:
     """`auto`: bf16 if every device has fast bf16, else fp16, else fp32 (as `planner solve`)."""
     from planner.dtypes import DTYPES, canonical_dtype
@@ -357,21 +413,35 @@ def resolve_dtype(dtype: str, cluster: ClusterSpec) -> str:
             "fp16" if all("fp16" in d.peak_flops for d in kinds) else "fp32")
 
 
+def needs_length(loaded: LoadedModel) -> bool:
+    """Whether a built model has no default sequence length and cannot make its inputs
+    without one (a factory's that uses it; a zoo model always has one or, like ResNet,
+    needs none). A factory whose inputs fail for another reason counts too: tracing it
+    will name that reason once a length is given."""
+    if loaded.seq_len is not None:
+        return False
+    try:
+        loaded.example(1, "meta")
+    except PlannerError:
+        return True
+    return False
+
+
 class Tracer:
-    """Traces models at batch 1, cached by (model, sequence length, dtype)."""
+    """Traces models at batch 1, kept by (model, sequence length, dtype) here and on disk
+    (`planner.trace.cache`)."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple, ModelGraph] = {}
 
     def __call__(self, spec: ModelSpec, seq_len: int | None, dtype: str) -> ModelGraph:
-        from planner.models import load_model
-        from planner.trace import trace_loaded
+        from planner.trace.cache import cached_trace
 
         key = (spec.source, spec.name, tuple(sorted((k, repr(v))
                                                     for k, v in spec.overrides.items())),
                seq_len, dtype)
         if key not in self._cache:
-            graph = trace_loaded(load_model(spec, seq_len=seq_len), batch=1, dtype=dtype)
+            graph = cached_trace(spec, seq_len=seq_len, dtype=dtype)
             self._cache[key] = graph
             self._cache[(*key[:3], graph.seq_len, dtype)] = graph  # as plans name it
         return self._cache[key]
@@ -410,6 +480,7 @@ class Session:
         self.on_record = on_record
         self.trace = tracer or Tracer()
         self.top_k = top_k
+        self.failed_solve = False  # the last `solve` failed: changes try it again
         self._analysis: tuple[Plan, Any] | None = None
 
     # -- running commands
@@ -434,7 +505,7 @@ class Session:
             new_state = handler(tokens[1:], reply)
         except PlannerError as exc:
             reply.ok = False
-            reply.error = exc
+            reply.error = exc = in_session_terms(exc)
             reply.data = {"command": line, "ok": False, "error": exc.message,
                           "kind": exc.kind, "remedies": list(exc.remedies)}
             return reply
@@ -442,9 +513,10 @@ class Session:
             self.history.append(self.state)
             self.state = new_state
         if name not in _UNRECORDED and not (name == "save" and tokens[1:2] == ["transcript"]):
-            self.transcript.append(line)
-            if self.on_record is not None:
-                self.on_record(line)
+            for recorded in (line, *reply.then):
+                self.transcript.append(recorded)
+                if self.on_record is not None:
+                    self.on_record(recorded)
         reply.data = {"command": line, "ok": True, **reply.data}
         return reply
 
@@ -481,6 +553,15 @@ class Session:
                                ["run `solve`" if not self.state.tried else
                                 "change the setup, or `undo` the last change"])
         return self.state.plan
+
+    def needs_seq_len(self) -> bool:
+        """Whether the model cannot be traced before `set seq-len N`: it has no default
+        sequence length (see `needs_length`) and the session sets none."""
+        from planner.models import load_model
+
+        if self.state.model is None or self.state.seq_len is not None:
+            return False
+        return needs_length(load_model(self.state.model))
 
     def graph(self, state: State | None = None) -> ModelGraph:
         state = state or self.state
@@ -526,6 +607,7 @@ class Session:
         except PlannerError as exc:
             if strict:
                 raise
+            exc = in_session_terms(exc)
             reply.add("warning", f"No plan for this setup: {exc.message}")
             for remedy in exc.remedies:
                 reply.add("note", f"try: {remedy}")
@@ -540,20 +622,45 @@ class Session:
                                   previous=before, tried=True, note="")
         reply.data["solved"] = True
         reply.data["plan"] = _plan_data(plan)
-        if before is not None:
-            rows = diff(before, plan, state.price_map)
-            reply.add("text", "Against the previous plan: " + headline(before, plan))
-            reply.add("diff", (before, plan, rows))
-            reply.data["diff"] = rows_json(rows)
-        reply.add("plan", (plan, [layer.name for layer in graph.layers]))
+        names = [layer.name for layer in graph.layers]
+        if before is None:
+            reply.add("plan", (plan, names))
+            return new
+        # a change leads with what it changed; the plan follows compactly, so that the
+        # change stays in view (`show plan` and `explain` give the rest)
+        rows = diff(before, plan, state.price_map)
+        reply.add("text", "Against the previous plan: " + headline(before, plan))
+        reply.add("diff", (before, plan, rows))
+        reply.data["diff"] = rows_json(rows)
+        reply.add("plan-summary", (plan, names))
+        reply.add("note", "`show plan`: the whole plan; `explain`: why it looks so.")
         return new
 
     def _changed(self, state: State, reply: Reply, what: str) -> State:
-        """After an edit: say what changed and re-solve if the session has solved before."""
+        """After an edit: say what changed and re-solve if the session has solved before,
+        or try again a `solve` that failed. Where that succeeds, the edit and the `solve`
+        count as two commands, as the transcript records them (the failed `solve` is not
+        in it): `undo` goes back to the edit without the plan, as in a replay."""
         reply.add("text", what)
-        if state.tried and state.auto_solve and state.model is not None \
-                and state.cluster is not None:
+        complete = state.model is not None and state.cluster is not None
+        if state.tried and state.auto_solve and complete:
             return self._solve(state, reply, strict=False)
+        if self.failed_solve and state.auto_solve and complete:
+            try:
+                solved = self._solve(state, reply, strict=True)
+            except PlannerError as exc:
+                exc = in_session_terms(exc)
+                reply.add("warning", f"Still no plan: {exc.message}")
+                for remedy in exc.remedies:
+                    reply.add("note", f"try: {remedy}")
+                reply.data["solved"] = False
+                reply.data["error"] = exc.message
+                return state
+            self.failed_solve = False
+            self.history.append(self.state)  # the edit, then (by `run`) the solve
+            self.state = state
+            reply.then.append("solve")
+            return solved
         if state.tried and not state.auto_solve:
             reply.add("note", "auto-solve is off: `solve` to see the effect.")
             state = dataclasses.replace(state, plan=None, previous=state.plan or state.previous,
@@ -653,8 +760,10 @@ class Session:
         state = dataclasses.replace(self.state, model=spec)
         reply.data["model"] = {"name": spec.name, "overrides": dict(spec.overrides),
                                "params": params}
+        length = (f"sequence length {loaded.seq_len or '-'}" if not needs_length(loaded) else
+                  "no default sequence length (give one: `set seq-len N`)")
         return self._changed(state, reply, f"Model {spec.describe()}: {fmt_count(params)} "
-                             f"parameters, sequence length {loaded.seq_len or '-'}.")
+                             f"parameters, {length}.")
 
     def _cmd_cluster(self, args: list[str], reply: Reply) -> State:
         from cost_models.cluster import load_cluster
@@ -735,7 +844,13 @@ class Session:
                                "`set` and `constrain`.")
         self._need_model()
         self._need_cluster()
-        return self._solve(self.state, reply, strict=True)
+        try:
+            solved = self._solve(self.state, reply, strict=True)
+        except PlannerError:
+            self.failed_solve = True
+            raise
+        self.failed_solve = False
+        return solved
 
     # -- what-if commands
 
@@ -993,6 +1108,18 @@ class Session:
                                "PATH [--force].")
         what, path = positional[0].lower(), Path(positional[1])
         force = self.force or bool(opts.get("force"))
+        try:
+            self._save(what, path, opts, force, reply)
+        except OSError as exc:  # (checked before writing: a disk that fills, a folder that goes)
+            raise PlannerError("bad-path", f"Could not save the {what} to {str(path)!r}: "
+                               f"{exc.strerror or exc}.", ["choose another path"]) from None
+        self.saved.append(str(path))
+        reply.add("text", f"Saved the {what} to {path}.")
+        reply.data["saved"] = str(path)
+        return None
+
+    def _save(self, what: str, path: Path, opts: dict[str, Any], force: bool,
+              reply: Reply) -> None:
         if what == "plan":
             from planner.planfile import plan_json
 
@@ -1025,10 +1152,6 @@ class Session:
             raise PlannerError("bad-command", f"Cannot save {what!r}.",
                                ["save plan, save cluster, save report, save launch, "
                                 "save transcript"])
-        self.saved.append(str(path))
-        reply.add("text", f"Saved the {what} to {path}.")
-        reply.data["saved"] = str(path)
-        return None
 
     def _save_launch(self, folder: Path, target: str | None, hosts: str | None, force: bool,
                      reply: Reply) -> None:
@@ -1053,6 +1176,7 @@ class Session:
         if clash and not force:
             raise PlannerError("file-exists", f"{clash[0]!r} already exists; nothing was "
                                "written.", ["add --force to overwrite", "choose another folder"])
+        launch.check_out(folder, force=True)  # as `planner launch --out` (and `save plan`)
         for name, text in files.items():
             path = folder / name
             path.parent.mkdir(parents=True, exist_ok=True)

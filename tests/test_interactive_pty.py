@@ -50,6 +50,8 @@ def test_guided_session_load_solve_whatif_save(tmp_path):
     answer(child, r"How many V100-32G nodes", "1")
     answer(child, r"devices per node", "4")
     answer(child, r"Add another kind of node", "n")
+    answer(child, r"Network between nodes", "50 Gbit")  # a typo asks this question again
+    child.expect(r"did you mean '50 Gbit/s'\?")
     answer(child, r"Network between nodes", "50Gbps")
     answer(child, r"Global batch", "32")
     answer(child, r"Sequence length", "")
@@ -57,6 +59,7 @@ def test_guided_session_load_solve_whatif_save(tmp_path):
     child.expect("Prediction")  # the first plan
     answer(child, "planner>", "add 1x4xV100-32G")
     child.expect("What changed")
+    child.expect("`show plan`: the whole plan")  # a what-if shows the plan compactly
     answer(child, "planner>", "constrain max-tp=1")
     child.expect("Constraints: max-tp=1")
     answer(child, "planner>", "save plan plan.json")

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import yaml
@@ -46,7 +47,7 @@ def test_load_solve_whatif_save(tracer, tmp_path):
     assert base.cluster.num_devices == 8
     # a what-if re-solves and compares with the previous plan
     grown = session.run("add 1x4xV100-32G")
-    assert grown.ok and {"diff", "plan"} <= set(kinds(grown))
+    assert grown.ok and {"diff", "plan-summary"} <= set(kinds(grown))
     assert session.state.cluster.num_devices == 12 and session.state.previous is base
     keys = {row["key"] for row in grown.data["diff"]}
     assert {"step_time", "samples_per_s", "device_hours_per_m"} <= keys
@@ -227,6 +228,7 @@ def test_launch_scripts_use_planner_launch_when_it_is_there(tracer, tmp_path, mo
 
     fake.render_launch = render_launch
     fake.read_hosts = lambda path: {"read": str(path)}
+    fake.check_out = importlib.import_module("planner.launch").check_out
     monkeypatch.setitem(sys.modules, "planner.launch", fake)
     monkeypatch.setattr("planner.launch", fake, raising=False)
     out = tmp_path / "launch"
@@ -301,3 +303,212 @@ def test_reply_data_is_json(tracer):
     session = start(tracer, "solve")
     for line in ("add 1x4xV100-32G", "explain", "show runners-up", "bogus"):
         json.dumps(session.run(line).data)
+
+
+# ---------------------------------------------------------------- issue 52: the session
+
+
+def test_save_launch_into_a_folder_that_cannot_be_written_is_an_error(tracer, tmp_path):
+    """It raised NotADirectoryError (or PermissionError), which ended a piped session
+    as an internal error. Now it is `save plan`'s (and `planner solve -o`'s) paragraph,
+    nothing is written, and the session goes on. (As root, chmod stops no writes: a
+    path under a regular file, and /proc, which takes no new files, are refused.)"""
+    from planner.errors import PlannerError
+    from planner.files import check_writable
+
+    session = start(tracer, "solve")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine\n")
+    for folder in (blocker / "launch", Path("/proc/launch")):
+        with pytest.raises(PlannerError) as expected:  # what `solve -o FOLDER` says
+            check_writable(folder, force=False)
+        reply = session.run(f"save launch {folder}")
+        assert not reply.ok and reply.error.kind == "bad-path", folder
+        assert reply.error.message == expected.value.message
+        assert reply.error.remedies == ("choose another path",)
+    assert blocker.read_text() == "mine\n" and session.run("show constraints").ok
+
+
+def test_save_launch_failing_in_a_piped_session_is_an_error_not_an_end(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    blocked = tmp_path / "a-file" / "launch"
+    (tmp_path / "a-file").write_text("")
+    lines = (f"model gpt-tiny\ncluster 1x2xA100-80G\nset global-batch 8\nsolve\n"
+             f"save launch {blocked}\nmodels tiny\n")
+    going = CliRunner().invoke(app, ["interactive", "--keep-going"], input=lines)
+    text = " ".join(going.output.split())
+    assert going.exit_code == 1 and "internal error" not in text
+    said = (f"error: '{blocked}' cannot be written: '{tmp_path / 'a-file'}' is a file, not a "
+            "folder.")
+    assert "".join(said.split()) in "".join(text.split())  # (however long paths wrap)
+    assert "planner> models tiny Model zoo matching 'tiny'" in text  # the session went on
+    stopped = CliRunner().invoke(app, ["interactive"], input=lines)
+    assert stopped.exit_code == 1 and "internal error" not in stopped.output
+    assert "the transcript stopped at a failing command" in " ".join(stopped.output.split())
+
+
+def needs_length(tracer) -> Session:
+    """A session whose model, a factory's, has no default sequence length."""
+    session = Session(time_limit=20, tracer=tracer)
+    for line in ("model tests.factories:needs_seq_len", "cluster 1x2xA100-80G",
+                 "set global-batch 8"):
+        assert session.run(line).ok, line
+    return session
+
+
+def test_a_failed_solve_is_tried_again_after_a_change(tracer):
+    """`solve` failed for want of a sequence length, and `set seq-len 16` then re-solved
+    nothing."""
+    session = needs_length(tracer)
+    assert not session.run("solve").ok
+    still = session.run("set global-batch 4")  # tried again: still no length
+    assert still.ok and not still.data["solved"] and session.state.plan is None
+    assert still.items[1][1].startswith("Still no plan: Model 'tests.factories:needs_seq_len' "
+                                        "has no default sequence length")
+    fixed = session.run("set seq-len 16")
+    assert fixed.ok and fixed.data["solved"] and session.state.plan is not None
+    assert session.transcript[-2:] == ["set seq-len 16", "solve"]  # replays to the plan
+    replayed = Session(time_limit=20, tracer=tracer)
+    assert all(r.ok for r in replayed.run_script(session.transcript))
+    assert replayed.state.plan.prediction.step_time == session.state.plan.prediction.step_time
+    grown = session.run("add 1x2xA100-80G")  # and from then on, as after any solve
+    assert grown.ok and grown.data["solved"] and session.transcript[-1] == "add 1x2xA100-80G"
+    assert replayed.run("add 1x2xA100-80G").ok
+    for line in ("undo", "undo"):  # back over the add, then over the solve, as a replay
+        assert session.run(line).ok and replayed.run(line).ok
+    assert session.state.seq_len == 16 and session.state.plan is None
+    assert replayed.state == session.state
+
+
+def test_errors_name_the_session_commands_not_the_cli_options(tracer):
+    session = needs_length(tracer)
+    failed = session.run("solve")
+    assert failed.error.remedies[0] == "pass the sequence length with `set seq-len N`"
+    assert "--seq-len" not in str(failed.error)
+    unknown = session.run("model llama9")
+    assert unknown.error.remedies == ("run `models` to list every model",)
+    assert session.run("set seq-len 16").ok
+    reply = session.run("constrain tp=16")  # nodes of two devices: the re-solve fails
+    assert reply.data["error"].startswith("`constrain tp=16` cannot be used")
+    assert "try: use one of `constrain tp=1`, 2" in [v for k, v in reply.items if k == "note"]
+
+
+def test_a_model_without_a_default_length_says_so(tracer):
+    session = Session(time_limit=20, tracer=tracer)
+    reply = session.run("model tests.factories:needs_seq_len")
+    assert "no default sequence length (give one: `set seq-len N`)" in reply.items[0][1]
+    assert session.needs_seq_len()
+    assert session.run("set seq-len 16").ok and not session.needs_seq_len()
+    assert session.run("model gpt-tiny").ok and session.run("set seq-len default").ok
+    assert not session.needs_seq_len()
+    assert not Session().needs_seq_len()  # (no model yet)
+
+
+def test_a_whatif_leads_with_the_change_and_shows_the_plan_compactly(tracer):
+    """Every what-if printed the whole solve (stages, prediction, solver, baselines) under
+    the one line `step time X -> Y`, which scrolled away."""
+    import io
+
+    from rich.console import Console
+
+    from cli import interactive
+
+    out = io.StringIO()
+    console = Console(file=out, width=150, color_system=None, emoji=False, highlight=False)
+    terminal = interactive.Terminal(start(tracer, "solve"), console)
+    out.truncate(0)
+    reply = terminal.do("add 1x4xV100-32G")
+    assert kinds(reply) == ["text", "text", "diff", "plan-summary", "note"]
+    text = out.getvalue()
+    change = text.index("Against the previous plan: step time")
+    assert change < text.index("What changed") < text.index("Pipelines (identical")
+    for whole in ("Prediction", "Solver", "Baselines"):
+        assert whole not in text, whole
+    assert "`show plan`: the whole plan; `explain`: why it looks so." in text
+    out.truncate(0)
+    terminal.do("show plan")
+    assert all(whole in out.getvalue() for whole in ("Pipelines", "Prediction", "Baselines"))
+
+
+def test_explain_agrees_on_whether_memory_binds(tracer):
+    """With ZeRO-1 needed to fit but the fullest device 60% full, explain said both
+    "Binding constraint: memory: ZeRO-1 is needed" and "Memory does not bind"."""
+    session = Session(time_limit=20, tracer=tracer)
+    for line in ("model gpt3-6.7b", "cluster 1x8xA100-40G", "set global-batch 8",
+                 "set seq-len 128", "constrain tp=2 zero=1 pp=1", "solve"):
+        assert session.run(line).ok, line
+    explanation = session.analysis().explanation
+    assert explanation.binding.startswith("memory: ZeRO-1 is needed to fit")
+    fullest = [r.text for r in explanation.reasons if r.text.startswith("Memory ")]
+    assert len(fullest) == 1 and fullest[0].startswith("Memory binds: the fullest device")
+    assert "It fits only with ZeRO-1 (above)." in fullest[0]
+    share = int(fullest[0].split("%)")[0].rsplit("(", 1)[1])
+    assert share < 85  # (binding for the saver, not for a full device)
+
+
+def guided(tracer):
+    """A Terminal over a fresh session, what it printed, and the questions it asks (to
+    answer with `answering`)."""
+    import io
+
+    from rich.console import Console
+
+    from cli import interactive
+
+    out = io.StringIO()
+    console = Console(file=out, width=150, color_system=None, emoji=False, highlight=False)
+    return interactive.Terminal(Session(time_limit=20, tracer=tracer), console), out
+
+
+def answering(asked: list[str], *answers: str):
+    """A stand-in for Terminal.ask giving `answers` in turn; `asked` gets each question
+    (up to its first parenthesis or comma)."""
+    queue = iter(answers)
+
+    def ask(question, **kwargs):
+        asked.append(question.split(" (")[0].split(",")[0])
+        return next(queue)
+    return ask
+
+
+def test_guided_model_question_checks_the_name_first(tracer, monkeypatch):
+    """A mistyped model was found only after the shape question, and its hint named
+    `planner models`, not what the question (and the session) take."""
+    terminal, out = guided(tracer)
+    asked: list[str] = []
+    monkeypatch.setattr(terminal, "ask", answering(asked, "llama9", "models tiny", "gpt-tiny",
+                                                   "--layers 2"))
+    terminal._ask_model()
+    assert asked == ["Model", "Model", "Model", "Shape overrides"]
+    assert "run `models` to list every model" in out.getvalue()
+    assert "Model zoo matching 'tiny'" in out.getvalue()
+    model = terminal.session.state.model
+    assert model.name == "gpt-tiny" and dict(model.overrides) == {"layers": 2}
+
+
+def test_guided_network_question_asks_again_alone(tracer, monkeypatch):
+    """A mistyped network (`25 Gbit`) threw away every answer of the cluster builder."""
+    terminal, out = guided(tracer)
+    asked: list[str] = []
+    monkeypatch.setattr(terminal, "ask", answering(asked, "A100-80G", "25 Gbit", "25GBIT/s"))
+    monkeypatch.setattr(terminal, "ask_int", lambda question, default: 2)
+    monkeypatch.setattr(terminal, "confirm", lambda question: False)
+    assert terminal._build_cluster() == "2x2xA100-80G-SXM@25GBIT/s"
+    assert asked == ["Device type", "Network between nodes", "Network between nodes"]
+    assert "did you mean '25 Gbit/s'?" in out.getvalue()
+
+
+def test_guided_sequence_length_is_required_without_a_default(tracer, monkeypatch):
+    """A factory's model with no default sequence length took Enter for one."""
+    terminal, out = guided(tracer)
+    asked: list[str] = []
+    assert terminal.do("model tests.factories:needs_seq_len").ok
+    monkeypatch.setattr(terminal, "ask", answering(asked, "", "16", "auto"))
+    monkeypatch.setattr(terminal, "ask_int", lambda question, default: 8)
+    terminal._ask_training()
+    assert asked == ["Sequence length", "Sequence length", "Training dtype"]
+    assert "This model has no default sequence length" in out.getvalue()
+    assert terminal.session.state.seq_len == 16
