@@ -23,7 +23,10 @@ from planner.runtime.summary import read_losses
 from planner.types import Recompute, Schedule
 from tests.runtime_helpers import on_devices, resplit, run_ranks, solver_plan, tiny_plan
 
-pytestmark = pytest.mark.slow  # each test starts a few processes (5-20 s)
+# Each test starts a few processes (2-20 s, more on a busy machine): all but the first run
+# in `pytest -m slow` (CI's second step); the first, a pipeline by replicas with unequal
+# shares against single-process training, runs in the default `pytest` too.
+slow = pytest.mark.slow
 
 STEPS = 3
 
@@ -64,6 +67,7 @@ def test_two_stages_by_two_replicas_with_unequal_shares(tmp_path):
     assert summary["step_time"]["count"] == STEPS - 1 and summary["samples_per_s"] > 0
 
 
+@slow
 def test_tensor_parallel_stages(tmp_path):
     plan = tiny_plan("1x4xcpu", tp=2, pp=2)
     summary = _check_against_reference(plan, _run(tmp_path, plan))
@@ -73,6 +77,7 @@ def test_tensor_parallel_stages(tmp_path):
     assert per_rank[0] == per_rank[1] and per_rank[0] + per_rank[2] < full
 
 
+@slow
 def test_tensor_parallel_experts_with_zero(tmp_path):
     """Mixture-of-experts blocks split every expert over the tp ranks (the router runs
     whole on each), with ZeRO-3 sharding them further over two replicas. Capacity for
@@ -85,12 +90,14 @@ def test_tensor_parallel_experts_with_zero(tmp_path):
     assert all("embed.tokens.weight" in note for note in notes if "ZeRO" in note)
 
 
+@slow
 def test_zero3_tensor_parallel_and_full_recompute(tmp_path):
     plan = tiny_plan("1x4xcpu", tp=2, dp=2, zero=3, recompute=Recompute.FULL, shares=[3, 1])
     summary = _check_against_reference(plan, _run(tmp_path, plan))
     assert any("ZeRO-3 ran as ZeRO-2" in note for note in summary["notes"])
 
 
+@slow
 def test_zero3_equal_shares_selective_recompute_and_a_tied_weight(tmp_path):
     # FSDP shards stage 0 over its replica; the token table is also the head's, in
     # stage 1, so it stays out of FSDP and is summed over all four holders
@@ -99,6 +106,7 @@ def test_zero3_equal_shares_selective_recompute_and_a_tied_weight(tmp_path):
     assert not any("ZeRO" in note for note in summary["notes"])
 
 
+@slow
 def test_zero3_on_a_stage_that_holds_the_head_and_its_tied_table(tmp_path):
     """One stage holds the token table and the head that reads it: FSDP would gather
     the table around the embedding's forward and reshard it before the head's, so the
@@ -109,6 +117,7 @@ def test_zero3_on_a_stage_that_holds_the_head_and_its_tied_table(tmp_path):
     assert len(kept) == 2 and all("keeps embed.tokens.weight unsharded" in n for n in kept)
 
 
+@slow
 def test_pipelines_split_differently_gpipe(tmp_path):
     plan = tiny_plan("1x4xcpu", pp=2, dp=2, shares=[1, 3], schedule=Schedule.GPIPE)
     plan = resplit(plan, 1, [(0, 2), (2, 6)])
@@ -116,6 +125,7 @@ def test_pipelines_split_differently_gpipe(tmp_path):
     _check_against_reference(plan, _run(tmp_path, plan))
 
 
+@slow
 def test_a_gpipe_solver_plan_with_zero(tmp_path):
     """The search's GPipe plans (one class, every pipeline holding all its micro-batches)
     run as planned, here with ZeRO sharding each stage over two pipelines."""
@@ -127,6 +137,7 @@ def test_a_gpipe_solver_plan_with_zero(tmp_path):
     _check_against_reference(plan, _run(tmp_path, plan))
 
 
+@slow
 def test_interleaved_schedule_with_a_data_hook(tmp_path):
     plan = tiny_plan("1x2xcpu", pp=2, interleave=2, micro_batch=2, batch=8)
     assert plan.pipelines[0].schedule is Schedule.INTERLEAVED
@@ -135,6 +146,7 @@ def test_interleaved_schedule_with_a_data_hook(tmp_path):
     _check_against_reference(plan, _run(tmp_path, plan, data=hook), data=hook)
 
 
+@slow
 def test_an_interleaved_solver_plan_with_uneven_chunks(tmp_path):
     """The solver cuts every round alike, here unevenly (one block and two layers per
     round), and the tied token table spans both stages."""
@@ -146,6 +158,7 @@ def test_an_interleaved_solver_plan_with_uneven_chunks(tmp_path):
     _check_against_reference(plan, _run(tmp_path, plan))
 
 
+@slow
 def test_an_interleaved_solver_plan_on_zero3(tmp_path):
     """Each chunk of an interleaved stage is its own FSDP unit: it gathers its weights
     around its forward and backward and reduce-scatters its gradients."""
@@ -157,6 +170,7 @@ def test_an_interleaved_solver_plan_on_zero3(tmp_path):
     assert not any("ZeRO-3 ran as ZeRO-2" in note for note in summary["notes"])
 
 
+@slow
 def test_pipelines_of_different_tensor_parallel_degrees(tmp_path):
     """Pipeline 0 runs the whole model on two tensor-parallel ranks, pipeline 1 on two
     stages of one device each: the blocks' gradients are summed between a sharded and an
@@ -188,6 +202,7 @@ def test_pipelines_of_different_tensor_parallel_degrees(tmp_path):
     (((0,), (1, 2)), Schedule.ONE_F_ONE_B, Recompute.NONE),
     (((0,), (1, 2)), Schedule.GPIPE, Recompute.FULL),
 ])
+@slow
 def test_a_pipeline_whose_stages_differ_in_tensor_parallel_degree(tmp_path, devices,
                                                                    schedule, recompute):
     """One chain pairs the stages' first ranks; the wider stage's second rank follows
@@ -205,6 +220,7 @@ def test_a_pipeline_whose_stages_differ_in_tensor_parallel_degree(tmp_path, devi
     assert per_rank[wide] == per_rank[wide + 1]  # the follower holds its shards
 
 
+@slow
 def test_two_chains_and_two_followers(tmp_path):
     """Stages of tp 2 then tp 4: two chains pair the stages' ranks of index 0 and 1;
     the last stage's ranks of index 2 and 3 follow its first, and its rank of index 1
@@ -213,6 +229,7 @@ def test_two_chains_and_two_followers(tmp_path):
     _check_against_reference(plan, _run(tmp_path, plan))
 
 
+@slow
 def test_replicas_of_a_wide_stage_sum_their_followers_gradients(tmp_path):
     """Two pipelines of stages tp 2 then tp 1, unequal shares: the followers (tp index
     1 of each first stage) sum their shards and a slice of the replicated parameters
@@ -227,6 +244,7 @@ def test_replicas_of_a_wide_stage_sum_their_followers_gradients(tmp_path):
     assert len(notes) == 2 and all("wider than its pipeline's narrowest" in n for n in notes)
 
 
+@slow
 def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path):
     """The generated local launch (torchrun) with restarts: SIGKILL a rank mid-run; the
     restarted ranks resume from the latest checkpoint and the loss curve is the one of
@@ -272,6 +290,7 @@ def test_a_killed_rank_resumes_from_the_checkpoint(tmp_path):
     assert [got[i + 1] for i in range(steps)] == pytest.approx(expected, rel=1e-5)
 
 
+@slow
 def test_replica_sets_of_two_device_types_create_their_groups_alike(tmp_path):
     """Three one-stage pipelines, one on a slow type and two on a fast one: every rank
     creates every group exactly once, member or not (the runtime used to hang in
@@ -294,6 +313,7 @@ def test_replica_sets_of_two_device_types_create_their_groups_alike(tmp_path):
     assert any("ZeRO-2 shards nothing" in note for note in summary["notes"])
 
 
+@slow
 def test_a_failed_local_run_prints_the_runtimes_error(tmp_path):
     """run-local.sh: when the ranks fail, the terminal gets the runtime's first error
     paragraph, not only 'a node failed' and a pointer to the logs."""
@@ -316,6 +336,7 @@ def test_a_failed_local_run_prints_the_runtimes_error(tmp_path):
     assert run.stderr.startswith("run-local.sh: a node failed")
 
 
+@slow
 def test_a_failed_local_run_prints_the_exception_of_a_traceback(tmp_path):
     """A rank that dies in a traceback logs no error paragraph: the terminal gets the
     exception's line, not torchrun's separator. Here a data hook raises a BaseException,
@@ -344,6 +365,7 @@ def test_a_failed_local_run_prints_the_exception_of_a_traceback(tmp_path):
     assert "Error: " in run.stderr.split("the first error in the logs: ")[1]
 
 
+@slow
 def test_a_local_run_on_a_taken_port_says_so(tmp_path):
     """torchrun fails before the runtime starts when another run holds the port: the
     terminal gets that cause and the setting that moves the port."""
@@ -369,6 +391,7 @@ def test_a_local_run_on_a_taken_port_says_so(tmp_path):
     assert f"port {port} is in use" in run.stderr and "PLANNER_MASTER_PORT" in run.stderr
 
 
+@slow
 @pytest.mark.parametrize("flavor", ["llama3-8b", "mixtral-8x7b"])
 def test_the_trace_prices_what_tensor_parallelism_moves_and_keeps(tmp_path, flavor):
     """A block sharded as the runtime shards it all-reduces, in a forward and a backward,

@@ -72,6 +72,7 @@ def test_search_equals_brute_force_with_fixed_choices(seed):
     assert_equals_brute_force(table, batch, limits, space)
 
 
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_search_equals_brute_force_tp_per_class(seed):
@@ -242,6 +243,7 @@ def test_search_equals_brute_force_with_pinned_stages(seed):
         limits, first_stage=rng.choice([None, *names]), last_stage=rng.choice([None, *names])))
 
 
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 @example(581)  # a step that cannot win whose later steps can
@@ -475,6 +477,7 @@ def test_past_the_deadline_the_first_plan_is_its_classes_first_splits():
     assert refined[0].step_time == plan.step_time <= priced.upper.step_time
 
 
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
 @pytest.mark.parametrize("cut", [{"gap": 0.05}, {"time_limit": 0.0}])
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
@@ -496,6 +499,7 @@ def test_a_search_cut_short_keeps_its_bound_honest(cut, seed):
         assert result.best[0].step_time <= optimum / (1 - cut["gap"]) * (1 + 1e-12)
 
 
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_refine_past_its_deadline_stops_with_a_plan_and_the_structures_bound(seed):
@@ -555,6 +559,7 @@ def test_ctrl_c_before_any_plan_stops_the_search():
             search(table, 6, limits=Limits(max_stages=4))
 
 
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_cross_class_sync_floors_hold_for_every_split(seed):
@@ -1108,6 +1113,7 @@ def _consistent(shapes, node, levels, shrinks: bool) -> bool:
     return True
 
 
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 @example(1393)  # layer times not proportional across types broke the fluid family bound
@@ -1131,6 +1137,7 @@ def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
         _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
 
 
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_node_bounds_hold_on_clusters_of_many_nodes(seed):
