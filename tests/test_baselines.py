@@ -97,3 +97,21 @@ def test_pipelines_alike_in_pace_take_the_left_overs_by_device_type_name(graph):
                   for p in plan.pipelines}
         assert counts == {frozenset({"A100-40G-SXM", "V100-16G"}): 2,
                           frozenset({"V100-16G"}): 1}
+
+
+@pytest.mark.parametrize("spec", ["1x2xA100-80G,1x2xA100-40G@100Gbps",
+                                  "1x2xA100-40G,1x2xA100-80G@100Gbps"])
+def test_the_fastest_type_baseline_is_the_search_of_the_type_it_names(graph, spec):
+    """Two types of one peak FLOP/s (A100 40G and 80G): the faster memory breaks the tie,
+    and the solve's search of the fastest type alone and the baseline that reports it
+    take the same type whatever the file's order (the search took the first in the file,
+    the baseline the first by name)."""
+    training = TrainingSpec(global_batch=16, seq_len=512, dtype="fp16")
+    options = SolveOptions(gap=0.0, with_baselines=False)
+    alone = solve(graph, load_cluster("1x2xA100-80G"), training, options)[0]
+    slower = solve(graph, load_cluster("1x2xA100-40G"), training, options)[0]
+    assert alone.prediction.step_time < slower.prediction.step_time  # (so they differ)
+    plan = solve(graph, load_cluster(spec), training, SolveOptions(gap=0.0))[0]
+    (fastest,) = (b for b in plan.baselines if b.name == "fastest-type")
+    assert "A100-80G-SXM devices alone" in fastest.description
+    assert fastest.prediction.step_time == pytest.approx(alone.prediction.step_time)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from cost_models.model import AnalyticalCostModel, CostModel
 from planner.collector import paused
 from planner.errors import PlannerError, closest
-from planner.solver.baselines import baselines
+from planner.solver.baselines import baselines, fastest_type
 from planner.solver.bounds import lower_bound
 from planner.solver.build import from_evaluation
 from planner.solver.diagnose import diagnose
@@ -274,7 +274,7 @@ def _resolve_pins(limits: Limits, cluster: ClusterSpec, whole: ClusterSpec) -> L
 
 
 def _fastest_only(cluster: ClusterSpec, dtype: str) -> ClusterSpec:
-    fastest = max(cluster.device_types().values(), key=lambda d: d.flops(dtype))
+    fastest = fastest_type(cluster, dtype)
     return dataclasses.replace(cluster, nodes=tuple(n for n in cluster.nodes
                                                     if n.device.name == fastest.name))
 

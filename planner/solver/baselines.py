@@ -32,6 +32,7 @@ from planner.solver.uniform import uniform_pipelines
 from planner.types import (
     Baseline,
     ClusterSpec,
+    DeviceSpec,
     Layer,
     ModelSpec,
     PipelinePlan,
@@ -213,7 +214,7 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
         why = f"the constraints given ({given}) rule out every uniform recipe"
     out.append(_baseline("uniform", "best Megatron-style TP x PP x DP recipe: even layers, "
                          "even shares, devices by type, fastest first", uniform, why))
-    fastest = cluster.nodes[0].device
+    fastest = fastest_type(cluster, training.dtype)
     alone = dataclasses.replace(cluster, nodes=tuple(n for n in cluster.nodes
                                                      if n.device.name == fastest.name))
     reason = f"the model does not fit the {fastest.name} devices alone"
@@ -231,11 +232,18 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
 
 def by_speed(cluster: ClusterSpec, dtype: str) -> ClusterSpec:
     """The cluster with its nodes fastest device type first (the most peak FLOP/s in
-    `dtype`, then the type's name), a type's nodes by name: the order a recipe takes
-    devices in, the same whatever the order of the cluster file (`planner estimate`
-    reproduces a recipe on a file that lists the nodes so)."""
+    `dtype`, then the most memory bandwidth, then the type's name), a type's nodes by
+    name: the order a recipe takes devices in, the same whatever the order of the cluster
+    file (`planner estimate` reproduces a recipe on a file that lists the nodes so)."""
     return dataclasses.replace(cluster, nodes=tuple(sorted(
-        cluster.nodes, key=lambda n: (-n.device.flops(dtype), n.device.name, n.name))))
+        cluster.nodes, key=lambda n: (-n.device.flops(dtype), -n.device.memory_bandwidth,
+                                      n.device.name, n.name))))
+
+
+def fastest_type(cluster: ClusterSpec, dtype: str) -> DeviceSpec:
+    """The device type the fastest-type baseline (and the search that seeds the solve)
+    runs on alone: the first of `by_speed`, so ties go by name, not by file order."""
+    return by_speed(cluster, dtype).nodes[0].device
 
 
 def _ruled_out(error: PlannerError, where: str) -> str:
