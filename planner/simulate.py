@@ -40,7 +40,8 @@ Schedules (the per-device order of compute ops):
 one stage run plain 1F1B beside interleaved ones).
 
 After every pipeline's last backward, every device runs the gradient sync
-(`sync` seconds) and then the optimizer step (`optimizer` seconds).
+(`sync` seconds) and then the optimizer step (`optimizer` seconds), as the step
+model has them (`planner.solver.step`).
 
 Event kinds:
 
@@ -59,10 +60,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner.solver.step import OPTIMIZER, SYNC, StepTime
 from planner.solver.timing import StageTiming
 from planner.types import Schedule
 
-FWD, BWD, SEND, SEND_GRAD, SYNC, OPTIMIZER = "fwd", "bwd", "send", "send-grad", "sync", "optimizer"
+FWD, BWD, SEND, SEND_GRAD = "fwd", "bwd", "send", "send-grad"
+__all__ = ["BWD", "FWD", "OPTIMIZER", "SEND", "SEND_GRAD", "SYNC", "Event", "Simulation",
+           "simulate"]
 
 
 @dataclass(frozen=True)
@@ -104,14 +108,13 @@ def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[
         pipeline_events = _run_pipeline(p, list(stages), m, kind, v)
         events += pipeline_events
         times.append(max(e.end for e in pipeline_events if e.kind == BWD))
-    end = max(times)
+    step = StepTime(pipelines=max(times), sync=sync, optimizer=optimizer)
     for p, stages in enumerate(pipelines):
         for s in range(len(stages)):
-            events.append(Event(p, s, SYNC, None, None, end, end + sync))
-            events.append(Event(p, s, OPTIMIZER, None, None, end + sync, end + sync + optimizer))
+            events += [Event(p, s, phase.kind, None, None, phase.start, phase.end)
+                       for phase in step.phases()]
     events.sort(key=lambda e: (e.start, e.end, e.pipeline, e.stage))
-    return Simulation(step_time=end + sync + optimizer, pipeline_times=tuple(times),
-                      events=tuple(events))
+    return Simulation(step_time=step.total, pipeline_times=tuple(times), events=tuple(events))
 
 
 def _check(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[int],

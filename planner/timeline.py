@@ -28,6 +28,7 @@ from xml.sax.saxutils import escape, quoteattr
 from cost_models.model import CostModel
 from planner.simulate import BWD, FWD, OPTIMIZER, SEND, SEND_GRAD, SYNC, simulate
 from planner.solver.predict import stage_timings, sync_and_optimizer
+from planner.solver.step import StepTime
 from planner.solver.timing import StageTiming
 from planner.types import Layer, Plan, Recompute, Schedule
 from planner.units import fmt_seconds
@@ -144,13 +145,11 @@ def lay_out(runs: Sequence[Run], *, sync: float = 0.0, optimizer: float = 0.0,
             if lane is not None and e.kind in (FWD, BWD, SEND, SEND_GRAD):
                 bars.append(Bar(lane, e.kind, e.microbatch, e.chunk, e.start, e.end))
         device_lanes += device_lane.values()
-    for lane in device_lanes:
-        if sync > 0:
-            bars.append(Bar(lane, SYNC, None, None, end, end + sync))
-        if optimizer > 0:
-            bars.append(Bar(lane, OPTIMIZER, None, None, end + sync, end + sync + optimizer))
+    step = StepTime(pipelines=end, sync=sync, optimizer=optimizer)
+    bars += [Bar(lane, phase.kind, None, None, phase.start, phase.end)
+             for lane in device_lanes for phase in step.phases() if phase.seconds > 0]
     bars.sort(key=lambda b: (b.lane, b.start, b.end))
-    return Timeline(title=title, step_time=end + sync + optimizer, predicted=predicted,
+    return Timeline(title=title, step_time=step.total, predicted=predicted,
                     lanes=tuple(lanes), bars=tuple(bars))
 
 

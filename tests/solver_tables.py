@@ -25,6 +25,7 @@ from planner.solver.interleave import fold
 from planner.solver.limits import Limits
 from planner.solver.partition import class_costs
 from planner.solver.search import configs, degrees
+from planner.solver.step import step_time
 from planner.solver.structure import ClassShape, blocks, capacity, place
 from planner.solver.table import POLICIES, CostTable, LayerCosts, TypeInfo
 from planner.types import LinkSpec
@@ -209,8 +210,8 @@ def _structure(table: CostTable, config: Config, space: Space,
         for counts in _compositions(microbatches, len(pipes)):
             if any(m % g for m, g in zip(counts, groups, strict=True)):
                 continue  # interleaved pipelines run multiples of their stage count
-            slowest = max(split.time(m) for split, m in zip(pipes, counts, strict=True))
-            best = min(best, slowest + sync + opt)
+            times = [split.time(m) for split, m in zip(pipes, counts, strict=True)]
+            best = min(best, step_time(times, sync, opt).total)
     return best
 
 

@@ -25,6 +25,7 @@ from planner.solver.partition import (
     class_costs,
     optimize,
 )
+from planner.solver.step import pipelines_within, synced, unsynced
 from planner.solver.structure import (
     ClassShape,
     capacity,
@@ -276,14 +277,9 @@ def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
         """Fewest bytes per parameter a device can keep, with ZeRO over n pipelines:
         without ZeRO-3 (unless only it is allowed) and with any allowed stage."""
         shard = n if n > 1 else 1
-
-        def kept(z: int) -> float:
-            return (table.weight_bytes / (shard if z >= 3 else 1)
-                    + table.grad_bytes / (shard if z >= 2 else 1)
-                    + table.state_bytes / (shard if z >= 1 else 1))
-
-        plain = min((kept(z) for z in space.zeros if z < 3), default=kept(3))
-        return plain, min(kept(z) for z in space.zeros)
+        plain = min((table.bytes_per_param(z, shard) for z in space.zeros if z < 3),
+                    default=table.bytes_per_param(3, shard))
+        return plain, min(table.bytes_per_param(z, shard) for z in space.zeros)
 
     def tails(kind: str, tp: int) -> tuple[np.ndarray, np.ndarray]:
         """[c - 1, j]: no stage of the last c stages of a pipeline holding layers
@@ -1172,12 +1168,12 @@ class Bound:
             if c == candidate:
                 paid = np.where(live, paid, 0.0)
                 sharded = np.where(live, sharded, INF)
-            term = base + paid
+            term = synced(base, paid)
             cheaper = (sharded < paid) & (c < searched)
             if cheaper.any():
                 raised = self._raised(fixed, candidates, open_levels, fewer, at_least, c,
                                       period, cheaper, base, fits)
-                term = np.where(cheaper, np.minimum(term, raised + sharded), term)
+                term = np.where(cheaper, np.minimum(term, synced(raised, sharded)), term)
             full = np.maximum(full, term)
         return full
 
@@ -1252,7 +1248,7 @@ class Bound:
 
         # each class's `floors` that can matter: no t below `after` is asked (the
         # search below starts at `at_least`); [class, row, pair], the last repeated
-        after = at_least - float(optimizer.max(initial=0.0))
+        after = pipelines_within(at_least, 0.0, float(optimizer.max(initial=0.0)))
         pairs = [_after(f.floors(), after) for f, _ in fixed] + [
             _after(f.floors(), after) if f else ((INF, -INF),) for f, _ in candidates]
         width = max(map(len, pairs))
@@ -1316,17 +1312,17 @@ class Bound:
             if width > 1:  # (nan: a class that cannot run, a dead row)
                 times = _first_enough(lambda t: self.m - done(t, t, False),
                                       np.where(np.isnan(times), INF, times),
-                                      at_least - optimizer)
+                                      pipelines_within(at_least, 0.0, optimizer))
         else:
             if not fixed:
                 first = min(float(self._level(level)[-1].min()) for level in open_levels)
                 start = np.where(n_c > 0, start, first)
             times = _first_enough(lambda t: self.m - done(t, t, False),
                                   np.where(np.isfinite(start), start, INF),
-                                  at_least - optimizer)
+                                  pipelines_within(at_least, 0.0, optimizer))
         times = self._whole(np.maximum(times, after), lines, done,
                             open_from if open_levels else None)
-        return np.where(dead, INF, np.maximum(at_least, times + optimizer))
+        return np.where(dead, INF, np.maximum(at_least, unsynced(times, optimizer)))
 
     def _whole(self, times: np.ndarray, lines: tuple[np.ndarray, ...], done: Callable,
                open_from: Callable | None) -> np.ndarray:

@@ -43,7 +43,7 @@ def lower_bound(table: CostTable, batch: int) -> float:
     for layer in range(table.num_layers):
         model.add_linear_constraint(
             sum(x[layer, info.name] for info in table.types if (layer, info.name) in x) == 1)
-    per_param = table.weight_bytes + table.grad_bytes + table.state_bytes
+    per_param = table.bytes_per_param(0, 1)
     for info in table.types:
         devices = sum(info.node_devices)
         terms = [(layer, v) for (layer, name), v in x.items() if name == info.name]

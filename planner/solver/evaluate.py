@@ -49,6 +49,7 @@ from planner.solver.partition import (
     sharded_params,
 )
 from planner.solver.shares import grouped_shares, shares
+from planner.solver.step import StepTime, floor, pipelines_within, step_time
 from planner.solver.structure import ClassShape, Placement, Slot, place
 from planner.solver.table import CostTable
 from planner.types import LinkSpec, Schedule
@@ -97,8 +98,13 @@ class Evaluation:
     optimizer: float
 
     @property
+    def step(self) -> StepTime:
+        return step_time([max(times) for times in self.pipeline_times], self.sync,
+                         self.optimizer)
+
+    @property
     def step_time(self) -> float:
-        return max(max(times) for times in self.pipeline_times) + self.sync + self.optimizer
+        return self.step.total
 
 
 def hops(pipeline: Sequence[Slot], interleaved: bool) -> list[tuple[Slot, Slot]]:
@@ -266,7 +272,7 @@ def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
     per_class = tuple(tuple(next(it) for _ in range(shape.n)) for shape in shapes)
     times = tuple(tuple(split.time(m) for m in ms) for split, ms in zip(splits, per_class,
                                                                         strict=True))
-    if max(map(max, times)) >= beat:
+    if floor(max(map(max, times)), 0.0, 0.0) >= beat:  # (the sync and optimizer only add)
         return None
     sync, opt = sync_and_optimizer(table, config, shapes, placement, splits, groups)
     return Evaluation(config=config, shapes=shapes, placement=placement, splits=tuple(splits),
@@ -293,10 +299,11 @@ class Priced:
     groups: tuple = ()
     floors: dict = field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def extra(self) -> float:
-        """No choice of splits pays less for gradient sync and optimizer."""
-        return self.sync + self.optimizer
+    def step_floor(self, pipelines: float, sync: float | None = None) -> float:
+        """No plan of this structure whose pipelines take `pipelines` at least (and its
+        sync `sync`, if given) is faster."""
+        return floor(pipelines, self.sync if sync is None else max(self.sync, sync),
+                     self.optimizer)
 
 
 def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config,
@@ -353,9 +360,9 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
     counts = shares([(shape.n, r.min_period, r.floor) for shape, r in zip(
         shapes, results, strict=True)], microbatches)
     sync, opt = _sync_and_optimizer_floor(table, config, space, shapes, placement)
-    lower = max(r.lower(m) for r, m in zip(
+    lower = floor(max(r.lower(m) for r, m in zip(
         [r for shape, r in zip(shapes, results, strict=True) for _ in range(shape.n)],
-        counts, strict=True)) + sync + opt
+        counts, strict=True)), sync, opt)
     return Priced(config=config, shapes=shapes, placement=placement, results=tuple(results),
                   upper=upper, lower=lower, sync=sync, optimizer=opt,
                   groups=stage_groups(table, shapes, placement))
@@ -759,8 +766,8 @@ def _may_beat(table: CostTable, priced: Priced, index: int, split: Split, microb
     lines = [(shape.n, r.min_period, r.floor) for shape, r in zip(
         priced.shapes, priced.results, strict=True)]
     lines[index] = (lines[index][0], split.bottleneck, split.total)
-    sync = max(priced.sync, _split_sync_floor(table, priced, index, split))
-    return _fastest(lines, microbatches) + priced.optimizer + sync < bar
+    return priced.step_floor(_fastest(lines, microbatches),
+                             _split_sync_floor(table, priced, index, split)) < bar
 
 
 def swept(config: Config, shapes: Sequence[ClassShape], index: int, microbatches: int
@@ -807,7 +814,7 @@ def _stair_steps(table: CostTable, priced: Priced, index: int, result: ClassResu
 
     def least(largest_h: float) -> float:
         lines[index] = (lines[index][0], max(largest_h, result.min_period), result.floor)
-        return _fastest(lines, microbatches) + priced.extra
+        return priced.step_floor(_fastest(lines, microbatches))
 
     if result is not priced.results[index] and (first := least(result.smallest_max)) >= bar:
         return [], first
@@ -827,7 +834,8 @@ def _gpipe_steps(table: CostTable, priced: Priced, index: int, result: ClassResu
     class's least fill and the structure's least sync."""
     shape = priced.shapes[index]
     most = max(shares([(shape.n, result.min_period, result.floor)], microbatches) or [1])
-    limit = (bar - priced.extra - result.floor) / (most - 1) if most > 1 else INF
+    limit = (pipelines_within(bar, priced.sync, priced.optimizer) - result.floor) / (
+        most - 1) if most > 1 else INF
     memo = table.cache.setdefault("gpipe fronts", {})
     known = memo.get(id(result))
     if known is None or known[1] < limit:  # (kept as long as the result: its id is valid)

@@ -542,10 +542,7 @@ def _capacity(table: CostTable, kind: str, tp: int, mb: int, n: int,
         out = []
         for option in options:
             z = option.zero
-            per_param = table.weight_bytes + table.grad_bytes + table.state_bytes
-            sharded = (table.weight_bytes / (n if z >= 3 else 1)
-                       + table.grad_bytes / (n if z >= 2 else 1)
-                       + table.state_bytes / (n if z >= 1 else 1))
+            per_param, sharded = table.bytes_per_param(0, 1), table.bytes_per_param(z, n)
             # tied weights the runtime keeps out of ZeRO stay whole (`CostTable.zero_kept`)
             state = range_params * sharded + table.zero_kept(z) * (per_param - sharded)
             slack = info.memory - info.reserve - state

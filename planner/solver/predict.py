@@ -11,7 +11,8 @@ with the cost model, by the same rules the search uses on its cost table:
   * gradients of each stage are all-reduced among every pipeline holding its
     first layer (ZeRO-3 stages reduce-scatter per micro-batch instead), all at once,
     those of a node's stages one after the other on its network card;
-  * step = slowest pipeline (`timing.pipeline_time`) + gradient sync + optimizer.
+  * the step from the slowest pipeline (`timing.pipeline_time`), gradient sync and
+    optimizer step as `step.py` combines them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cost_models.comm import Collective, CommGroup, busiest_card, send_sharing, 
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
+from planner.solver.step import step_time
 from planner.solver.structure import wider_than_neighbours
 from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
 from planner.types import (
@@ -277,7 +279,7 @@ def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakd
     times = pipeline_times(plan, timings)
     sync, opt = sync_and_optimizer(plan, layers, costs)
     slowest = max(times, key=lambda t: t.total)
-    step = slowest.total + sync + opt
+    step = step_time([t.total for t in times], sync, opt).total
     batch = plan.training.global_batch
     flops = batch * sum(layer.flops for layer in layers)
     peak = sum(costs.cluster.node(s.devices.node).device.flops(plan.training.dtype) * s.tp

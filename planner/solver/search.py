@@ -83,6 +83,7 @@ from planner.solver.evaluate import (
 from planner.solver.interleave import choices, fold
 from planner.solver.limits import Limits
 from planner.solver.partition import INF, optimize, zero3_first
+from planner.solver.step import synced
 from planner.solver.structure import ClassShape, free_after, place, room
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
@@ -560,7 +561,7 @@ class _Search:
             node.base = bound.unsynced(self.fixed(node), open_levels, self.shrinks(node),
                                        node.base, self.fits(node.config, shapes, open_levels))
             node.unsynced = True
-        return max(node.bound, node.base + table.cache[key])
+        return max(node.bound, synced(node.base, table.cache[key]))
 
     def fewest(self, node: _Node) -> tuple[ClassShape, ...]:
         """The node's classes as placed, a last one that stands for 1..n pipelines at one:
@@ -586,26 +587,26 @@ class _Search:
         grads = float(table.params[0]) * table.grad_bytes
         zero3 = 3 in self.space.zeros and len(shapes) == 1 and shapes[0].n > 1
         # sync is one term of the step: added to the base, the bound before sync floors
-        synced = max(node.base + max(table.collective(Collective.ALL_REDUCE, grads, holders),
-                                     card_floor(table, shapes, placement, zero3)),
-                     self.crossed(node))
+        paid = max(synced(node.base, max(table.collective(Collective.ALL_REDUCE, grads, holders),
+                                         card_floor(table, shapes, placement, zero3))),
+                   self.crossed(node))
         if not zero3:
-            return max(node.bound, synced)  # no ZeRO-3 (`evaluate.zero_space`)
+            return max(node.bound, paid)  # no ZeRO-3 (`evaluate.zero_space`)
         bound = self.state[config][1]
         sharded, _ = bound([(self.zero3(config, f), n) for f, n in self.fixed(node)], ())
-        out = max(node.bound, min(synced, sharded))
+        out = max(node.bound, min(paid, sharded))
         if config.interleave > 1:  # (the busy time bounds no interleaved period alone)
             return out
         # X: the most parameters a stage on ZeRO-3 shards (0: none is); per range of X
         # between thresholds, the card under the next and the busy time at the last
         floors = sharded_card_floors(table, config, shapes[0], placement[0])
-        least = node.base + floors[0][0] if floors else out
+        least = synced(node.base, floors[0][0]) if floors else out
         for i, (_, busy) in enumerate(floors):
             if least <= out or busy == INF:  # (inf: X cannot reach the threshold)
                 break
             full, base = bound([(_busier(f, busy), n) for f, n in self.fixed(node)], ())
             card = floors[i + 1][0] if i + 1 < len(floors) else 0.0
-            least = min(least, max(full, max(base, node.base) + card))
+            least = min(least, max(full, synced(max(base, node.base), card)))
         return max(out, least)
 
     def zero3(self, config: Config, family: Family) -> Family:

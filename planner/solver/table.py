@@ -83,6 +83,14 @@ class CostTable:
     interleave: int = 1  # folded for this many model chunks per device (`interleave.fold`)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def bytes_per_param(self, zero: int, shards: int) -> float:
+        """Bytes a device keeps per parameter of its stage with ZeRO stage `zero` over
+        `shards` replicas: ZeRO-1 shards the optimizer states, ZeRO-2 the gradients too,
+        ZeRO-3 the weights too (`cost_models.memory.stage_memory` alike)."""
+        return (self.weight_bytes / (shards if zero >= 3 else 1)
+                + self.grad_bytes / (shards if zero >= 2 else 1)
+                + self.state_bytes / (shards if zero >= 1 else 1))
+
     def rank_params(self, tp: int) -> np.ndarray:
         """Per layer, the parameters one rank of a tp-wide group holds (replicated
         layers whole; cached)."""

@@ -1,0 +1,74 @@
+"""The step model (`planner.solver.step`): the one rule that turns terms into a step, and
+its floors, which the search, predictions, the simulator and the timeline share."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from cost_models.cluster import load_cluster
+from cost_models.memory import stage_memory
+from cost_models.model import AnalyticalCostModel
+from planner.models import model_spec
+from planner.simulate import OPTIMIZER, SYNC, simulate
+from planner.solver.step import (
+    StepTime,
+    floor,
+    pipelines_within,
+    step_time,
+    synced,
+    unsynced,
+)
+from planner.solver.table import build_table
+from planner.solver.timing import StageTiming
+from planner.trace import trace_model
+from planner.types import TrainingSpec
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_floor_of_term_floors_is_below_every_step_of_larger_terms(seed):
+    rng = random.Random(seed)
+    floors = [rng.uniform(0, 10) for _ in range(3)]
+    for _ in range(20):
+        terms = [x + rng.choice([0.0, rng.uniform(0, 5)]) for x in floors]
+        step = step_time([terms[0], rng.uniform(0, terms[0])], terms[1], terms[2])
+        assert floor(*floors) <= step.total
+    assert floor(*floors) == pytest.approx(synced(unsynced(floors[0], floors[2]), floors[1]))
+    bar = floor(*floors)
+    assert pipelines_within(bar, floors[1], floors[2]) == pytest.approx(floors[0])
+
+
+def test_floors_hold_on_arrays_element_by_element():
+    pipelines, sync, optimizer = np.array([1.0, 2.0]), np.array([0.5, 0.0]), 0.25
+    assert floor(pipelines, sync, optimizer).tolist() == [1.75, 2.25]
+    assert synced(unsynced(pipelines, optimizer), sync).tolist() == [1.75, 2.25]
+
+
+def test_the_simulators_sync_and_optimizer_are_the_step_models_phases():
+    stages = [StageTiming(fwd=1.0, bwd=2.0, send=0.1), StageTiming(fwd=1.5, bwd=2.5)]
+    sim = simulate([stages, stages[:1]], [4, 3], sync=0.7, optimizer=0.3)
+    step = StepTime(pipelines=max(sim.pipeline_times), sync=0.7, optimizer=0.3)
+    assert sim.step_time == step.total
+    for phase in step.phases():
+        events = [e for e in sim.events if e.kind == phase.kind]
+        assert len(events) == 3  # every device of both pipelines
+        assert {(e.start, e.end) for e in events} == {(phase.start, phase.end)}
+    assert [p.kind for p in step.phases()] == [SYNC, OPTIMIZER]
+
+
+@pytest.mark.parametrize("zero, shards", list(itertools.product(range(4), (1, 2, 5))))
+def test_the_tables_bytes_per_parameter_are_the_memory_models(zero, shards):
+    graph = trace_model(model_spec("gpt-tiny"), seq_len=64, dtype="fp16")
+    cluster = load_cluster("1x2xA100-80G")
+    training = TrainingSpec(global_batch=8, seq_len=64, dtype="fp16")
+    table = build_table(graph.layers, cluster, training, AnalyticalCostModel(cluster),
+                        tps=(1,), micro_batches=(1,))
+    layers = [layer for layer in graph.layers if not layer.tied]
+    held = stage_memory(layers, device=cluster.nodes[0].device, training=training,
+                        dp=shards, zero=zero)
+    params = sum(layer.params for layer in layers)
+    assert table.bytes_per_param(zero, shards) * params == pytest.approx(
+        held.weights + held.gradients + held.optimizer)
