@@ -9,7 +9,6 @@ from dataclasses import replace
 import numpy as np
 
 from cost_models.comm import Collective, CommGroup
-from planner.solver.bound import stage_counts
 from planner.solver.evaluate import (
     Config,
     Space,
@@ -21,6 +20,7 @@ from planner.solver.evaluate import (
     zero_gathers,
     zero_space,
 )
+from planner.solver.families import stage_counts
 from planner.solver.interleave import fold
 from planner.solver.limits import Limits
 from planner.solver.partition import class_costs
@@ -123,10 +123,12 @@ def structures(table: CostTable, batch: int, limits: Limits):
     for config in configs(table, batch, limits):
         lengths = stage_counts(limits, config, fold(table, config.interleave).num_layers)
         mixed: list[tuple[str, ...] | None] = [None]
-        if limits.mixed and len(names) > 1:
-            for a, b in itertools.permutations(names, 2):
-                for total in lengths:
-                    mixed += [(a,) * ca + (b,) * (total - ca) for ca in range(1, total)]
+        if limits.mixed and len(names) > 1:  # chains of 2 or more types, in every order
+            for kinds in range(2, len(names) + 1):
+                for order in itertools.permutations(names, kinds):
+                    for total in lengths:
+                        mixed += [sum(((k,) * c for k, c in zip(order, counts, strict=True)),
+                                      ()) for counts in _compositions(total, kinds)]
         homogeneous = [[None] + [(k,) * s for s in lengths] for k in names]
         for pattern in itertools.product(mixed, *homogeneous):
             patterns = [p for p in pattern if p is not None]
@@ -152,8 +154,8 @@ def structures(table: CostTable, batch: int, limits: Limits):
 def _block_degrees(pattern: tuple[str, ...], choices: list[int], per_block: bool
                    ) -> list[tuple[int, ...]]:
     """The stage degrees a class of this pattern may have: one of `choices` for all,
-    or `per_block`, one per block."""
-    if not per_block:
+    or `per_block` (a class of one or two blocks), one per block."""
+    if not per_block or len(set(pattern)) > 2:
         return [(tp,) * len(pattern) for tp in choices]
     counts = [c for _, c, _ in blocks(pattern, (1,) * len(pattern))]
     return [tuple(tp for c, tp in zip(counts, chosen, strict=True) for _ in range(c))

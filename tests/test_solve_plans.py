@@ -453,7 +453,7 @@ def test_zero3_gathers_leave_out_the_tied_weights_it_keeps_whole():
     """ZeRO-3 keeps a tied weight whole (the runtime leaves it out of FSDP), so a stage
     that owns one gathers only the rest of its weights each forward (and twice for the
     backward): alike in the replay and in the search's cost table."""
-    from planner.solver.bound import cheapest_gather
+    from planner.solver.links import cheapest_gather
     from planner.solver.partition import ZERO_GATHER_REF, _gathers
     from planner.solver.table import build_table
 

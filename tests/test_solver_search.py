@@ -352,11 +352,11 @@ def test_configurations_past_the_deadline_wait_at_the_floor_until_taken():
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10**9))
 def test_gpipe_is_set_up_unless_the_devices_cannot_hold_the_batchs_activations(seed):
-    """`bound.gpipe_holds`: GPipe's pipelines keep all their micro-batches, so where the
+    """`families.gpipe_holds`: GPipe's pipelines keep all their micro-batches, so where the
     devices cannot hold the leanest activations of the whole batch, every GPipe family
     overflows and the search sets up no GPipe configuration (Llama-3 70B on 64 GPUs:
     40 of its 120 set-ups; batches drawn around that threshold, both sides)."""
-    from planner.solver.bound import gpipe_holds
+    from planner.solver.families import gpipe_holds
     from planner.solver.search import _Search, configs, degrees
 
     rng = random.Random(seed)
@@ -606,8 +606,8 @@ def test_card_floor_holds_for_every_split(seed):
     than `evaluate.card_floor`, which on such clusters is above the largest stage's
     all-reduce alone (the floor before cards were shared), and no pipeline spans more
     nodes than `SyncFloor.runs` says."""
-    from planner.solver.bound import cheapest_gather
     from planner.solver.evaluate import Config, card_floor, sync_and_optimizer
+    from planner.solver.links import cheapest_gather
     from planner.solver.sync_floor import SyncFloor
 
     rng = random.Random(seed)
@@ -809,8 +809,8 @@ def test_sync_floor_prices_pipelines_on_one_node():
     class on another node's type, the group crosses the network."""
     import numpy as np
 
-    from planner.solver.bound import cheapest_gather
     from planner.solver.evaluate import Config
+    from planner.solver.links import cheapest_gather
     from planner.solver.sync_floor import SyncFloor
 
     table = random_table(3, layers=3, types=[("t0", [8]), ("t1", [8])])
@@ -839,8 +839,9 @@ def test_pipelines_that_change_type_share_the_cards_there(seed):
     """n pipelines whose stages change type there change nodes, all at once: here one
     node per type carries every pipeline's sends. A class's bounds count that
     (`bound.crowded`), rising with n, and no split of the class as placed beats them."""
-    from planner.solver.bound import crowded, families, tighten
+    from planner.solver.bound import crowded, tighten
     from planner.solver.evaluate import Config
+    from planner.solver.families import families
     from planner.solver.structure import ClassShape
 
     table = random_table(seed, layers=4, types=[("t0", [8]), ("t1", [8])], link_speed=0.1,
@@ -865,18 +866,18 @@ def test_pipelines_that_change_type_share_the_cards_there(seed):
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10**9))
 def test_least_largest_parts_are_those_of_every_cut(seed):
-    """`bound._least_largest_parts`: for every part count and layer boundary, the least
+    """`run_floors.least_largest_parts`: for every part count and layer boundary, the least
     largest busy time over every cut of the layers before it, and after it, into that
     many parts (a hair lower against rounding)."""
-    from planner.solver.bound import _least_largest_parts
+    from planner.solver.run_floors import least_largest_parts
 
     rng = random.Random(seed)
     layers = rng.randint(1, 7)
     table = random_table(seed, layers=layers, types=[("t0", [2])])
     costs = table.costs("t0", 1, 1)
     busy = costs.fwd + costs.bwd
-    heads = _least_largest_parts(table, "t0", 1, 1, layers)
-    tails = _least_largest_parts(table, "t0", 1, 1, layers, from_end=True)
+    heads = least_largest_parts(table, "t0", 1, 1, layers)
+    tails = least_largest_parts(table, "t0", 1, 1, layers, from_end=True)
 
     def least(lo, hi, parts):
         cuts = itertools.combinations(range(lo + 1, hi), parts - 1)
@@ -896,11 +897,11 @@ def test_least_largest_parts_are_those_of_every_cut(seed):
     (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL), (Recompute.NONE, Recompute.FULL),
     (Recompute.SELECTIVE, Recompute.FULL)]))
 def test_recompute_curve_is_below_every_choice_of_policies(seed, policies):
-    """`bound.RecomputeCurve`: no choice of a policy per layer frees y bytes in fewer
+    """`run_floors.RecomputeCurve`: no choice of a policy per layer frees y bytes in fewer
     seconds than the curve gives for y, it frees no more than the leanest policies
     do, and it is the cheapest choice where that frees as much (the hulls' ends);
     without keeping everything allowed, freeing is free."""
-    from planner.solver.bound import RecomputeCurve
+    from planner.solver.run_floors import RecomputeCurve
 
     rng = random.Random(seed)
     layers = rng.randint(1, 5)
@@ -927,13 +928,13 @@ def test_recompute_curve_is_below_every_choice_of_policies(seed, policies):
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10**9))
 def test_tails_in_memory_are_those_of_every_cut(seed):
-    """`bound._tails_in_memory`: for every stage count c and layer boundary j, the least
+    """`run_floors.tails_in_memory`: for every stage count c and layer boundary j, the least
     largest and the least summed busy time over every cut of the layers from j on into
     a pipeline's last c stages, stage q from the end holding q + 1 micro-batches and
     taking the cheapest recompute policy that fits (memory tight enough that few layers
     do)."""
-    from planner.solver.bound import _tails_in_memory
     from planner.solver.evaluate import Config
+    from planner.solver.run_floors import tails_in_memory
 
     rng = random.Random(seed)
     layers, mb = rng.randint(1, 6), rng.choice([1, 2])
@@ -941,7 +942,7 @@ def test_tails_in_memory_are_those_of_every_cut(seed):
                          memory=rng.choice([1, 2, 4, 8]) * GIB)
     space = Space(zeros=(0,))
     per_param = table.weight_bytes + table.grad_bytes + table.state_bytes
-    largest, sums = _tails_in_memory(table, "t0", 1, Config(mb), space, 4, per_param)
+    largest, sums = tails_in_memory(table, "t0", 1, Config(mb), space, 4, per_param)
     costs = table.costs("t0", 1, mb)
     room = table.type("t0").memory - table.type("t0").reserve
 
@@ -965,10 +966,10 @@ def test_tails_in_memory_are_those_of_every_cut(seed):
 
 def _sampled_families(rng, seed, *, layers, memory, max_stages, count, zero3=False):
     """A random table of two types (1-4 devices each), a configuration with or without
-    interleaving, and a sample of its runnable families (from `bound.families`); with
+    interleaving, and a sample of its runnable families (from `families.families`); with
     `zero3`, GPipe's schedule too and every ZeRO stage or ZeRO-3 alone."""
-    from planner.solver.bound import families
     from planner.solver.evaluate import Config
+    from planner.solver.families import families
     from planner.solver.interleave import fold
 
     table = random_table(seed, layers=layers,
@@ -1021,11 +1022,12 @@ def test_every_split_is_within_its_familys_first_bounds(seed, zero3):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**9))
 def test_every_split_runs_on_or_above_a_floor_pair(seed):
-    """`bound.floor_pairs`: every split of a class has a period and a fill at least one
+    """`families.floor_pairs`: every split of a class has a period and a fill at least one
     pair's, checked on each step of its staircase (the splits that make its time exact
     for every micro-batch count), also with the class slowed to a longer period as
     the ZeRO-3 bound slows it; the pairs' periods rise and their fills fall."""
-    from planner.solver.bound import _staircase, floor_pairs, tight_result
+    from planner.solver.bound import tight_result
+    from planner.solver.families import floor_pairs, pair_staircase
     from planner.solver.partition import Staircase
 
     rng = random.Random(seed)
@@ -1041,7 +1043,7 @@ def test_every_split_runs_on_or_above_a_floor_pair(seed):
         while steps.extend():
             pass
         slower = rng.uniform(0.5, 2.0) * result.min_period
-        raised = _staircase((max(p, slower), max(f, slower)) for p, f in pairs)
+        raised = pair_staircase((max(p, slower), max(f, slower)) for p, f in pairs)
         for split in steps.points:
             assert any(split.bottleneck >= p * (1 - 1e-9) and split.total >= f * (1 - 1e-9)
                        for p, f in pairs)

@@ -27,7 +27,7 @@ from planner.solver.diagnose import diagnose
 from planner.solver.evaluate import Space
 from planner.solver.interleave import choices
 from planner.solver.limits import Limits, check_global_batch, schedule_name
-from planner.solver.search import SEARCH_SPACE, Progress, SearchResult, search
+from planner.solver.search import Progress, SearchResult, search
 from planner.solver.table import CostTable, build_table, check_tp_divides
 from planner.types import ClusterSpec, ModelGraph, Plan, Schedule, SolverReport, TrainingSpec
 
@@ -313,7 +313,7 @@ def _plans(result: SearchResult, floor: float, model: ModelGraph, cluster: Clust
             status=result.status, objective=objective, best_bound=bound,
             gap=(objective - bound) / objective, wall_time=wall_time,
             lower_bound=floor, explored=result.explored, pruned=result.pruned,
-            search_space=SEARCH_SPACE)
+            search_space=result.space)
         plans.append(from_evaluation(evaluation, model=model.spec, training=training,
                                      cluster=cluster, layers=model.layers, costs=costs,
                                      solver=report))

@@ -1,645 +1,27 @@
-"""Lower bounds for the search: the pipeline families of a configuration, bounded
-first from per-layer times alone and then (`tighten`) by their exact split on
-optimistic terms, and `Bound`, which bounds a partial structure whose open levels
-may still add pipelines of any family on the devices left (with the sync its
-fixed classes pay at least, from `sync_floor`)."""
+"""Lower bounds for the search: the families of a configuration (`families.py`, first
+bounded from per-layer times alone) bounded by their exact split on optimistic terms
+(`tighten`), and `Bound`, which bounds a partial structure whose open levels may still
+add pipelines of any family on the devices left (with the sync its fixed classes pay at
+least, from `sync_floor`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cost_models.comm import send_sharing, shared_by
 from planner.solver.evaluate import Config, Space, degree_space
+from planner.solver.families import Family, pair_staircase
 from planner.solver.interleave import fold
-from planner.solver.limits import Limits
-from planner.solver.partition import (
-    INF,
-    ZERO_GATHER_REF,
-    ClassResult,
-    class_costs,
-    optimize,
-)
+from planner.solver.links import boundary_links, cheapest_gather
+from planner.solver.partition import INF, ClassResult, class_costs, optimize
 from planner.solver.step import pipelines_within, synced, unsynced
-from planner.solver.structure import (
-    ClassShape,
-    capacity,
-    devices_of,
-    node_labels,
-)
+from planner.solver.structure import devices_of
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
-from planner.solver.timing import in_flight
-from planner.types import LinkSpec
-from planner.types.training import Recompute
-
-
-@dataclass
-class Family:
-    """Pipelines of one stage pattern, before choosing how many.
-
-    min_busy and total start as bounds from per-layer times alone; `tight` marks
-    that they were replaced by the class's exact first bottleneck and floor (at
-    n_max pipelines, whose ZeRO sharding makes every split of fewer pipelines no
-    faster)."""
-
-    types: tuple[str, ...]
-    tps: tuple[int, ...]  # each stage's tensor-parallel degree (one per type: `per_stage`)
-    n_max: int
-    min_busy: float  # no split has a bottleneck below this
-    total: float  # no split has a total below this
-    tight: bool = False
-    # (period, fill) pairs, periods rising: every split's period and fill are at least
-    # one pair's (`floor_pairs`, of `result` when first asked for); none: (min_busy, total)
-    lines: tuple[tuple[float, float], ...] = ()
-    result: ClassResult | None = dataclasses.field(default=None, compare=False, repr=False)
-
-    def floors(self) -> tuple[tuple[float, float], ...]:
-        if not self.lines and self.result is not None:  # (most families never need them)
-            self.lines = floor_pairs(self.result, self.min_busy, self.total)
-        return self.lines or ((self.min_busy, self.total),)
-
-    @property
-    def key(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """What tells the family apart from the others of its configuration."""
-        return self.types, self.tps
-
-    @property
-    def devices(self) -> int:
-        """Devices one of its pipelines takes."""
-        return sum(self.tps)
-
-    def devices_of(self, kind: str) -> int:
-        """Devices of type `kind` one of its pipelines takes."""
-        return devices_of(self.types, self.tps, kind)
-
-    def shape(self, n: int) -> ClassShape:
-        """A class of n of its pipelines."""
-        return ClassShape(self.types, n, self.tps)
-
-
-def device_work(table: CostTable, config: Config, tps: Sequence[int]) -> dict[str, float]:
-    """Per type, the fewest device-seconds a micro-batch of the whole model takes on it
-    at any of these tensor-parallel degrees (on the folded table)."""
-    table = fold(table, config.interleave)
-    return {t.name: min(tp * float((c := table.costs(t.name, tp, config.mb)).fwd.sum()
-                                   + c.bwd.sum()) for tp in tps) for t in table.types}
-
-
-def families(table: CostTable, config: Config, limits: Limits, space: Space,
-             microbatches: int, tps: Sequence[int], split: bool = False
-             ) -> list[list[Family]]:
-    """The level of mixed patterns first (absent with `mixed` off or a single type),
-    then one level of homogeneous patterns per device type, fastest type first (the
-    fewest device-seconds per micro-batch); each level holds its patterns at every
-    tensor-parallel degree of `tps`, and with `split` (see `block_degrees`) the mixed
-    ones also at every two different degrees of their blocks (`_families_at`)."""
-    table = fold(table, config.interleave)
-    homogeneous, mixed = _families_at(table, config, limits, space, microbatches, tps,
-                                      split and block_degrees(config, space, tps))
-    work = device_work(table, config, tps)
-    levels = [homogeneous[k] for k in sorted(work, key=lambda k: (work[k], k))]
-    if limits.mixed and len(table.types) > 1:
-        levels.insert(0, mixed)
-    return levels
-
-
-def gpipe_holds(table: CostTable, batch: int, space: Space, tps: Sequence[int]) -> bool:
-    """Whether the devices could hold the leanest activations every layer keeps (at its
-    cheapest allowed degree in bytes) for the whole global batch at once, as GPipe
-    does: each pipeline keeps all its micro-batches, so where they cannot (with 1% to
-    spare), every GPipe family's blocks overflow (`families`, each block's states and
-    kept activations within its devices: summed over the most pipelines of a family
-    that fit, they would hold at least the batch's; at 4096 tokens Llama-3 70B keeps
-    5.5 GB a sample, past any 64 GPUs)."""
-    room = sum((t.memory - t.reserve) * sum(t.node_devices) for t in table.types)
-    kept = np.min([tp * np.min([table.activations(p, tp) for p in space.policies], axis=0)
-                   for tp in tps], axis=0).sum()
-    return batch * float(kept) <= room * 1.01
-
-
-def block_degrees(config: Config, space: Space, tps: Sequence[int]) -> bool:
-    """Whether a mixed class's two blocks may differ in tensor-parallel degree: where
-    the classes choose their own (`Config.tp` None), on 1F1B or GPipe (the runtime
-    runs such pipelines with one chain per rank of their narrowest stage,
-    `runtime/follow.py`, not interleaved) and without ZeRO (their wider stages'
-    followers do not shard: `evaluate.zero_space`)."""
-    return (config.tp is None and len(tps) > 1 and config.interleave == 1
-            and 0 in space.zeros)
-
-
-def _families_at(table: CostTable, config: Config, limits: Limits, space: Space,
-                 microbatches: int, tps: Sequence[int], split_degrees: bool
-                 ) -> tuple[dict[str, list[Family]], list[Family]]:
-    """The families at these tensor-parallel degrees: homogeneous ones per type (at
-    each degree), and the mixed ones (every ordered pair of types, both blocks at each
-    degree, and with `split_degrees` the blocks at every two different degrees too).
-
-    Each family starts with bounds from per-layer times alone. A split puts layers
-    [0, j) on the c_a stages of type a and [j, L) on the c_b stages of type b (one
-    block for a homogeneous family), each block at its degree, so its total is at
-    least the smallest prefix_a(j) + suffix_b(j) and its bottleneck at least the
-    smallest max(prefix_a(j) / c_a, suffix_b(j) / c_b) over the j that leave every
-    stage a layer and each block room for its layers' parameter states (ZeRO-sharded
-    over the most pipelines), each block's mean raised to the least largest stage any
-    cut of its layers into its stages has (`_least_largest_parts`: whole layers make a
-    block of 7 stages holding 24 like ones as slow as 4 of them, not 24 / 7; a
-    pipeline's last block's stages, their memory too, `_tails_in_memory`, which bounds
-    its total as well), and at least the largest layer's time on its faster type
-    (with v chunks per device, of the folded table; the total bounds the fill, 1/v
-    of the busy time plus (1 - 1/v) bottlenecks).
-    (Layer times are not proportional across types, so the plain fluid bound
-    1 / sum_k c_k / W_k is not one.) Where a block's states and kept activations
-    (at least the fewest micro-batches any of its stages holds) overflow its
-    devices, the least time that frees the bytes over is added to its time:
-    recompute at the layers' convex rates (`RecomputeCurve`), or ZeRO-3 sharding a
-    share of the states for its gathers (`memory`; GPipe's stages hold all their
-    micro-batches: at least their even share over the most pipelines); infinite where
-    even the leanest policies' activations overflow. A family whose devices cannot
-    hold the states however the layers are split is dropped."""
-    kinds = [t.name for t in table.types]
-    lengths = stage_counts(limits, config, table.num_layers)
-    longest = max(lengths, default=1)
-    rooms = {t.name: t.memory - t.reserve for t in table.types}
-
-    @functools.cache
-    def busy(kind: str, tp: int) -> np.ndarray:
-        costs = table.costs(kind, tp, config.mb)
-        return costs.fwd + costs.bwd
-
-    @functools.cache
-    def work(kind: str, tp: int) -> float:
-        return float(busy(kind, tp).sum())
-
-    @functools.cache
-    def prefix(kind: str, tp: int) -> np.ndarray:
-        return np.concatenate([[0.0], np.cumsum(busy(kind, tp))])
-
-    @functools.cache
-    def slots(kind: str, tp: int) -> int:
-        return sum(d // tp for d in table.type(kind).node_devices)
-
-    @functools.cache
-    def heads(kind: str, tp: int) -> np.ndarray:
-        return _least_largest_parts(table, kind, tp, config.mb, longest)
-
-    def largest_layer(a: str, tp_a: int, b: str, tp_b: int) -> float:
-        return float(np.minimum(busy(a, tp_a), busy(b, tp_b)).max())
-
-    @functools.cache
-    def held(tp: int) -> np.ndarray:
-        """Prefix sums of the parameters one rank holds per layer."""
-        return np.concatenate([[0.0], np.cumsum(table.rank_params(tp))])
-
-    @functools.cache
-    def acts(tp: int) -> tuple[np.ndarray, np.ndarray]:
-        """Prefix sums of the activations kept per layer without recompute, and of the
-        fewest any allowed policy keeps."""
-        return (np.concatenate([[0.0], np.cumsum(table.activations(Recompute.NONE, tp))])
-                * config.mb, np.concatenate([[0.0], np.cumsum(np.min(
-                    [table.activations(p, tp) for p in space.policies], axis=0))]) * config.mb)
-
-    # ZeRO-3 gathers each layer's weights whole (less tied weights, kept whole), so no
-    # share of a block's states it shards gathers fewer weight bytes per parameter a
-    # rank holds than the block's fewest: those of [0, j) and of [j, L); and per type
-    # the seconds three gathers of a byte take at least per micro-batch
-    gatherable = table.params.copy()
-    for owner, weights in table.tied_weights:
-        gatherable[owner] -= weights
-
-    @functools.cache
-    def fewest(tp: int) -> tuple[np.ndarray, np.ndarray]:
-        rank = table.rank_params(tp)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(rank > 0, np.maximum(gatherable, 0.0) / rank, INF
-                             ) * table.weight_bytes
-        return (np.concatenate([[INF], np.minimum.accumulate(ratio)]),
-                np.concatenate([np.minimum.accumulate(ratio[::-1])[::-1], [INF]]))
-
-    def gather_bytes(params: np.ndarray, per_param: np.ndarray) -> np.ndarray:
-        """The weight bytes ZeRO-3 gathers at least for states of `params` per rank."""
-        return np.where(params > 0, params * np.minimum(per_param, 1e300), 0.0)
-
-    gather_rate = {}
-    for info in table.types:
-        one, ref = cheapest_gather(table, info.name)
-        gather_rate[info.name] = 3 * (ref - one) / ZERO_GATHER_REF
-
-    def memory(kind: str, tp: int, states: tuple[np.ndarray, np.ndarray],
-               gathered: np.ndarray, kept: tuple[np.ndarray, np.ndarray], stages: np.ndarray,
-               flight: np.ndarray) -> np.ndarray:
-        """Time a block of type `kind` at degree `tp` must add at least where its
-        parameter states and the activations it keeps, at least `flight` micro-batches
-        per stage, overflow its memory: summed over its stages, the bytes over are what
-        recompute must free (`RecomputeCurve`), unless ZeRO-3 shards the states of some
-        of its parameters, for three gathers of their weights (`gathered` bytes for
-        all, `gather_bytes`) per micro-batch.
-        Any share x of the parameters may be sharded: the time is convex in x, least
-        where recomputing more would cost more per byte than sharding more, or where
-        the block first fits (or at 0 or 1).
-        states: the bytes of the states without ZeRO-3 and with it (`bytes_per_param`);
-        kept: the activations without recompute, and the fewest any allowed policy
-        keeps of each layer; infinite where even those overflow."""
-        plain, zero3 = states
-        room = stages * rooms[kind]
-        curve = recompute_curve(table, kind, tp, config.mb, space.policies)
-        gather = gathered * gather_rate[kind]
-
-        def at(x: np.ndarray | float) -> np.ndarray:
-            held_states = plain - x * (plain - zero3)
-            over = held_states + flight * kept[0] - room
-            seconds = x * gather
-            if np.any(over > 0):
-                seconds = seconds + curve(np.maximum(over, 0.0) / flight)
-            over_least = held_states + flight * kept[1] - room
-            return np.where(over_least > 1.0, INF, seconds)  # (a byte: rounding)
-
-        if 3 not in space.zeros or not any(z < 3 for z in space.zeros):
-            return at(float(3 in space.zeros))
-        if not np.any(plain + flight * kept[0] > room):
-            return at(0.0)  # (everything fits without ZeRO-3)
-        # sharding pays where it costs less than recomputing the same bytes: down to the
-        # bytes recompute frees for less (`worth`), and at least as far as fits
-        shrink = plain - zero3
-        with np.errstate(divide="ignore", invalid="ignore"):  # (where ZeRO-3 frees nothing)
-            freed = curve.worth(np.where(shrink > 0, gather * flight / shrink, INF))
-            fits, pays = (np.where(shrink > 0, (plain + flight * a - room) / shrink, 0.0)
-                          for a in (kept[1], kept[0] - freed))
-        return at(np.clip(np.maximum(fits, pays), 0.0, 1.0))
-
-    @functools.cache
-    def bytes_per_param(n: int) -> tuple[float, float]:
-        """Fewest bytes per parameter a device can keep, with ZeRO over n pipelines:
-        without ZeRO-3 (unless only it is allowed) and with any allowed stage."""
-        shard = n if n > 1 else 1
-        plain = min((table.bytes_per_param(z, shard) for z in space.zeros if z < 3),
-                    default=table.bytes_per_param(3, shard))
-        return plain, min(table.bytes_per_param(z, shard) for z in space.zeros)
-
-    def tails(kind: str, tp: int) -> tuple[np.ndarray, np.ndarray]:
-        """[c - 1, j]: no stage of the last c stages of a pipeline holding layers
-        [j, L) is busy for less, and they are not busy for less in all (the states as
-        ZeRO over the most pipelines the type holds keeps them); c up to the stages
-        the type's slots hold."""
-        most = max(1, min(longest, slots(kind, tp)))
-        if config.gpipe:
-            plain = _least_largest_parts(table, kind, tp, config.mb, most, from_end=True)
-            return plain, np.zeros_like(plain)
-        return _tails_in_memory(table, kind, tp, config, space, most,
-                                bytes_per_param(slots(kind, tp))[1])
-
-    def runs(n: int) -> int:
-        """Micro-batches a pipeline of n side by side runs at least (for in_flight)."""
-        return -(-microbatches // n) if config.gpipe else 10**9
-
-    @functools.cache
-    def most(kind: str, count: int, tp: int) -> int:
-        return capacity(table, tp, kind, count)
-
-    def fits(parts: list[tuple[str, int, int]]
-             ) -> tuple[tuple[str, ...], tuple[int, ...], int] | None:
-        """The stage types, their degrees and the most pipelines of a family of these
-        blocks (type, stages, degree), or None if the stage pins rule it out or its
-        devices cannot hold the states however the layers are split (each rank holds
-        at least its share at the widest degree)."""
-        n_max = min(most(k, c, tp) for k, c, tp in parts)
-        widest = max(tp for _, _, tp in parts)
-        least = held(widest)[-1] * bytes_per_param(n_max)[1] if n_max >= 1 else INF
-        if sum(c * rooms[k] for k, c, _ in parts) < least:
-            return None
-        types = tuple(k for k, c, _ in parts for _ in range(c))
-        degrees = tuple(tp for _, c, tp in parts for _ in range(c))
-        return (types, degrees, n_max) if limits.allows(types) else None
-
-    def cached(*what: object) -> tuple:
-        """A table cache key of what the patterns that fit depend on besides `what`:
-        not the micro-batch size."""
-        return (*what, lengths, limits.first_stage, limits.last_stage, space.zeros)
-
-    def homogeneous(kind: str, tp: int) -> list[Family]:
-        """All families of one block of type `kind` at degree `tp` at once (an entry per
-        length)."""
-        key = cached("homogeneous shapes", kind, tp)
-        whole = held(tp)[-1]
-        if key not in table.cache:  # (the same at every micro-batch size)
-            found = [(s, found) for s in lengths
-                     if s <= slots(kind, tp) and (found := fits([(kind, s, tp)]))]
-            per = np.array([bytes_per_param(n) for _, (_, _, n) in found]).reshape(-1, 2)
-            table.cache[key] = found, np.array([s for s, _ in found]), whole * per.T
-        found, counts, states = table.cache[key]
-        if not found:
-            return []
-        largest, least = (x[counts - 1, 0] for x in tails(kind, tp))
-        flights = np.array([float(in_flight(s - 1, s, runs(n), config.schedule,
-                                            config.interleave)) for s, (_, _, n) in found])
-        kept = acts(tp)
-        extra = memory(kind, tp, tuple(states), gather_bytes(whole, fewest(tp)[0][-1]),
-                       (kept[0][-1], kept[1][-1]), counts, flights)
-        total = np.maximum(work(kind, tp) + extra, least)
-        period = np.maximum.reduce([total / counts, np.full(len(counts), largest_layer(
-            kind, tp, kind, tp)), heads(kind, tp)[counts - 1, -1], largest])
-        return [Family(types=types, tps=degrees, n_max=n, min_busy=m, total=t)
-                for (_, (types, degrees, n)), t, m in zip(
-                    found, fill(total, period).tolist(), period.tolist(), strict=True)]
-
-    def shapes(a: str, tp_a: int, b: str, tp_b: int) -> tuple:
-        """The families of a block of type a then one of type b (at these degrees) that
-        fit, with their block lengths (ca, cb), the bytes of states (without ZeRO-3 and
-        with it) of their first j layers on a's ranks and of the rest on b's, and which
-        split points j leave every stage a layer and each block room for its states:
-        the same at every micro-batch size (cached in the table)."""
-        key = cached("mixed shapes", a, tp_a, b, tp_b)
-        if key not in table.cache:
-            kept = [(found, ca, total - ca) for total in lengths
-                    for ca in range(1, min(total, slots(a, tp_a) + 1))
-                    if 1 <= total - ca <= slots(b, tp_b)
-                    and (found := fits([(a, ca, tp_a), (b, total - ca, tp_b)]))]
-            ca = np.array([float(ca) for _, ca, _ in kept])[:, None]
-            cb = np.array([float(cb) for _, _, cb in kept])[:, None]
-            per = np.array([bytes_per_param(found[2]) for found, _, _ in kept]).reshape(-1, 2)
-            head, tail = held(tp_a)[None, :], (held(tp_b)[-1] - held(tp_b))[None, :]
-            heads_states = (head * per[:, :1], head * per[:, 1:])
-            tails_states = (tail * per[:, :1], tail * per[:, 1:])
-            j = np.arange(table.num_layers + 1)[None, :]
-            ok = ((j >= ca) & (j <= table.num_layers - cb) & (heads_states[1] <= ca * rooms[a])
-                  & (tails_states[1] <= cb * rooms[b]))
-            table.cache[key] = kept, ca, cb, heads_states, tails_states, ok
-        return table.cache[key]
-
-    def flights(a: str, tp_a: int, b: str, tp_b: int, kept: list, ca: np.ndarray,
-                cb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Micro-batches the first stage of each family's blocks holds at least (cached
-        where they do not depend on the micro-batch count: all but GPipe)."""
-        counts = tuple(runs(found[2]) for found, _, _ in kept)
-        key = cached("mixed flights", a, tp_a, b, tp_b, config.schedule, config.interleave,
-                     counts)
-        if key not in table.cache:
-            ends = (ca + cb)[:, 0].astype(int).tolist()
-
-            def held_by(starts: list[int]) -> np.ndarray:
-                return np.array([float(in_flight(s, e, m, config.schedule, config.interleave))
-                                 for s, e, m in zip(starts, ends, counts, strict=True)])[:, None]
-
-            table.cache[key] = (held_by([int(c) - 1 for c in ca[:, 0]]),
-                                held_by([e - 1 for e in ends]))
-        return table.cache[key]
-
-    def mixed(a: str, tp_a: int, b: str, tp_b: int) -> list[Family]:
-        """All families of a block of type a then one of type b, at these degrees, at
-        once: a row per family, a column per split point j."""
-        kept, ca, cb, head_states, tail_states, ok = shapes(a, tp_a, b, tp_b)
-        live = np.flatnonzero(ok.any(axis=1))
-        if not len(live):
-            return []
-        first, last = flights(a, tp_a, b, tp_b, kept, ca, cb)
-        ca, cb, ok, first, last = (x[live] for x in (ca, cb, ok, first, last))
-        head_states, tail_states = (tuple(x[live] for x in states)
-                                    for states in (head_states, tail_states))
-        kept_a, kept_b = acts(tp_a), acts(tp_b)
-        head = prefix(a, tp_a)[None, :] + memory(
-            a, tp_a, head_states, gather_bytes(held(tp_a), fewest(tp_a)[0])[None, :],
-            (kept_a[0][None, :], kept_a[1][None, :]), ca, first)
-        tail = (work(b, tp_b) - prefix(b, tp_b))[None, :] + memory(
-            b, tp_b, tail_states,
-            gather_bytes(held(tp_b)[-1] - held(tp_b), fewest(tp_b)[1])[None, :],
-            (kept_b[0][-1] - kept_b[0][None, :], kept_b[1][-1] - kept_b[1][None, :]),
-            cb, last)
-        largest, least = (x[cb[:, 0].astype(int) - 1] for x in tails(b, tp_b))
-        tail = np.maximum(tail, least)
-        total = np.where(ok, head + tail, INF).min(axis=1)
-        # a block's largest stage: at least its mean and its layers' least largest part
-        head_max = np.maximum(head / ca, heads(a, tp_a)[ca[:, 0].astype(int) - 1])
-        tail_max = np.maximum(tail / cb, largest)
-        period = np.maximum(np.where(ok, np.maximum(head_max, tail_max), INF).min(axis=1),
-                            largest_layer(a, tp_a, b, tp_b))
-        return [Family(types=kept[i][0][0], tps=kept[i][0][1], n_max=kept[i][0][2], total=t,
-                       min_busy=m)
-                for i, t, m in zip(live.tolist(), fill(total, period).tolist(),
-                                   period.tolist(), strict=True)]
-
-    def fill(busy: float | np.ndarray, period: float | np.ndarray) -> float | np.ndarray:
-        """The least fill of a pipeline whose stages are busy this long in all and whose
-        period is at least `period`: the busy time, or interleaved (`timing.py`) its
-        1/v plus (1 - 1/v) periods."""
-        v = config.interleave
-        return busy if v == 1 else busy / v + (1 - 1 / v) * period
-
-    pairs = list(itertools.permutations(sorted(kinds), 2))
-    degrees = [(tp, tp) for tp in tps]
-    if split_degrees:
-        degrees += list(itertools.permutations(tps, 2))
-    mixed_families = [f for tp_a, tp_b in degrees for a, b in pairs
-                      for f in mixed(a, tp_a, b, tp_b)] if limits.mixed and len(kinds) > 1 else []
-    return {k: [f for tp in tps for f in homogeneous(k, tp)] for k in kinds}, mixed_families
-
-
-def stage_counts(limits: Limits, config: Config, layers: int) -> range:
-    """Stages per pipeline of a table of `layers` (folded) layers: --pp or 1 to
-    --max-stages, never more than the layers; at least 2 interleaved (one stage
-    holding every chunk is plain 1F1B, which the configuration without chunks has) or
-    with GPipe (one stage holding every micro-batch runs as 1F1B's one stage does, in
-    less memory)."""
-    least = 2 if config.interleave > 1 or config.gpipe else 1
-    most = limits.pp if limits.pp else limits.max_stages
-    return range(max(limits.pp or least, least), min(most, layers) + 1)
-
-
-def _least_largest_parts(table: CostTable, kind: str, tp: int, mb: int, most: int,
-                         from_end: bool = False) -> np.ndarray:
-    """Per c = 1..most (a row each, c - 1) and layer boundary j (a column): the least
-    largest busy time of a part over the cuts of layers [0, j) into c parts (of layers
-    [j, L) `from_end`; infinite where there are fewer layers than parts): no stage of
-    a block of c stages holding those layers is busy for less (a min-max program over
-    the layers' forward and backward times, without sends, recompute and memory);
-    slightly lowered against rounding (cached)."""
-    key = ("least largest parts", kind, tp, mb, most, from_end)
-    if key not in table.cache:
-        costs = table.costs(kind, tp, mb)
-        cum = np.concatenate([[0.0], np.cumsum(costs.fwd + costs.bwd)])
-        size = len(cum)
-        ranges = np.where(np.triu(np.ones((size, size), dtype=bool), 1),
-                          cum[None, :] - cum[:, None], INF)
-        rows = [ranges[:, -1] if from_end else ranges[0]]
-        for _ in range(most - 1):
-            rows.append(np.maximum(ranges, rows[-1][None, :]).min(axis=1) if from_end else
-                        np.maximum(rows[-1][:, None], ranges).min(axis=0))
-        table.cache[key] = np.array(rows) * (1 - 1e-9)
-    return table.cache[key]
-
-
-def _tails_in_memory(table: CostTable, kind: str, tp: int, config: Config, space: Space,
-                     most_stages: int, per_param: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per c = 1..most_stages (a row each, c - 1) and layer boundary j (a column): the
-    least largest busy time of a stage, and the least sum of their busy times, over the
-    cuts of layers [j, L) into c stages that are a pipeline's last, each stage's busy
-    time that of the cheapest recompute policy its memory allows (`per_param` bytes of
-    states per parameter, no ZeRO-3 gathers, no sends): the stage q from the end holds
-    at least q + 1 micro-batches (1F1B's S - s; interleaved, more), and more in flight
-    only needs more freed, so no block of a pipeline's last c stages does better.
-    Infinite where nothing fits; slightly lowered against rounding (cached). Not for
-    GPipe, whose stages hold their pipeline's share. Two programs over (layer, width),
-    a range [a, a + d + 1) being row a, column d, as wide as any range's states allow."""
-    key = ("tails in memory", kind, tp, config.mb, config.interleave, most_stages,
-           space.policies, per_param)
-    if key in table.cache:
-        return table.cache[key]
-    layers = table.num_layers
-    held = np.concatenate([[0.0], np.cumsum(table.rank_params(tp))])
-    room_all = table.type(kind).memory - table.type(kind).reserve
-    starts = np.arange(layers + 1)
-    width = int(max(0, (np.searchsorted(held, held + room_all / per_param, side="right")
-                        - 1 - starts).max()))
-    ends = starts[:, None] + np.arange(1, width + 1)[None, :]
-    inside = ends <= layers
-    after = np.minimum(ends, layers)  # the next stage's first layer
-
-    def band(values: np.ndarray) -> np.ndarray:
-        cum = np.concatenate([[0.0], np.cumsum(values)])
-        return cum[after] - cum[starts][:, None]
-
-    costs = table.costs(kind, tp, config.mb)
-    room = np.where(inside, room_all - band(table.rank_params(tp)) * per_param, -INF)
-    busy = band(costs.fwd + costs.bwd)
-    mosts, times = [], []  # per policy: most micro-batches in flight that fit, busy time
-    for policy in space.policies:
-        acts = band(table.activations(policy, tp)) * config.mb
-        with np.errstate(divide="ignore", invalid="ignore"):
-            mosts.append(np.where(acts > 0, room / acts, np.where(room >= 0, INF, -INF)))
-        times.append(busy + band(costs.recompute[policy]))
-
-    def cost(q: int) -> np.ndarray:
-        """The cheapest policy's time that fits q + 1 micro-batches, stage q from the end."""
-        return np.minimum.reduce([np.where(m >= q + 1, t, INF) for m, t in zip(
-            mosts, times, strict=True)])
-
-    def next_stage(values: np.ndarray) -> np.ndarray:
-        """values[a + d + 1] at [a, d] (the stage after range [a, a + d + 1)), infinite
-        past the layers: a view, not a copy."""
-        padded = np.concatenate([values[1:], np.full(width, INF)])
-        return np.lib.stride_tricks.sliding_window_view(padded, width)[:len(starts)]
-
-    last = layers - starts - 1  # the column of [a, L), where the band holds it
-    whole = (last >= 0) & (last < width)
-    alone = np.full(len(starts), INF)
-    alone[whole] = cost(0)[whole, last[whole]]
-    largest, sums = [alone], [alone]
-    for q in range(1, most_stages):
-        here = cost(q)
-        largest.append(np.maximum(here, next_stage(largest[-1])).min(axis=1, initial=INF))
-        sums.append((here + next_stage(sums[-1])).min(axis=1, initial=INF))
-    table.cache[key] = (np.array(largest) * (1 - 1e-9), np.array(sums) * (1 - 1e-9))
-    return table.cache[key]
-
-
-def recompute_curve(table: CostTable, kind: str, tp: int, mb: int,
-                    policies: Sequence[Recompute]) -> RecomputeCurve:
-    """`RecomputeCurve` (cached)."""
-    key = ("recompute curve", kind, tp, mb, tuple(policies))
-    if key not in table.cache:
-        table.cache[key] = RecomputeCurve(table, kind, tp, mb, policies)
-    return table.cache[key]
-
-
-class RecomputeCurve:
-    """The fewest seconds of recompute that free y bytes of activations (per
-    micro-batch in flight) from any layers of a type: each layer's allowed policies
-    as steps along its lower convex hull (freed bytes, seconds), all layers' steps in
-    order of seconds per byte (a fractional choice, so no block of layers does
-    better); infinite past what all of them free. Free where keeping all activations
-    is not allowed (then the policies' times are not extra)."""
-
-    def __init__(self, table: CostTable, kind: str, tp: int, mb: int,
-                 policies: Sequence[Recompute]) -> None:
-        costs = table.costs(kind, tp, mb)
-        kept = table.activations(Recompute.NONE, tp) * mb
-        freed = np.array([kept - table.activations(p, tp) * mb for p in policies]).T
-        seconds = np.array([costs.recompute[p] if Recompute.NONE in policies
-                            else np.zeros_like(kept) for p in policies]).T
-        at = np.zeros((2, len(kept)))  # per layer, where its hull is: (bytes, seconds)
-        rates, sizes = [], []
-        for _ in policies:  # a hull step per round, each layer's cheapest rate onwards
-            ahead = freed > at[0][:, None]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                slope = np.where(ahead, (seconds - at[1][:, None]) / (freed - at[0][:, None]),
-                                 INF)
-            rate = slope.min(axis=1)
-            rows = np.flatnonzero(rate < INF)
-            if not len(rows):
-                break
-            far = np.where(ahead & (slope <= rate[:, None]), freed, -INF).argmax(axis=1)[rows]
-            rates.append(rate[rows])
-            sizes.append(freed[rows, far] - at[0][rows])
-            at[:, rows] = freed[rows, far], seconds[rows, far]
-        rate, size = (np.concatenate(x) if x else np.zeros(0) for x in (rates, sizes))
-        order = np.argsort(rate, kind="stable")
-        self.rates = rate[order]
-        self.bytes = np.concatenate([[0.0], np.cumsum(size[order])])
-        self.seconds = np.concatenate([[0.0], np.cumsum((rate * size)[order])])
-
-    def __call__(self, freed: np.ndarray) -> np.ndarray:
-        return np.where(freed > self.bytes[-1] + 1.0, INF,  # (a byte against rounding)
-                        np.interp(freed, self.bytes, self.seconds))
-
-    def worth(self, rate: np.ndarray) -> np.ndarray:
-        """The bytes worth freeing where another way costs `rate` seconds per byte."""
-        return self.bytes[np.searchsorted(self.rates, rate)]
-
-
-def _best_link(table: CostTable, a: str, b: str, across: bool = False) -> LinkSpec:
-    """The fastest link any stage of type a could have to a next stage of type b (on
-    another node if `across`; any link if none is)."""
-    key = ("best link", a, b, across)
-    if key not in table.cache:
-        nodes_a, nodes_b = table.type(a).nodes, table.type(b).nodes
-        links = [table.link(x, y) for x in nodes_a for y in nodes_b if not across or x != y]
-        if not links:
-            return _best_link(table, a, b)
-        fastest = max(links, key=lambda link: link.bandwidth)
-        table.cache[key] = LinkSpec(name=fastest.name, bandwidth=fastest.bandwidth,
-                                    latency=min(link.latency for link in links))
-    return table.cache[key]
-
-
-def _boundary_links(table: CostTable, types: tuple[str, ...], tps: tuple[int, ...],
-                    crowd: int = 1, interleaved: bool = False) -> list[LinkSpec]:
-    """The fastest link each send of a family's pipeline could have (`evaluate.hops`:
-    interleaved, the wrap-around too). A send whose stages `place` puts on different
-    nodes (`structure.node_labels`) crosses them, so its chains' copies (one per rank
-    of the narrower stage: `comm.send_sharing`) share the
-    busier card with the pipeline's other sends through it (`comm.send_sharing`;
-    other pipelines' sends only add to them), and where the types change with at
-    least `crowd` sends (see `crowded`); the other sends take the fastest link of
-    their types."""
-    labels = node_labels(table, types, tps)
-    ends = list(itertools.pairwise(range(len(types))))
-    if interleaved and len(types) > 1:
-        ends.append((len(types) - 1, 0))
-    flows = send_sharing((labels[x], labels[y], min(tps[x], tps[y])) for x, y in ends)
-    out = []
-    for x, y in ends:
-        a, b = types[x], types[y]
-        if labels[x] == labels[y]:
-            out.append(_best_link(table, a, b))
-            continue
-        link = _best_link(table, a, b, across=True)
-        ways = max(shared_by(flows, labels[x], labels[y]), crowd if a != b else 1)
-        out.append(dataclasses.replace(link, bandwidth=link.bandwidth / ways))
-    return out
-
-
-def cheapest_gather(table: CostTable, kind: str) -> tuple[float, float]:
-    """A ZeRO-3 all-gather no group of type-`kind` replicas beats: two ranks (the
-    smallest group, moving half the bytes) over the fastest link of that type."""
-    link = _best_link(table, kind, kind)
-    intra = table.link(table.type(kind).nodes[0], table.type(kind).nodes[0])
-    bandwidth = max(link.bandwidth, intra.bandwidth)
-    latency = min(link.latency, intra.latency)
-    return latency, latency + ZERO_GATHER_REF / (2 * bandwidth)
 
 
 def tight_result(table: CostTable, config: Config, space: Space, family: Family,
@@ -647,7 +29,7 @@ def tight_result(table: CostTable, config: Config, space: Space, family: Family,
     """The family's exact split on optimistic terms, which no placement and no smaller
     count of its pipelines beats: ZeRO sharded over n_max pipelines (the most memory
     relief, and GPipe's fewest micro-batches held), the fastest links any placement
-    could give (`_boundary_links`; `crowd`: see `crowded`), and the cheapest ZeRO-3
+    could give (`links.boundary_links`; `crowd`: see `crowded`), and the cheapest ZeRO-3
     gathers any group could have (cached)."""
     table = fold(table, config.interleave)
     held = -(-microbatches // family.n_max) if config.gpipe else None
@@ -656,8 +38,8 @@ def tight_result(table: CostTable, config: Config, space: Space, family: Family,
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
             table, family.types, tps=family.tps, mb=config.mb, n=family.n_max,
-            links=_boundary_links(table, family.types, family.tps, crowd,
-                                  config.interleave > 1),
+            links=boundary_links(table, family.types, family.tps, crowd,
+                                 config.interleave > 1),
             gathers=[cheapest_gather(table, kind) for kind in family.types],
             schedule=config.schedule, policies=space.policies, zeros=space.zeros,
             interleave=config.interleave, microbatches=held))
@@ -677,43 +59,6 @@ def tighten(table: CostTable, config: Config, space: Space, family: Family,
         family.result = result
 
 
-_SAMPLES, _RISE = 3, 0.08  # where `floor_pairs` samples G: r = 8% apart above its first step
-
-
-def floor_pairs(result: ClassResult, least_period: float, least_fill: float
-                ) -> tuple[tuple[float, float], ...]:
-    """Pairs (period, fill), periods rising and fills falling, such that every split of
-    the class has a period and a fill at least one pair's. G(M), the least sum of w_s
-    of the splits whose largest h_s is at most M, is sampled at M_i = M_0 (1 + r)^i:
-    a split whose largest h_s lies in (M_i-1, M_i] has a period above M_i-1 (a period
-    is at least the largest h_s) and a sum at least G(M_i); one at M_0 sums G(M_0),
-    one above the last sample G(inf). Each period is at least `least_period`, each
-    fill at least `least_fill` and the sum plus interleaving's (1 - 1/v) periods. A
-    fixed class of few micro-batches runs on its fill, which its fastest split pays
-    most of: the bound then sees it."""
-    costs, v = result.costs, result.costs.interleave
-    marks = [result.smallest_max * (1 + _RISE) ** i for i in range(_SAMPLES + 1)]
-    pairs = [(result.smallest_max, result.first.weights),
-             *((low, costs.cost(high)) for low, high in itertools.pairwise(marks)),
-             (marks[-1], result.least_weights)]
-    return _staircase(
-        (period, max(least_fill, weights + (1 - 1 / v) * period))
-        for period, weights in ((max(low, least_period), weights) for low, weights in pairs))
-
-
-def _staircase(pairs: Iterable[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
-    """(period, fill) pairs in order of period, less those another pair is below
-    everywhere (a period no shorter and a fill no shorter)."""
-    out: list[tuple[float, float]] = []
-    for period, fill in pairs:
-        if out and fill >= out[-1][1]:
-            continue
-        if out and period <= out[-1][0]:
-            out.pop()  # the same period, a shorter fill
-        out.append((period, fill))
-    return tuple(out)
-
-
 def crowded(table: CostTable, config: Config, space: Space, family: Family, n: int,
             microbatches: int) -> Family:
     """The family's bounds for a class of n of its pipelines. Where its stages change
@@ -721,14 +66,16 @@ def crowded(table: CostTable, config: Config, space: Space, family: Family, n: i
     narrower stage's ranks), meet on the nodes of either type: some card carries at
     least n c / (the rarer type's nodes) of them (`comm.send_sharing`), and the class's
     slowest pipeline pays
-    that (`evaluate.class_links`). The family itself where that is no more than one
-    pipeline's own sends (cached)."""
+    that (`evaluate.class_links`): at every change of type, the fewest of any change.
+    The family itself where that is no more than one pipeline's own sends (cached)."""
     table = fold(table, config.interleave)
-    a, b = family.types[0], family.types[-1]
-    nodes = min(len(table.type(a).nodes), len(table.type(b).nodes))
-    chains = min(family.tps[0], family.tps[-1])
-    crowd = -(-n * chains // nodes)
-    if a == b or crowd <= chains:
+    changes = [(len(table.type(a).nodes), len(table.type(b).nodes), min(tp_a, tp_b))
+               for (a, tp_a), (b, tp_b) in itertools.pairwise(zip(
+                   family.types, family.tps, strict=True)) if a != b]
+    if not changes:
+        return family
+    crowd = min(-(-n * chains // min(nodes_a, nodes_b)) for nodes_a, nodes_b, chains in changes)
+    if crowd <= min(chains for _, _, chains in changes):
         return family
     key = ("crowded", family.key, family.n_max, crowd, config, space, microbatches)
     if key not in table.cache:
@@ -1193,7 +540,7 @@ class Bound:
         them) at least `period` per micro-batch, on the given rows."""
         def slower(f: Family, p: float) -> Family:
             return dataclasses.replace(f, min_busy=max(f.min_busy, p),
-                                       total=max(f.total, p), result=None, lines=_staircase(
+                                       total=max(f.total, p), result=None, lines=pair_staircase(
                                            (max(a, p), max(b, p)) for a, b in f.floors()))
 
         if c < len(fixed):
@@ -1508,8 +855,7 @@ def optimizer_bound(table: CostTable, params: float, space: Space
     memo: dict[tuple, float] = {}
 
     def bound(f: Family, n: int) -> float:
-        # a family is one or two blocks
-        key = (f.types[0], f.types[-1], len(f.types), max(f.tps), n)
+        key = (frozenset(f.types), len(f.types), max(f.tps), n)
         if key not in memo:  # (each rank holds its share at the widest degree at least)
             shard = max(f.tps) * len(f.types) * (n if max(space.zeros) >= 1 else 1)
             memo[key] = min(table.optimizer_time(k, params / shard) for k in set(f.types))

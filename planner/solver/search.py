@@ -57,14 +57,9 @@ from cost_models.comm import Collective, CommGroup
 from planner.errors import PlannerError
 from planner.solver.bound import (
     Bound,
-    Family,
     best_per_slot,
-    cheapest_gather,
     crowded,
-    device_work,
-    families,
     fewest_counts,
-    gpipe_holds,
     optimizer_bound,
     tight_result,
     tighten,
@@ -80,8 +75,17 @@ from planner.solver.evaluate import (
     refine,
     sharded_card_floors,
 )
+from planner.solver.families import (
+    CHAIN_FAMILIES,
+    Family,
+    chain_limit,
+    device_work,
+    families,
+    gpipe_holds,
+)
 from planner.solver.interleave import choices, fold
 from planner.solver.limits import Limits
+from planner.solver.links import cheapest_gather
 from planner.solver.partition import INF, optimize, zero3_first
 from planner.solver.step import synced
 from planner.solver.structure import ClassShape, free_after, place, room
@@ -90,9 +94,10 @@ from planner.solver.table import CostTable
 from planner.types import Schedule
 from planner.units import fmt_seconds
 
-SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class per device "
-                "type; one tp degree (with --tp-per-class one per class, and per block of "
-                "the mixed class where it runs 1F1B or GPipe without ZeRO), micro-batch size "
+SEARCH_SPACE = ("one optional mixed pipeline class, whose pipelines chain blocks of two or "
+                "more device types in any order, plus one homogeneous class per device "
+                "type; one tp degree (with --tp-per-class one per class, and per block of a "
+                "two-type class where it runs 1F1B or GPipe without ZeRO), micro-batch size "
                 "and chunk count per plan, each allowed one tried; 1F1B, GPipe over several "
                 "stages in structures of one class, or "
                 "interleaved 1F1B over several stages with the same cuts in every round and "
@@ -102,6 +107,26 @@ SEARCH_SPACE = ("one optional two-type pipeline class plus one homogeneous class
                 "stages) and recompute per stage, ZeRO per stage in structures of one class "
                 "(ZeRO-3 where its pipelines run equal micro-batch counts); optimal "
                 "micro-batch shares")
+
+
+def search_space(table: CostTable, batch: int, limits: Limits) -> str:
+    """What the search covers (`SEARCH_SPACE`), and where it is cut for speed: chains of
+    fewer types than the cluster has at some degree, where longer ones would be more
+    than `CHAIN_FAMILIES` patterns (`families.chain_limit`)."""
+    kinds = len(table.types)
+    if not limits.mixed or kinds < 3:
+        return SEARCH_SPACE
+    most: dict[int, int] = {}  # per degree, the fewest types a chain may hold
+    for config in configs(table, batch, limits):
+        for tp in degrees(table, limits) if config.tp is None else [config.tp]:
+            most[tp] = min(most.get(tp, kinds), chain_limit(
+                fold(table, config.interleave), limits, config, tp))
+    cuts = [f"{most[tp]} at tp {tp}" for tp in sorted(most) if most[tp] < kinds]
+    if not cuts:
+        return SEARCH_SPACE
+    return (f"{SEARCH_SPACE}. Cut for speed: a pipeline chains at most "
+            f"{', '.join(cuts)} of the cluster's {kinds} device types (longer chains "
+            f"would add more than {CHAIN_FAMILIES:,} pipeline patterns per configuration)")
 
 
 # candidates a node's children bound by ranges of their counts at once; beyond, only
@@ -136,6 +161,7 @@ class SearchResult:
     explored: int
     pruned: int
     wall_time: float
+    space: str = SEARCH_SPACE  # what the search covered (`search_space`)
 
 
 @dataclass(order=True)
@@ -847,7 +873,8 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
     return SearchResult(best=best, status=status, bound=bound_value,
                         explored=sum(part.explored for part in runs),
                         pruned=sum(part.pruned for part in runs),
-                        wall_time=time.perf_counter() - start)
+                        wall_time=time.perf_counter() - start,
+                        space=search_space(table, batch, limits))
 
 
 def _start(runs: list[_Search], table: CostTable, batch: int,
@@ -907,8 +934,8 @@ def _least_degrees(levels: list[list[Family]]) -> dict[str, int]:
     """Per device type, the smallest tensor-parallel degree of a family that uses it."""
     least: dict[str, int] = {}
     for f in (f for level in levels for f in level if f.min_busy < INF):
-        for kind, tp in ((f.types[0], f.tps[0]), (f.types[-1], f.tps[-1])):  # (a family
-            least[kind] = min(least.get(kind, tp), tp)  # has one or two blocks)
+        for kind, tp in dict(zip(f.types, f.tps, strict=True)).items():  # (one per type)
+            least[kind] = min(least.get(kind, tp), tp)
     return least
 
 

@@ -1,0 +1,169 @@
+"""Pipelines over three or more device types (chains, issue 53): the search equals brute
+force over every order of types and every block length, its bounds hold there, and a
+cluster of three single-GPU nodes gets one pipeline over all three where that is
+faster (or the only plan that fits)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cost_models.cluster import load_cluster
+from cost_models.model import AnalyticalCostModel
+from planner.models import model_spec
+from planner.solver import SolveOptions, solve
+from planner.solver.evaluate import Config, Space
+from planner.solver.families import (
+    CHAIN_FAMILIES,
+    chain_limit,
+    chain_patterns,
+    families,
+)
+from planner.solver.limits import Limits
+from planner.solver.search import search
+from planner.trace import trace_model
+from planner.types import TrainingSpec
+from tests.solver_tables import GIB, every_structure, random_table
+from tests.test_solver_search import _check_subtree_bounds, assert_equals_brute_force
+
+
+def _chain_instance(rng: random.Random):
+    """Three or four types on at most 8 devices, pipelines of up to as many stages as
+    there are types (so chains of every length are in the space)."""
+    kinds = rng.randint(3, 4)
+    while True:
+        types = [(f"t{i}", [rng.randint(1, 2) for _ in range(rng.randint(1, 2))])
+                 for i in range(kinds)]
+        if sum(sum(devices) for _, devices in types) <= 8:
+            break
+    table = random_table(rng.randrange(10**6), layers=rng.randint(kinds, 5), types=types,
+                         memory=rng.choice([1, 2, 4, 8]) * GIB,
+                         link_speed=rng.choice([0.1, 1.0, 10.0]))
+    return table, rng.choice([2, 4, 6]), Limits(max_stages=kinds)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_equals_brute_force_over_chains(seed):
+    assert_equals_brute_force(*_chain_instance(random.Random(seed)), Space(zeros=(0,)))
+
+
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_equals_brute_force_over_chains_with_zero(seed):
+    assert_equals_brute_force(*_chain_instance(random.Random(seed)))
+
+
+@pytest.mark.parametrize("seed", [2, 5, 7, 11])
+def test_chains_win_on_these_instances(seed):
+    """Instances where the best plan is a chain of three types: the brute force above
+    would pass without chains in the space on instances where none wins."""
+    table = random_table(seed, layers=5, types=[("a", [1]), ("b", [1]), ("c", [1])],
+                         memory=3 * GIB)
+    limits, space = Limits(max_stages=3), Space(zeros=(0,))
+    best = search(table, 4, limits=limits, space=space).best[0]
+    assert_equals_brute_force(table, 4, limits, space)
+    assert any(len(set(shape.types)) == 3 for shape in best.shapes), best.shapes
+
+
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_every_node_bound_is_below_every_structure_of_its_subtree_over_chains(seed):
+    """`test_every_node_bound_is_below_every_structure_in_its_subtree` on instances of
+    three or four types, where the mixed level holds chains of every length."""
+    table, batch, limits = _chain_instance(random.Random(seed))
+    for single in (False, True):
+        space = Space() if single else Space(zeros=(0,))
+        values = [(config, shapes, v) for config, shapes, v in every_structure(
+            table, batch, limits, space) if not single or (len(shapes) == 1 and (
+                config.gpipe or len(set(shapes[0].tps)) == 1))]
+        _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_chains_first_bounds_are_below_every_split(seed):
+    """A chain family's first bounds (`FamilyFloors.chains`): no split of its pipeline,
+    priced as the search prices it on the fastest links, has a shorter period or fill."""
+    from planner.solver.bound import tight_result
+
+    rng = random.Random(seed)
+    table = random_table(seed, layers=rng.randint(4, 7), types=[
+        ("a", [2]), ("b", [2]), ("c", [1, 1]), ("d", [2])], memory=rng.choice([2, 4, 8]) * GIB)
+    limits, config = Limits(max_stages=5), Config(mb=1)
+    for space in (Space(zeros=(0,)), Space()):
+        level = families(table, config, limits, space, 4, [1])[0]
+        chains = [f for f in level if len(set(f.types)) >= 3]
+        assert chains
+        for family in chains:
+            exact = tight_result(table, config, space, family, 4)
+            if exact is not None:
+                assert family.min_busy <= exact.min_period * (1 + 1e-9)
+                assert family.total <= exact.floor * (1 + 1e-9)
+
+
+def test_chain_families_are_every_order_and_length_up_to_the_limit():
+    table = random_table(0, layers=6, types=[("a", [2]), ("b", [1]), ("c", [2]), ("d", [1])])
+    config = Config(mb=1)
+    limits = Limits(max_stages=5)
+    three = set(chain_patterns(table, limits, config, 1, 3))
+    four = set(chain_patterns(table, limits, config, 1, 4))
+    slots = {"a": 2, "b": 1, "c": 2, "d": 1}
+    for found, blocks in ((three, 3), (four, 4)):
+        assert found == {(order, counts) for order in itertools.permutations(slots, blocks)
+                         for counts in itertools.product(*(range(1, slots[k] + 1)
+                                                           for k in order))
+                         if sum(counts) <= 5}
+    assert chain_limit(table, limits, config, 1) == 4
+    level = families(table, config, limits, Space(zeros=(0,)), 4, [1])[0]
+    assert {tuple(dict.fromkeys(f.types)) for f in level if len(set(f.types)) > 2} <= {
+        order for order, _ in three | four}
+
+
+def test_the_longest_chains_are_left_out_where_they_are_too_many(monkeypatch):
+    """Beyond `CHAIN_FAMILIES` patterns, the longest chains go first, and the search
+    says so in the space it reports."""
+    import planner.solver.families as module
+
+    table = random_table(0, layers=6, types=[("a", [2]), ("b", [1]), ("c", [2]), ("d", [1])])
+    config, limits = Config(mb=1), Limits(max_stages=5)
+    four = sum(1 for _ in chain_patterns(table, limits, config, 1, 4))
+    three = sum(1 for _ in chain_patterns(table, limits, config, 1, 3))
+    monkeypatch.setattr(module, "CHAIN_FAMILIES", three + four - 1)
+    assert chain_limit(table, limits, config, 1) == 3
+    monkeypatch.setattr(module, "CHAIN_FAMILIES", three - 1)
+    assert chain_limit(table, limits, config, 1) == 2
+    result = search(table, 4, limits=limits, space=Space(zeros=(0,)))
+    assert "chains at most 2 at tp 1 of the cluster's 4 device types" in result.space
+    assert three + four < CHAIN_FAMILIES  # (the default keeps them all here)
+
+
+def _three_gpus(layers: int, exclude: tuple[str, ...] = ()):
+    """The issue's example: three single-GPU nodes on 10 Gb/s Ethernet."""
+    cluster = load_cluster("1x1xA100-40G,1x1xRTX4090,1x1xRTX3090@10Gbps")
+    graph = trace_model(model_spec("gpt3-6.7b", {"layers": layers}), seq_len=1024, dtype="bf16")
+    training = TrainingSpec(global_batch=16, seq_len=1024, dtype="bf16")
+    return solve(graph, cluster, training, SolveOptions(exclude=exclude),
+                 costs=AnalyticalCostModel(cluster))[0]
+
+
+def test_three_single_gpu_nodes_run_one_pipeline_over_all_three():
+    """18 layers fit only on all three GPUs together: one pipeline over the three."""
+    plan = _three_gpus(18)
+    assert len(plan.pipelines) == 1
+    assert {s.device_type for s in plan.pipelines[0].stages} == {
+        "A100-40G-SXM", "RTX4090", "RTX3090"}
+
+
+def test_the_third_gpu_is_used_where_that_is_faster():
+    """With 16 layers two GPUs hold the model too: the plan is no slower than the best
+    without the RTX 3090, and uses it exactly where it is faster."""
+    plan, without = _three_gpus(16), _three_gpus(16, exclude=("rtx3090-0",))
+    uses = any(s.device_type == "RTX3090" for p in plan.pipelines for s in p.stages)
+    assert plan.prediction.step_time <= without.prediction.step_time * (1 + 1e-9)
+    assert uses == (plan.prediction.step_time < without.prediction.step_time * (1 - 1e-9))
