@@ -59,6 +59,19 @@ def test_search_equals_brute_force_over_chains_with_zero(seed):
     assert_equals_brute_force(*_chain_instance(random.Random(seed)))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_search_equals_brute_force_over_chains_per_class_degree_and_chunks(seed):
+    """Chains at every degree a class may take (with --tp-per-class each class its own,
+    a chain of three or more types one for all its blocks), and interleaved."""
+    rng = random.Random(seed)
+    table = random_table(seed, layers=rng.randint(3, 4), tps=(1, 2),
+                         types=[(f"t{i}", [rng.choice([1, 2])]) for i in range(3)],
+                         memory=rng.choice([2, 4, 8]) * GIB)
+    for limits in (Limits(max_stages=3, tp_per_class=True),
+                   Limits(max_stages=3, interleaves=(1, 2))):
+        assert_equals_brute_force(table, 4, limits, Space(zeros=(0,)))
+
+
 @pytest.mark.parametrize("seed", [2, 5, 7, 11])
 def test_chains_win_on_these_instances(seed):
     """Instances where the best plan is a chain of three types: the brute force above
