@@ -106,6 +106,43 @@ def test_fastest_type_baseline_says_when_the_time_limit_stopped_it(setup):
         assert fastest.name == "fastest-type" and words in fastest.description
 
 
+def test_a_baseline_faster_than_the_search_is_the_plan_returned(setup, monkeypatch):
+    """A baseline's recipe may lie outside the space searched (a uniform recipe deeper
+    than --max-stages, a chain the search's cut leaves out): where one is faster than
+    the search's best, the solve returns its plan, and the report says so with a bound
+    no higher than it. Here the search's best is made twice as slow as the slowest
+    baseline: the fastest baseline's plan comes back."""
+    import planner.solver as solver_module
+
+    graph, cluster, training, plan = setup
+    steps = {b.name: b.prediction.step_time for b in plan.baselines if b.prediction}
+    fastest = min(steps, key=steps.get)
+    found = solver_module._plans
+
+    def slower(result, *args):
+        plans = found(result, *args)
+        if args[2] is not cluster:  # (the fastest type's search alone: a baseline)
+            return plans
+        return [dataclasses.replace(plans[0], prediction=dataclasses.replace(
+            plans[0].prediction, step_time=2 * max(steps.values()))), *plans[1:]]
+
+    monkeypatch.setattr(solver_module, "_plans", slower)
+    returned = solve(graph, cluster, training, SolveOptions(gap=0.0))[0]
+    assert returned.prediction.step_time == pytest.approx(steps[fastest], rel=1e-12)
+    assert returned.solver.objective == returned.prediction.step_time
+    assert returned.solver.best_bound <= returned.solver.objective
+    ratio = 2 * max(steps.values()) / steps[fastest]
+    assert (f"the {fastest} baseline's, {ratio:.2f}x as fast as the best plan the search "
+            "found" in returned.solver.search_space)
+    assert [b.name for b in returned.baselines] == [b.name for b in plan.baselines]
+
+
+def test_the_plan_is_never_slower_than_a_baseline_it_prints(setup):
+    _, _, _, plan = setup
+    assert all(b.prediction is None or plan.prediction.step_time
+               <= b.prediction.step_time * (1 + 1e-9) for b in plan.baselines)
+
+
 def test_ctrl_c_in_the_first_search_returns_the_plan_found_so_far(setup, monkeypatch):
     """Ctrl-C while the fastest type is searched alone: the full search only prices
     what that found, and the plan says it was interrupted."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from cost_models.model import AnalyticalCostModel, CostModel
 from planner.collector import paused
 from planner.errors import PlannerError, closest
-from planner.solver.baselines import baselines, fastest_type
+from planner.solver.baselines import baseline_plans, fastest_type, never_slower
 from planner.solver.bounds import lower_bound
 from planner.solver.build import from_evaluation
 from planner.solver.diagnose import diagnose
@@ -413,7 +413,7 @@ def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
                 raise alone_error
             return plans[0] if len(alone_cluster.nodes) == len(used.nodes) else None
 
-        plans[0] = dataclasses.replace(plans[0], baselines=baselines(
+        plans[0] = never_slower(plans[0], baseline_plans(
             layers=model.layers, model=model.spec, cluster=used, training=training,
             costs=costs, fastest_alone=fastest_alone, limits=options.limits,
             space=options.space))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from cost_models.model import CostModel
 from planner.errors import Infeasible, PlannerError
@@ -163,12 +164,31 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
               fastest_alone: Callable[[ClusterSpec], Plan | None],
               limits: Limits | None = None, space: Space | None = None
               ) -> tuple[Baseline, ...]:
-    """The baselines, within the constraints given (`limits`, `space`: each recipe takes
-    the degrees, micro-batch size, schedule and memory savers they allow; a baseline
-    they rule out says so). `fastest_alone` gives the best plan on the cluster of the
-    fastest device type alone: None where the model does not fit those devices, or it
-    raises the PlannerError the search on them ended with (the baseline then says what
-    ruled them out: their memory, or the constraints given)."""
+    """The baselines (`baseline_plans` without their plans)."""
+    return tuple(b.baseline for b in baseline_plans(
+        layers=layers, model=model, cluster=cluster, training=training, costs=costs,
+        fastest_alone=fastest_alone, limits=limits, space=space))
+
+
+@dataclass(frozen=True)
+class BaselinePlan:
+    """A baseline and its plan (None where it has none)."""
+
+    baseline: Baseline
+    plan: Plan | None
+
+
+def baseline_plans(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec,
+                   training: TrainingSpec, costs: CostModel,
+                   fastest_alone: Callable[[ClusterSpec], Plan | None],
+                   limits: Limits | None = None, space: Space | None = None
+                   ) -> tuple[BaselinePlan, ...]:
+    """The baselines and their plans, within the constraints given (`limits`, `space`:
+    each recipe takes the degrees, micro-batch size, schedule and memory savers they
+    allow; a baseline they rule out says so). `fastest_alone` gives the best plan on the
+    cluster of the fastest device type alone: None where the model does not fit those
+    devices, or it raises the PlannerError the search on them ended with (the baseline
+    then says what ruled them out: their memory, or the constraints given)."""
     limits, space = limits or Limits(), space or Space()
     cluster = by_speed(cluster, training.dtype)
     common = dict(layers=layers, cluster=cluster, training=training, costs=costs)
@@ -194,8 +214,8 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
         why = f"the constraints given ({given}) rule out a replica on every device"
     else:
         why = "the model does not fit one device of every type"
-    out.append(_baseline("data-parallel", "every device a replica, even batch shares",
-                         dp_plan, why))
+    out.append(BaselinePlan(_baseline("data-parallel", "every device a replica, even batch "
+                                      "shares", dp_plan, why), dp_plan))
     biggest = max(n.devices for n in cluster.nodes)
     tps = [limits.tp] if limits.tp else [t for t in _powers(biggest)
                                          if limits.max_tp is None or t <= limits.max_tp]
@@ -212,8 +232,9 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
         why = f"no uniform recipe within the constraints given ({given}) fits in memory"
     else:
         why = f"the constraints given ({given}) rule out every uniform recipe"
-    out.append(_baseline("uniform", "best Megatron-style TP x PP x DP recipe: even layers, "
-                         "even shares, devices by type, fastest first", uniform, why))
+    out.append(BaselinePlan(_baseline(
+        "uniform", "best Megatron-style TP x PP x DP recipe: even layers, even shares, "
+        "devices by type, fastest first", uniform, why), uniform))
     fastest = fastest_type(cluster, training.dtype)
     alone = dataclasses.replace(cluster, nodes=tuple(n for n in cluster.nodes
                                                      if n.device.name == fastest.name))
@@ -226,8 +247,35 @@ def baselines(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec
     if plan is not None and plan.solver.status != "optimal":  # stopped early
         description = (f"the best plan found before the search stopped on the {fastest.name} "
                        f"devices alone (within {plan.solver.gap:.1%} of their optimum)")
-    out.append(_baseline("fastest-type", description, plan, reason))
+    out.append(BaselinePlan(_baseline("fastest-type", description, plan, reason), plan))
     return tuple(out)
+
+
+def never_slower(plan: Plan, found: Sequence[BaselinePlan]) -> Plan:
+    """The solve's plan with its baselines, or the fastest baseline's plan where one is
+    faster: a recipe may lie outside the space the search covers (a uniform recipe of
+    more stages than the search's --max-stages, or a chain its cut leaves out), and the
+    plan returned is never slower than a baseline it prints. The report keeps the
+    search's status and bound (no higher than the plan: the bound holds over the space
+    searched and that baseline), and its search space says which baseline the plan is."""
+    listed = tuple(b.baseline for b in found)
+    step = plan.prediction.step_time
+    faster = [b for b in found if b.plan is not None
+              and b.plan.prediction.step_time < step * (1 - _SAME_STEP)]
+    if not faster:
+        return dataclasses.replace(plan, baselines=listed)
+    best = min(faster, key=lambda b: b.plan.prediction.step_time)
+    objective = best.plan.prediction.step_time
+    bound = min(plan.solver.best_bound, objective)
+    report = dataclasses.replace(
+        plan.solver, objective=objective, best_bound=bound, gap=(objective - bound) / objective,
+        search_space=f"{plan.solver.search_space}. The plan is the {best.baseline.name} "
+                     f"baseline's, {step / objective:.2f}x as fast as the best plan the "
+                     "search found")
+    return dataclasses.replace(best.plan, solver=report, baselines=listed)
+
+
+_SAME_STEP = 1e-9  # (steps this close are the same price: float noise)
 
 
 def by_speed(cluster: ClusterSpec, dtype: str) -> ClusterSpec:
