@@ -1342,11 +1342,11 @@ def test_a_bound_for_up_to_n_pipelines_is_below_each_counts_bound(seed):
         node = stack.pop(rng.randrange(len(stack)))
         levels, bound, _ = run.state[node.config]
         families = bound._open_families(range(node.level, len(levels)))
-        if run.shrinks(node) and len(families[1]):
+        if run.shrinks(node) and len(families.stages):
             fixed, opened = run.fixed(node), range(node.level, len(levels))
             f, n = fixed[-1]
-            shift = (np.cumsum([[[rng.random() for _ in range(families[5].shape[1])]
-                                for _ in families[1]]], axis=2), families[2])
+            shift = (np.cumsum([[[rng.random() for _ in range(families.caps.shape[1])]
+                                for _ in families.stages]], axis=2), families.optimizer)
             least = rng.choice([1, rng.randint(1, n)])
             with np.errstate(divide="ignore", invalid="ignore"):  # as `Bound.many` calls it
                 up_to_n = bound._core(fixed[:-1], [(f, n)], opened,
@@ -1670,8 +1670,9 @@ def test_open_levels_count_the_pipelines_placement_fits_beside_the_fixed_classes
 
     def spy(self, open_levels, later, free, per_slot=False, fits=None):
         if fits is not None:
-            *_, homes, n_max, _, _, _, size, _, _ = self._open_families(open_levels)
-            held = np.minimum(n_max[None, :], np.floor(free[:, homes] / size[None, :] + 1e-9))
+            found = self._open_families(open_levels)
+            held = np.minimum(found.n_max[None, :],
+                              np.floor(free[:, found.homes] / found.size[None, :] + 1e-9))
             capped.append(bool((np.broadcast_to(fits, held.shape) < held).any()))
         return open_done(self, open_levels, later, free, per_slot, fits)
 

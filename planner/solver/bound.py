@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +23,49 @@ from planner.solver.step import pipelines_within, synced, unsynced
 from planner.solver.structure import devices_of
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
+
+
+@dataclass(frozen=True)
+class LevelView:
+    """A level's families side by side, as `Bound` values them (`Bound._level`)."""
+
+    counts: np.ndarray  # [family, type]: devices of each type one pipeline takes
+    inv_size: np.ndarray  # 1 / devices one pipeline takes
+    holding: list[np.ndarray]  # per type, the families that use it
+    inv_fluid: np.ndarray  # 1 / sum_k counts_k / W_k (W_k: `device_work`)
+    home: int  # the level's own type (-1: a level of mixed patterns)
+    inv_busy: np.ndarray  # 1 / min_busy (0 for a family that cannot run)
+    total: np.ndarray  # its fill floor (infinite for a family that cannot run)
+
+
+@dataclass(frozen=True)
+class OpenLevels:
+    """The open homogeneous levels' families side by side (`Bound._homogeneous`)."""
+
+    homes: np.ndarray  # each level's type
+    starts: np.ndarray  # where each level's families start
+    inv_size: np.ndarray  # per family, as `LevelView`
+    inv_busy: np.ndarray
+    total: np.ndarray
+
+
+@dataclass(frozen=True)
+class OpenFamilies:
+    """Per family of the open homogeneous levels (in `OpenLevels`' order), and per
+    family and rung of its counts (`_rungs`), what `Bound` prices them with
+    (`Bound._open_families`)."""
+
+    masks: np.ndarray  # [family, type]: its type
+    stages: np.ndarray
+    optimizer: np.ndarray  # its optimizer floor at its most pipelines
+    homes: np.ndarray  # its type's index
+    n_max: np.ndarray  # its most pipelines
+    caps: np.ndarray  # [family, rung]: the rung's most pipelines
+    lows: np.ndarray  # [family, rung]: the rung below's most
+    spread: np.ndarray  # [family, rung]: nodes of its type the rung's fewest span at least
+    size: np.ndarray  # devices one pipeline takes
+    per_node: np.ndarray  # stages of its degree one node of its type holds
+    runs: np.ndarray  # the most nodes one pipeline spans
 
 
 def tight_result(table: CostTable, config: Config, space: Space, family: Family,
@@ -166,49 +210,50 @@ class Bound:
         assert sync.kinds == self.kinds
         self.sync = sync
         self.work = np.array([work[k] for k in self.kinds])
-        self._static: dict[int, tuple] = {}
+        self._static: dict[int, LevelView] = {}
         self._n_maxes: dict[int, np.ndarray] = {}
-        self._bounds: dict[int, tuple] = {}
+        self._bounds: dict[int, LevelView] = {}
         self._masks: dict[tuple[str, ...], np.ndarray] = {}
         self._joiners: dict[tuple[int, ...], tuple[float, np.ndarray] | None] = {}
-        self._open: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
+        self._open: dict[tuple[int, ...], OpenLevels] = {}
         self._alone: dict[tuple[int, ...], tuple[float, float]] = {}
-        self._families: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
+        self._families: dict[tuple[int, ...], OpenFamilies] = {}
         self._owns: dict[tuple, np.ndarray] = {}  # `_open_shift`'s floors
 
-    def _level_static(self, level: int) -> tuple:
-        """The part of `_level` that tightening leaves as it is."""
+    def _level_static(self, level: int) -> LevelView:
+        """The part of `_level` that tightening leaves as it is (its rates empty)."""
         static = self._static.get(level)
         if static is None:
             families = self.levels[level]
             counts = np.array([self._counts(f) for f in families],
                               dtype=float).reshape(len(families), len(self.kinds))
             kinds = {k for f in families for k in f.types}
-            home = self.kinds.index(kinds.pop()) if len(kinds) == 1 else -1
-            holding = [np.flatnonzero(counts[:, i]) for i in range(len(self.kinds))]
-            static = (counts, 1 / counts.sum(axis=1).clip(1), holding,
-                      1 / counts.dot(1 / self.work).clip(1e-300), home)
+            static = LevelView(
+                counts=counts, inv_size=1 / counts.sum(axis=1).clip(1),
+                holding=[np.flatnonzero(counts[:, i]) for i in range(len(self.kinds))],
+                inv_fluid=1 / counts.dot(1 / self.work).clip(1e-300),
+                home=self.kinds.index(kinds.pop()) if len(kinds) == 1 else -1,
+                inv_busy=np.zeros(0), total=np.zeros(0))
             self._static[level] = static
         return static
 
     def _is_mixed(self, level: int) -> bool:
-        return self._level_static(level)[4] < 0
+        return self._level_static(level).home < 0
 
-    def _level(self, level: int) -> tuple:
-        """Per family of a level: stages per type, 1 / min_busy, total (infinite for a
-        family that cannot run), 1 / stage count, the families holding each type, 1 /
-        sum_k count_k / W_k, and the level's own type (-1 for mixed patterns). The
-        bounds part is dropped by `invalidate` when families were tightened."""
-        static = self._level_static(level)
-        bounds = self._bounds.get(level)
-        if bounds is None:
+    def _level(self, level: int) -> LevelView:
+        """A level's families as `Bound` values them; the rates (`inv_busy`, `total`) are
+        dropped by `invalidate` when families were tightened."""
+        view = self._bounds.get(level)
+        if view is None:
             live = [np.isfinite(f.min_busy) for f in self.levels[level]]
-            bounds = (np.array([1 / f.min_busy if ok else 0.0
-                                for f, ok in zip(self.levels[level], live, strict=True)]),
-                      np.array([f.total if ok else INF
+            view = dataclasses.replace(
+                self._level_static(level),
+                inv_busy=np.array([1 / f.min_busy if ok else 0.0
+                                   for f, ok in zip(self.levels[level], live, strict=True)]),
+                total=np.array([f.total if ok else INF
                                 for f, ok in zip(self.levels[level], live, strict=True)]))
-            self._bounds[level] = bounds
-        return (*static, *bounds)
+            self._bounds[level] = view
+        return view
 
     def invalidate(self) -> None:
         self._bounds.clear()
@@ -226,52 +271,51 @@ class Bound:
         at y; see the class. (Only the root's levels, the mixed one open and nothing
         fixed, are valued so: no open family starts later there.)"""
         y = np.zeros((len(t), len(self.kinds)))
-        homes, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
-        if len(homes):
-            per_slot = _done(t[:, None], total, inv_busy, whole) * inv_size
-            y[:, homes] = np.maximum.reduceat(per_slot, starts, axis=1)
-        mixed = None
-        for level in open_levels:
-            if self._is_mixed(level):
-                counts, inv_size, holding, inv_fluid, _, inv_busy, total = self._level(level)
-                mixed = (level, counts, inv_size, holding, inv_fluid,
-                         _done(t[:, None], total, inv_busy, whole))
+        opened = self._homogeneous(open_levels)
+        if len(opened.homes):
+            per_slot = _done(t[:, None], opened.total, opened.inv_busy, whole) * opened.inv_size
+            y[:, opened.homes] = np.maximum.reduceat(per_slot, opened.starts, axis=1)
+        mixed = next((level for level in open_levels if self._is_mixed(level)), None)
         if mixed is None:
             return [(y, None, 0.0)]
-        level, counts, inv_size, holding, inv_fluid, done = mixed
-        per_slot = done * inv_size
+        view = self._level(mixed)
+        done = _done(t[:, None], view.total, view.inv_busy, whole)
+        per_slot = done * view.inv_size
         raised = np.maximum(y, np.stack([
             per_slot[:, held].max(axis=1) if len(held) else np.zeros(len(t))
-            for held in holding], axis=1))
+            for held in view.holding], axis=1))
         # t / W_k per slot covers every family, tightened or not (see `families`); scaled
         # down to what the best mixed family reaches of it
-        fluid = (done * inv_fluid).max(axis=1)[:, None] / self.work[None, :]
+        fluid = (done * view.inv_fluid).max(axis=1)[:, None] / self.work[None, :]
+        counts = view.counts
         covered = y.dot(counts.T)
         live = done > 0
         scale = np.where(live, done / covered, 0.0).max(axis=1)
         valid = ~(live & (covered <= 0)).any(axis=1)
         # or y left as it is: the one mixed class holds at most n_max pipelines, each
         # finishing what its slots are worth at y plus what it exceeds that by
-        beyond = (self._n_max(level) * np.maximum(0.0, done - y.dot(counts.T))).max(axis=1)
+        beyond = (self._n_max(mixed) * np.maximum(0.0, done - y.dot(counts.T))).max(axis=1)
         return [(raised, None, 0.0), (np.maximum(y, fluid), None, 0.0),
                 (y * np.where(valid, np.maximum(1.0, scale), 1.0)[:, None], valid, 0.0),
                 (y, None, beyond)]
 
-    def _homogeneous(self, open_levels: Sequence[int]) -> tuple[np.ndarray, ...]:
-        """The open homogeneous levels' families side by side: the levels' types, where
-        each level's families start, and per family 1 / stages, 1 / min_busy and total
-        (as `_level`)."""
+    def _homogeneous(self, open_levels: Sequence[int]) -> OpenLevels:
+        """The open homogeneous levels' families side by side."""
         key = tuple(open_levels)
         if key not in self._open:
-            parts = [self._level(level) for level in open_levels]
-            parts = [p for p in parts if p[4] >= 0 and len(p[0])]
-            sizes = [len(p[0]) for p in parts]
-            self._open[key] = (
-                np.array([p[4] for p in parts], dtype=int),
-                np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int) if parts else
-                np.zeros(0, dtype=int),
-                *(np.concatenate([p[i] for p in parts]) if parts else np.zeros(0)
-                  for i in (1, 5, 6)))
+            views = [self._level(level) for level in open_levels]
+            views = [v for v in views if v.home >= 0 and len(v.counts)]
+            sizes = [len(v.counts) for v in views]
+
+            def joined(field: str) -> np.ndarray:
+                return (np.concatenate([getattr(v, field) for v in views]) if views
+                        else np.zeros(0))
+
+            self._open[key] = OpenLevels(
+                homes=np.array([v.home for v in views], dtype=int),
+                starts=np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int) if views
+                else np.zeros(0, dtype=int),
+                inv_size=joined("inv_size"), inv_busy=joined("inv_busy"), total=joined("total"))
         return self._open[key]
 
     def open_families(self, open_levels: Sequence[int]) -> list[Family]:
@@ -279,12 +323,8 @@ class Bound:
         return [f for level in open_levels if self.levels[level] and not self._is_mixed(level)
                 for f in self.levels[level]]
 
-    def _open_families(self, open_levels: Sequence[int]) -> tuple[np.ndarray, ...]:
-        """Per family of the open homogeneous levels (in `_homogeneous`'s order): its
-        type as a mask, its stages, its optimizer floor, its type's index and its most
-        pipelines; and per family and rung of counts (see the class) the rung's most
-        pipelines, the most of the rung below, and the nodes of its type the rung's
-        fewest span at least."""
+    def _open_families(self, open_levels: Sequence[int]) -> OpenFamilies:
+        """The open homogeneous levels' families as `OpenFamilies`."""
         key = tuple(open_levels)
         if key not in self._families:
             families = [f for level in open_levels if not self._is_mixed(level)
@@ -295,15 +335,16 @@ class Bound:
             n_max = np.array([float(f.n_max) for f in families])
             caps = copies[:, None] * _rungs(max(1.0, *(n_max / copies)) if families else 1.0)
             lows = np.concatenate([np.zeros((len(families), 1)), caps[:, :-1]], axis=1)
-            self._families[key] = (
-                np.array([self._mask(f) for f in families]).reshape(-1, len(self.kinds)),
-                np.array([float(len(f.types)) for f in families]),
-                np.array([self.optimizer(f, f.n_max) for f in families]),
-                homes, n_max, caps, lows, np.ceil((lows + 1) / copies[:, None]),
-                np.array([float(f.devices) for f in families]),
-                np.array([self.sync.per_node(f.tps[0])[k] for f, k in zip(
+            self._families[key] = OpenFamilies(
+                masks=np.array([self._mask(f) for f in families]).reshape(-1, len(self.kinds)),
+                stages=np.array([float(len(f.types)) for f in families]),
+                optimizer=np.array([self.optimizer(f, f.n_max) for f in families]),
+                homes=homes, n_max=n_max, caps=caps, lows=lows,
+                spread=np.ceil((lows + 1) / copies[:, None]),
+                size=np.array([float(f.devices) for f in families]),
+                per_node=np.array([self.sync.per_node(f.tps[0])[k] for f, k in zip(
                     families, homes, strict=True)]),
-                np.array([self.sync.runs(f.types, f.tps) for f in families]))
+                runs=np.array([self.sync.runs(f.types, f.tps) for f in families]))
         return self._families[key]
 
     def _open_done(self, open_levels: Sequence[int], later: np.ndarray | float,
@@ -318,8 +359,11 @@ class Bound:
         rung]: a rung stands for its counts above the rung below, all paying at least
         the sync of the smallest (more nodes never sync faster), so none finishes more
         than the rung's most at that sync; per slot, the first rung's pace."""
-        _, starts, inv_size, inv_busy, total = self._homogeneous(open_levels)
-        _, _, _, homes, n_max, caps, lows, _, size, _, _ = self._open_families(open_levels)
+        opened, found = self._homogeneous(open_levels), self._open_families(open_levels)
+        starts, inv_size, inv_busy, total = (opened.starts, opened.inv_size, opened.inv_busy,
+                                             opened.total)
+        homes, n_max, caps, lows, size = (found.homes, found.n_max, found.caps, found.lows,
+                                          found.size)
         if not len(size):
             empty = np.zeros((len(free), 0))
             return lambda t, whole: (empty, empty if per_slot else None)
@@ -350,9 +394,8 @@ class Bound:
         of any class, so the fixed classes' floor leaves the rest to finish earlier),
         and its optimizer floor (with the floors to compare it to in `_core`). terms: the sync
         floors of the classes and the one added (`SyncFloor.terms`)."""
-        masks, stages, optimizer, _, _, _, lows, spread, _, per_node, runs = (
-            self._open_families(open_levels))
-        if not len(stages):
+        found = self._open_families(open_levels)
+        if not len(found.stages):
             return None
         paid = [np.where(live, p, 0.0) if c == candidate else p
                 for c, (p, _, _) in enumerate(terms)]
@@ -364,12 +407,12 @@ class Bound:
         rows = np.searchsorted(list(firsts.values()), seen)
         key = (tuple(open_levels), kinds.tobytes(), kinds.shape)
         if key not in self._owns:
-            joined = np.maximum(spread, np.ceil((lows + 2) / per_node[:, None]))
+            joined = np.maximum(found.spread, np.ceil((found.lows + 2) / found.per_node[:, None]))
             self._owns[key] = self.sync.open_floors(
-                masks, stages, np.split(kinds, len(classes), axis=1), spread, joined,
-                lows + 1, runs)
+                found.masks, found.stages, np.split(kinds, len(classes), axis=1), found.spread,
+                joined, found.lows + 1, found.runs)
         own = self._owns[key][rows.reshape(-1)]
-        return np.maximum(0.0, own - np.max(paid, axis=0)[:, None, None]), optimizer
+        return np.maximum(0.0, own - np.max(paid, axis=0)[:, None, None]), found.optimizer
 
     def _n_max(self, level: int) -> np.ndarray:
         """The most pipelines of each family of a level."""
@@ -467,7 +510,8 @@ class Bound:
             for level in open_levels:
                 if not self.levels[level]:
                     continue
-                counts, *_, inv_busy, total = self._level(level)
+                view = self._level(level)
+                counts, inv_busy, total = view.counts, view.inv_busy, view.total
                 fit = np.where(counts > 0, np.floor(devices / np.where(counts > 0, counts, 1.0)),
                                INF).min(axis=1)
                 n = np.minimum(np.minimum(self._n_max(level), self.m), fit)
@@ -585,7 +629,7 @@ class Bound:
         mixed = any(self._is_mixed(level) for level in open_levels)
         spare = n_c - fewest_counts(fewer, candidates)  # pipelines a row's candidate may drop
         dropping = bool(spare.any())
-        homes = self._homogeneous(open_levels)[0] if dropping and not mixed else None
+        homes = self._homogeneous(open_levels).homes if dropping and not mixed else None
         rows = len(candidates)
 
         def stacked(values: list, last: np.ndarray) -> np.ndarray:
@@ -662,7 +706,7 @@ class Bound:
                                       pipelines_within(at_least, 0.0, optimizer))
         else:
             if not fixed:
-                first = min(float(self._level(level)[-1].min()) for level in open_levels)
+                first = min(float(self._level(level).total.min()) for level in open_levels)
                 start = np.where(n_c > 0, start, first)
             times = _first_enough(lambda t: self.m - done(t, t, False),
                                   np.where(np.isfinite(start), start, INF),
