@@ -26,6 +26,7 @@ from planner.units import parse_bandwidth, parse_bytes, parse_duration, parse_fl
 SCHEMA_VERSION = 1
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 SOURCED_FIELDS = ("peak_flops", "memory_bandwidth", "memory", "intra_link")
+GEMM_FIELDS = ("compute_units", "gemm_efficiency")  # optional, each with its source
 _PACKAGED = "cost_models/data/devices.yaml"
 
 
@@ -134,7 +135,7 @@ def _link(raw: Any, where: str) -> tuple[LinkSpec, str]:
 def _device(name: str, raw: Any, links: Mapping[str, LinkSpec], where: str
             ) -> tuple[DeviceSpec, list[str]]:
     data = _fields(raw, where, required=("vendor", *SOURCED_FIELDS, "sources"),
-                   optional=("aliases",))
+                   optional=("aliases", *GEMM_FIELDS))
     peak = {}
     for dtype, value in _mapping(data["peak_flops"], f"{where}.peak_flops").items():
         if dtype not in DTYPES:
@@ -149,16 +150,27 @@ def _device(name: str, raw: Any, links: Mapping[str, LinkSpec], where: str
     memory = _parse(parse_bytes, data["memory"], f"{where}.memory")
     if memory <= 0:
         raise _bad(f"{where}.memory", f"must be positive (got {data['memory']!r})")
-    sources = _fields(data["sources"], f"{where}.sources", required=SOURCED_FIELDS)
+    given = tuple(key for key in GEMM_FIELDS if key in data)
+    sources = _fields(data["sources"], f"{where}.sources", required=(*SOURCED_FIELDS, *given))
     aliases = data.get("aliases", [])
     if not isinstance(aliases, list):
         raise _bad(f"{where}.aliases", f"must be a list of names (got {aliases!r})")
+    units = data.get("compute_units")
+    if units is not None and (not isinstance(units, int) or isinstance(units, bool)
+                              or units < 1):
+        raise _bad(f"{where}.compute_units", f"must be a positive whole number (got {units!r})")
+    gemm = data.get("gemm_efficiency")
+    if gemm is not None and (not isinstance(gemm, int | float) or isinstance(gemm, bool)
+                             or not 0 < gemm <= 1):
+        raise _bad(f"{where}.gemm_efficiency", f"must be a share of the peak in (0, 1] "
+                   f"(got {gemm!r})")
     spec = DeviceSpec(
         name=name, vendor=_text(data["vendor"], f"{where}.vendor"), memory=memory,
         memory_bandwidth=_parse(parse_bandwidth, data["memory_bandwidth"],
                                 f"{where}.memory_bandwidth"),
         peak_flops=peak, intra_link=links[link_name],
-        sources={k: _text(v, f"{where}.sources.{k}") for k, v in sources.items()})
+        sources={k: _text(v, f"{where}.sources.{k}") for k, v in sources.items()},
+        compute_units=units, gemm_efficiency=None if gemm is None else float(gemm))
     return spec, [_text(a, f"{where}.aliases") for a in aliases]
 
 

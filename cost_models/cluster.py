@@ -126,6 +126,17 @@ def parse_inline(spec: str) -> ClusterSpec:
     return ClusterSpec(name=spec, nodes=tuple(nodes), network=network)
 
 
+def _same_figures(a: DeviceSpec, b: DeviceSpec) -> bool:
+    """Whether two devices of one name have the same figures, a file written before the
+    catalog gave GEMM figures (`compute_units`, `gemm_efficiency`: both None) agreeing
+    with the catalog on all the others."""
+    if a == b:
+        return True
+    older = any(d.compute_units is None and d.gemm_efficiency is None for d in (a, b))
+    bare = {"compute_units": None, "gemm_efficiency": None, "sources": {}}
+    return older and replace(a, **bare) == replace(b, **bare)
+
+
 def clashing_device(nodes: Sequence[NodeSpec]) -> str | None:
     """Where two nodes give one device type name different figures (a custom device
     named like a catalog one, say), a sentence naming them; else None. The planner
@@ -133,7 +144,7 @@ def clashing_device(nodes: Sequence[NodeSpec]) -> str | None:
     first: dict[str, NodeSpec] = {}
     for node in nodes:
         seen = first.setdefault(node.device.name, node)
-        if seen.device != node.device:
+        if not _same_figures(seen.device, node.device):
             memory = (f" (memory {seen.device.memory / 2**30:g} and "
                       f"{node.device.memory / 2**30:g} GiB)"
                       if seen.device.memory != node.device.memory else "")
@@ -244,6 +255,14 @@ def _device(fields: Fields, node_name: str) -> DeviceSpec:
         name = str(sub.get("name", base or "", required=device is None))
         _one_line(sub, "name", name)
         default_link = device.intra_link if device else catalog.link("pcie4")
+        inherited = device.compute_units if device else None
+        units = (sub.positive_int("compute_units", inherited)
+                 if "compute_units" in sub.data or inherited else None)
+        gemm = sub.get("gemm_efficiency", device.gemm_efficiency if device else None)
+        if gemm is not None and (isinstance(gemm, bool) or not isinstance(gemm, int | float)
+                                 or not 0 < gemm <= 1):
+            raise sub.error(f"must be a share of the peak in (0, 1] (got {gemm!r})",
+                            "gemm_efficiency", ["e.g. gemm_efficiency: 0.8"])
         device = DeviceSpec(
             name=name, vendor=str(sub.get("vendor", device.vendor if device else "custom")),
             memory=memory,
@@ -251,7 +270,8 @@ def _device(fields: Fields, node_name: str) -> DeviceSpec:
                                        device.memory_bandwidth if device else None),
             peak_flops=peak,
             intra_link=_link(sub, "intra_link", default_link, per="per device"),
-            sources={**(device.sources if device else {}), "custom": "given in the cluster spec"})
+            sources={**(device.sources if device else {}), "custom": "given in the cluster spec"},
+            compute_units=units, gemm_efficiency=None if gemm is None else float(gemm))
         sub.check_unknown()
         reserve = framework_reserve(device)
         if memory <= reserve:
@@ -412,11 +432,13 @@ def _device_dict(device: DeviceSpec) -> str | dict[str, Any]:
     bare = replace(device, name=base_name, measured=None)
     if base is not None and bare == base:
         return base.name
+    gemm = {key: getattr(device, key) for key in ("compute_units", "gemm_efficiency")
+            if getattr(device, key) is not None}
     return {"name": base_name, "vendor": device.vendor,
             "memory": _human(device.memory, _BYTES),
             "memory_bandwidth": _human(device.memory_bandwidth, _RATE),
             "peak_flops": {k: _human(v, _FLOPS) for k, v in device.peak_flops.items()},
-            "intra_link": _link_dict(device.intra_link)}
+            "intra_link": _link_dict(device.intra_link), **gemm}
 
 
 def _measured_dict(measured: MeasuredDevice) -> dict[str, Any]:

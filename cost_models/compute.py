@@ -7,17 +7,38 @@ degree `tp`:
     time = max(flops / (peak(dtype) * efficiency(class, GEMM shape)),
                bytes / (memory_bandwidth * memory_efficiency)) + count * launch
 
+A GEMM of m x k by k x n keeps this share of the peak (`gemm_efficiency`):
+
+    E * m n / (waves * units * tm tn) * k / (k + 32),   waves = ceil(tiles / units),
+                                                         tiles = ceil(m / tm) ceil(n / tn)
+
+E is the device's large-GEMM efficiency (catalog `gemm_efficiency`: the measured
+maximum achievable matmul FLOP/s over the peak; else `Efficiency.matmul`). The output
+is computed in tm x tn tiles, one tile per compute unit (SM) at a time: a partial tile
+computes padding (tile quantization) and a last wave with fewer tiles than units leaves
+units idle (wave quantization; NVIDIA, Matrix Multiplication Background User's Guide,
+2023, sections 2.3 and 3). Of cuBLAS's typical tiles, 256 x 128 and 128 x 128, the one
+that wastes less is taken. A device without a unit count pays tile quantization alone
+(128 x 128). A reduction shorter than a few steps of the kernel's pipeline (k0 = 32)
+cannot hide its loads.
+
 FLOPs and activation bytes scale with `mb`; weights (`bytes_fixed`) do not.
-Tensor parallelism divides matmul, attention, convolution, embedding and
-elementwise work by `tp` (Megatron shards them) but not norms (replicated
-without sequence parallelism). Backward uses the kernel's backward FLOPs and
-about twice the forward's bytes.
+Tensor parallelism divides a kernel's work by `tp` (Megatron shards matmuls,
+attention heads and what runs on them) but for the kernels every rank runs whole
+(`Kernel.whole`: the residual stream's norms, adds and dropout, which sequence
+parallelism splits too). Backward uses the kernel's backward FLOPs and about twice
+the forward's bytes.
+
+Recompute costs backward the forward of what it drops: the attention core
+(`Kernel.core`) for selective, the whole layer for full, whose tensor-parallel
+collectives run again too (`recompute_repeats_tp`; the solver prices them).
 
 Measurements override the catalog in two steps: a profile's achieved matmul
 FLOP/s and memory bandwidth replace peak x efficiency; and measured times of
 this very layer (same signature and dtype) at one or more micro-batch sizes
-replace the roofline, fitted as time = a + b * mb (scaled by the roofline's
-tp ratio when tp > 1). A dtype the profile did not measure (or, without a profile,
+replace the roofline, fitted as time = a + b * mb: those measured at the
+tensor-parallel degree priced as they are, else those at tp 1 scaled by the
+roofline's tp ratio. A dtype the profile did not measure (or, without a profile,
 the catalog does not list) runs at the fp32 rate (`rate_dtype`).
 """
 
@@ -30,8 +51,8 @@ from planner.types import DeviceSpec, Kernel, Layer, LayerTiming, OpClass, Optim
 from planner.types.training import Recompute
 
 _SHARDED = {OpClass.MATMUL, OpClass.ATTENTION, OpClass.CONV, OpClass.EMBEDDING,
-            OpClass.ELEMENTWISE, OpClass.REDUCTION, OpClass.POOLING, OpClass.OTHER}
-_HEAVY = {OpClass.MATMUL, OpClass.ATTENTION, OpClass.CONV}
+            OpClass.ELEMENTWISE, OpClass.REDUCTION, OpClass.POOLING, OpClass.OTHER,
+            OpClass.NORM}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +60,8 @@ class Efficiency:
     """Fractions of the datasheet peak that well-tuned kernels reach.
 
     Defaults: large bf16/fp16 GEMMs reach 70-80% of peak with cuBLAS on
-    A100/H100; FlashAttention-2 reaches 50-70% forward and 40-50% backward
+    A100/H100 (`matmul`, for devices the catalog gives no measured
+    `gemm_efficiency`); FlashAttention-2 reaches 50-70% forward and 40-50% backward
     (Dao 2023); memory-bound kernels 80% of peak bandwidth; eager PyTorch pays
     a few microseconds per kernel launch.
     """
@@ -51,7 +73,8 @@ class Efficiency:
     memory: float = 0.8
     launch: float = 5e-6
     backward_bytes: float = 2.0
-    tile: int = 128  # GEMM tile edge for wave quantization
+    tile: int = 128  # GEMM tile edge where the device's unit count is unknown
+    tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 128))  # cuBLAS's large tiles
 
 
 DEFAULT_EFFICIENCY = Efficiency()
@@ -68,12 +91,21 @@ class LayerTime:
         return self.fwd + self.bwd
 
 
-def gemm_utilization(m: float, k: int, n: int, tile: int) -> float:
-    """Share of the tensor cores a GEMM keeps busy: output tiles are padded to the tile
-    edge (wave quantization) and short reductions cannot hide load latency."""
-    def pad(x: float) -> float:
-        return x / (math.ceil(x / tile) * tile) if x > 0 else 1.0
-    return pad(m) * pad(n) * k / (k + 32)
+def gemm_utilization(m: float, k: int, n: int, *, units: int | None,
+                     eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Share of the matrix units a GEMM of m x k by k x n keeps busy (the module's
+    formula without E): the useful part of the tiles issued in whole waves over `units`
+    compute units, the best of `eff.tiles` (one `eff.tile` square without a unit
+    count), times k / (k + 32)."""
+    if m <= 0 or n <= 0:
+        return 1.0
+    shapes = eff.tiles if units else ((eff.tile, eff.tile),)
+    best = 0.0
+    for rows, cols in shapes:
+        tiles = math.ceil(m / rows) * math.ceil(n / cols)
+        issued = math.ceil(tiles / units) * units if units else tiles
+        best = max(best, m * n / (issued * rows * cols))
+    return best * k / (k + 32)
 
 
 def rate_dtype(device: DeviceSpec, dtype: str) -> str:
@@ -86,16 +118,17 @@ def rate_dtype(device: DeviceSpec, dtype: str) -> str:
 
 
 def _rates(device: DeviceSpec, dtype: str, eff: Efficiency) -> tuple[float, float, float]:
-    """(matmul FLOP/s at full utilization, attention/conv scale, memory bytes/s)."""
+    """(matmul FLOP/s at full utilization, the peak it stands for, memory bytes/s)."""
     measured = device.measured
     rated = rate_dtype(device, dtype)
-    matmul = device.flops(rated) * eff.matmul
+    large = device.gemm_efficiency or eff.matmul
+    matmul = device.flops(rated) * large
     if measured and rated in measured.matmul_flops:
         matmul = measured.matmul_flops[rated]
     bandwidth = device.memory_bandwidth * eff.memory
     if measured and measured.memory_bandwidth:
         bandwidth = measured.memory_bandwidth
-    return matmul, matmul / eff.matmul, bandwidth
+    return matmul, matmul / large, bandwidth
 
 
 def _kernel_time(k: Kernel, *, mb: int, tp: int, backward: bool, device: DeviceSpec,
@@ -113,7 +146,8 @@ def _kernel_time(k: Kernel, *, mb: int, tp: int, backward: bool, device: DeviceS
         rate = peak_equiv * eff.conv
     if k.gemm is not None:
         m, kk, n = k.gemm
-        rate *= gemm_utilization(m * mb, kk, max(1, n // share), eff.tile)
+        rate *= gemm_utilization(m * mb, kk, max(1, n // share), units=device.compute_units,
+                                 eff=eff)
     compute = flops / rate if flops else 0.0
     return max(compute, moved / bandwidth) + k.count * eff.launch
 
@@ -145,8 +179,13 @@ def layer_time(layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int, d
     """Forward and backward seconds of `layer` for one micro-batch on one device of a
     `tp`-wide tensor-parallel group."""
     measured = device.measured
-    points = [t for t in (measured.layer_times if measured else ())
-              if t.layer == layer.signature and t.dtype == dtype and t.tp == 1]
+    alike = [t for t in (measured.layer_times if measured else ())
+             if t.layer == layer.signature and t.dtype == dtype]
+    at_tp = [t for t in alike if t.tp == tp]
+    if at_tp:  # measured at this very degree: as measured
+        return LayerTime(_fit(at_tp, micro_batch, "fwd"), _fit(at_tp, micro_batch, "bwd"),
+                         "measured")
+    points = [t for t in alike if t.tp == 1]
     if not points:
         return roofline_time(layer, device, tp=tp, micro_batch=micro_batch, dtype=dtype, eff=eff)
     fwd, bwd = _fit(points, micro_batch, "fwd"), _fit(points, micro_batch, "bwd")
@@ -161,17 +200,24 @@ def layer_time(layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int, d
 def recompute_time(layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                    dtype: str, policy: Recompute, eff: Efficiency = DEFAULT_EFFICIENCY
                    ) -> float:
-    """Extra backward seconds that recomputation costs: the whole forward (full), or the
-    forward of the ops whose outputs selective recompute drops (all but matmuls,
-    convolutions and attention)."""
+    """Extra backward seconds that recomputation costs in compute: the whole forward
+    (full), or the forward of the attention core (selective); the collectives a full
+    recompute runs again are the solver's to price (`recompute_repeats_tp`)."""
     if policy is Recompute.NONE:
         return 0.0
     if policy is Recompute.FULL:
         return layer_time(layer, device, tp=tp, micro_batch=micro_batch, dtype=dtype,
                           eff=eff).fwd
-    cheap = [k for k in layer.kernels if k.op_class not in _HEAVY]
     return sum(_kernel_time(k, mb=micro_batch, tp=layer.tp_share(tp), backward=False,
-                            device=device, dtype=dtype, eff=eff) for k in cheap)
+                            device=device, dtype=dtype, eff=eff)
+               for k in layer.kernels if k.core)
+
+
+def recompute_repeats_tp(policy: Recompute) -> bool:
+    """Whether recomputing under `policy` runs the layer's tensor-parallel collectives
+    again: full recompute runs the whole forward, its all-reduces (or reduce-scatters
+    and all-gathers) included; the attention core has none."""
+    return policy is Recompute.FULL
 
 
 def optimizer_time(params: float, device: DeviceSpec, *, dtype_bytes: int,

@@ -11,14 +11,16 @@ For P parameters in the stage, on one device of a tensor-parallel group of
                 `planner.types.model.zero_kept`)
     activations per micro-batch * micro-batches in flight, by recompute policy:
                   none       the bytes each layer saves for backward
-                  selective  the layer input plus outputs of matmuls and attention
+                  selective  all but what the attention core makes and saves
+                             (a fused core's output and log-sum-exp)
                   full       only each layer's input, plus one layer's full
                              activations while its backward runs
                 tensor parallelism shards them except the residual stream's
                 (norms' inputs and outputs, the column-parallel projections'
-                inputs, the layer input and the row-parallel outputs under
-                selective recompute), which every rank keeps whole without
-                sequence parallelism (`Layer.replicated_bytes`)
+                inputs, the layer input under full recompute), which every rank
+                keeps whole without sequence parallelism (`Layer.replicated_bytes`);
+                with it, all of them divide by tp (Korthikanti et al. 2022:
+                34sbh/t per transformer layer instead of sbh(10 + 24/t))
     reserve     framework and allocator overhead: 1 GiB on GPUs (CUDA context,
                 NCCL buffers, fragmentation), 0.25 GiB on CPUs
 
@@ -51,13 +53,11 @@ def optimizer_state_bytes(training: TrainingSpec) -> float:
 def activation_bytes(layer: Layer, *, recompute: Recompute, tp: int) -> float:
     """Per-sample bytes a layer keeps between its forward and backward."""
     tp = layer.tp_share(tp)
-    if recompute is Recompute.FULL:
-        return layer.input_bytes
-    if recompute is Recompute.SELECTIVE:
-        kept, whole = layer.selective_bytes, layer.replicated_selective_bytes
-    else:
-        kept, whole = layer.activation_bytes, layer.replicated_bytes
-    return whole + (kept - whole) / tp  # (every tp rank keeps the residual stream whole)
+    if recompute is Recompute.FULL:  # (sequence parallelism keeps its slice of the input)
+        return layer.input_bytes / (tp if layer.sequence_parallel else 1)
+    kept = layer.selective_bytes if recompute is Recompute.SELECTIVE else layer.activation_bytes
+    whole = layer.replicated_bytes  # (every tp rank keeps the residual stream whole)
+    return whole + (kept - whole) / tp
 
 
 def stage_memory(layers: Sequence[Layer], *, device: DeviceSpec, training: TrainingSpec,
@@ -65,8 +65,12 @@ def stage_memory(layers: Sequence[Layer], *, device: DeviceSpec, training: Train
                  micro_batch: int = 1, in_flight: int = 1, kept: float = 0.0
                  ) -> MemoryBreakdown:
     """Memory of one device that holds `layers` (a stage, or one virtual stage);
-    `kept`: parameters of them that ZeRO leaves whole (`planner.types.model.zero_kept`)."""
+    `kept`: parameters of them that ZeRO leaves whole (`planner.types.model.zero_kept`),
+    tied token tables, which a tp rank holds its share of where vocabulary parallelism
+    splits the stage's embedding or head (as `params_per_rank` counts them)."""
     params = params_per_rank(layers, tp)
+    if any(layer.vocab_layer and layer.tp_sharded for layer in layers):
+        kept /= tp
 
     def held(per_param: float, level: int) -> float:
         """Bytes of a term that ZeRO stage `level` and above shard over dp."""

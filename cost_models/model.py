@@ -26,6 +26,7 @@ from cost_models.compute import (
     recompute_time,
 )
 from cost_models.memory import optimizer_state_bytes, stage_memory
+from cost_models.tensor_parallel import tp_comm_time
 from planner.dtypes import dtype_bytes
 from planner.types import ClusterSpec, DeviceSpec, Layer, MemoryBreakdown, TrainingSpec
 from planner.types.training import Recompute
@@ -41,6 +42,8 @@ class CostModel(Protocol):
                        dtype: str, policy: Recompute) -> float: ...
 
     def collective_time(self, kind: Collective, nbytes: float, group: CommGroup) -> float: ...
+
+    def tp_comm_time(self, layer: Layer, micro_batch: int, group: CommGroup) -> float: ...
 
     def p2p_time(self, nbytes: float, src: str, dst: str) -> float: ...
 
@@ -73,9 +76,10 @@ class AnalyticalCostModel:
     def layer_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                    dtype: str) -> LayerTime:
         # identical repeated layers share a signature, so 80 transformer blocks are priced
-        # once; the device by identity (hashing a measured device costs more than pricing;
-        # the memo keeps it alive, so its id stays unique)
-        key = ("layer", layer.signature, id(device), tp, micro_batch, dtype)
+        # once (as the plan's tensor-parallel options run them: `_priced`); the device by
+        # identity (hashing a measured device costs more than pricing; the memo keeps it
+        # alive, so its id stays unique)
+        key = ("layer", _priced(layer), id(device), tp, micro_batch, dtype)
         if key not in self.memo:
             self.memo[key] = layer_time(layer, device, tp=tp, micro_batch=micro_batch,
                                         dtype=dtype, eff=self.efficiency)
@@ -84,7 +88,7 @@ class AnalyticalCostModel:
 
     def recompute_time(self, layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                        dtype: str, policy: Recompute) -> float:
-        key = ("recompute", layer.signature, id(device), tp, micro_batch, dtype, policy)
+        key = ("recompute", _priced(layer), id(device), tp, micro_batch, dtype, policy)
         if key not in self.memo:
             self.memo[key] = recompute_time(layer, device, tp=tp, micro_batch=micro_batch,
                                             dtype=dtype, policy=policy, eff=self.efficiency)
@@ -103,13 +107,16 @@ class AnalyticalCostModel:
             memo[key] = collective_over(kind, nbytes, group, *memo[links])
         return memo[key]
 
+    def tp_comm_time(self, layer: Layer, micro_batch: int, group: CommGroup) -> float:
+        return tp_comm_time(layer, micro_batch, group, self.collective_time)
+
     def p2p_time(self, nbytes: float, src: str, dst: str) -> float:
         return p2p_time(nbytes, self.cluster.link_between(src, dst))
 
     def memory(self, layers: Sequence[Layer], device: DeviceSpec, training: TrainingSpec, *,
                tp: int = 1, dp: int = 1, zero: int = 0, recompute: Recompute = Recompute.NONE,
                micro_batch: int = 1, in_flight: int = 1, kept: float = 0.0) -> MemoryBreakdown:
-        key = ("memory", tuple(layer.signature for layer in layers), id(device), training, tp,
+        key = ("memory", tuple(_priced(layer) for layer in layers), id(device), training, tp,
                dp, zero, recompute, micro_batch, in_flight, kept)
         if key not in self.memo:
             self.memo[key] = stage_memory(layers, device=device, training=training, tp=tp,
@@ -124,3 +131,10 @@ class AnalyticalCostModel:
         return optimizer_time(params, device, dtype_bytes=dtype_bytes(training.dtype),
                               optimizer=training.optimizer,
                               state_bytes=optimizer_state_bytes(training), eff=self.efficiency)
+
+
+def _priced(layer: Layer) -> tuple[str, bool, bool]:
+    """What sets a layer's prices: its signature, and whether tensor parallelism splits it
+    and sequence parallelism runs it (`cost_models.tensor_parallel.as_trained` changes
+    both, not the signature, which measured layer timings are matched by)."""
+    return layer.signature, layer.tp_sharded, layer.sequence_parallel

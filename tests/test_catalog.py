@@ -25,8 +25,12 @@ def test_every_required_device_has_positive_sourced_figures():
         assert d.peak_flops["fp32"] > 0 and all(v > 0 for v in d.peak_flops.values())
         assert set(d.peak_flops) <= {"fp32", "tf32", "bf16", "fp16"}
         assert d.intra_link.bandwidth > 0 and d.intra_link.latency >= 0
-        assert set(d.sources) == {"peak_flops", "memory_bandwidth", "memory", "intra_link"}
+        gemm = {key for key in ("compute_units", "gemm_efficiency") if getattr(d, key)}
+        assert set(d.sources) == {"peak_flops", "memory_bandwidth", "memory", "intra_link",
+                                  *gemm}
         assert all(text.strip() for text in d.sources.values())
+        assert d.compute_units is None or d.compute_units >= 1
+        assert d.gemm_efficiency is None or 0.5 < d.gemm_efficiency < 1
     assert list(catalog.load_catalog().links) == LINKS
 
 
@@ -147,6 +151,32 @@ def test_malformed_entries_name_the_entry_and_field(tmp_path, old, new, field):
         _load(tmp_path, _GOOD.replace(old, new))
     assert err.value.kind == "bad-catalog"
     assert f"{field}:" in err.value.message and str(tmp_path) in err.value.message
+
+
+_GEMM = _GOOD.replace("    intra_link: fast\n", "    intra_link: fast\n    compute_units: 100\n"
+                      "    gemm_efficiency: 0.8\n").replace(
+    "intra_link: d}", "intra_link: d, compute_units: e, gemm_efficiency: f}")
+
+
+def test_gemm_figures_are_read_with_their_sources(tmp_path):
+    x1 = _load(tmp_path, _GEMM).device("X1")
+    assert (x1.compute_units, x1.gemm_efficiency) == (100, 0.8)
+    assert (x1.sources["compute_units"], x1.sources["gemm_efficiency"]) == ("e", "f")
+    assert _load(tmp_path, _GOOD).device("X1").compute_units is None
+
+
+@pytest.mark.parametrize("old, new, field", [
+    ("compute_units: 100", "compute_units: 0", "devices.X1.compute_units"),
+    ("compute_units: 100", "compute_units: 12.5", "devices.X1.compute_units"),
+    ("gemm_efficiency: 0.8", "gemm_efficiency: 1.5", "devices.X1.gemm_efficiency"),
+    ("gemm_efficiency: 0.8", "gemm_efficiency: high", "devices.X1.gemm_efficiency"),
+    (", gemm_efficiency: f", "", "devices.X1.sources"),  # a figure needs its source
+])
+def test_malformed_gemm_figures_name_the_field(tmp_path, old, new, field):
+    assert old in _GEMM
+    with pytest.raises(PlannerError) as err:
+        _load(tmp_path, _GEMM.replace(old, new))
+    assert err.value.kind == "bad-catalog" and f"{field}:" in err.value.message
 
 
 runner = CliRunner()

@@ -11,6 +11,7 @@ from cost_models.compute import (
     layer_time,
     optimizer_time,
     rate_dtype,
+    recompute_repeats_tp,
     recompute_time,
 )
 from cost_models.memory import GIB, activation_bytes, stage_memory
@@ -100,26 +101,31 @@ def test_point_to_point():
     assert p2p_time(0, NET) == 0.0
 
 
-def dense_layer(m_per_sample=4096, k=8192, n=8192, elementwise_bytes=0.0) -> Layer:
+def dense_layer(m_per_sample=4096, k=8192, n=8192, elementwise_bytes=0.0,
+                core_bytes=0.0) -> Layer:
+    """One GEMM, and optionally a memory-bound elementwise kernel and an attention core's
+    memory-bound kernel (`Kernel.core`)."""
     kernels = [Kernel(op_class=OpClass.MATMUL, count=1, flops=2 * m_per_sample * k * n,
                       bwd_flops=4 * m_per_sample * k * n, bytes=2 * m_per_sample * (k + n),
                       bytes_fixed=2 * k * n, gemm=(m_per_sample, k, n))]
     if elementwise_bytes:
         kernels.append(Kernel(op_class=OpClass.ELEMENTWISE, count=1, flops=0, bwd_flops=0,
                               bytes=elementwise_bytes, bytes_fixed=0))
+    if core_bytes:
+        kernels.append(Kernel(op_class=OpClass.REDUCTION, count=1, flops=0, bwd_flops=0,
+                              bytes=core_bytes, bytes_fixed=0, core=True))
     return Layer(index=0, name="l", kind=LayerKind.BLOCK, modules=("l",), params=k * n,
                  param_bytes=2 * k * n, buffer_bytes=0, fwd_flops=2 * m_per_sample * k * n,
                  bwd_flops=4 * m_per_sample * k * n, activation_bytes=100.0,
                  saved_by_class={"matmul": 60.0, "norm": 40.0}, selective_bytes=70.0,
-                 replicated_bytes=40.0, replicated_selective_bytes=10.0,
-                 input_bytes=10.0, output_bytes=10.0, tp_comm_bytes=0.0, tp_divisor=8,
-                 kernels=tuple(kernels), signature="sig")
+                 replicated_bytes=40.0, input_bytes=10.0, output_bytes=10.0,
+                 tp_comm_bytes=0.0, tp_divisor=8, kernels=tuple(kernels), signature="sig")
 
 
 def test_roofline_of_a_large_gemm():
     layer = dense_layer()
     t = layer_time(layer, GPU, tp=1, micro_batch=2, dtype="bf16")
-    util = gemm_utilization(8192, 8192, 8192, 128)
+    util = gemm_utilization(8192, 8192, 8192, units=None)
     assert util == pytest.approx(8192 / (8192 + 32))
     expected = 2 * 2 * 4096 * 8192 * 8192 / (312e12 * 0.75 * util) + DEFAULT_EFFICIENCY.launch
     assert t.fwd == pytest.approx(expected)
@@ -157,7 +163,7 @@ def test_measured_rates_replace_the_catalog():
                                                   memory_bandwidth=1e12))
     layer = dense_layer()
     t = layer_time(layer, measured, tp=1, micro_batch=1, dtype="bf16")
-    util = gemm_utilization(4096, 8192, 8192, 128)
+    util = gemm_utilization(4096, 8192, 8192, units=None)
     assert t.fwd == pytest.approx(2 * 4096 * 8192**2 / (100e12 * util) + 5e-6)
 
 
@@ -190,24 +196,50 @@ def test_measured_layer_times_are_fitted_linearly():
     assert other_dtype.source == "roofline"
 
 
+def test_layer_times_measured_at_a_tensor_parallel_degree_are_used_as_measured():
+    """A timing measured at tp 2 prices tp 2 as it is; tp 4, unmeasured, scales the tp 1
+    timing by the roofline's ratio (as before)."""
+    timings = (LayerTiming(model="m", layer="sig", seq_len=None, dtype="bf16", micro_batch=1,
+                           fwd=0.010, bwd=0.020),
+               LayerTiming(model="m", layer="sig", seq_len=None, dtype="bf16", micro_batch=1,
+                           tp=2, fwd=0.007, bwd=0.013))
+    device = DeviceSpec(name="G@n", vendor="x", memory=GPU.memory,
+                        memory_bandwidth=GPU.memory_bandwidth, peak_flops=GPU.peak_flops,
+                        intra_link=NVLINK, measured=MeasuredDevice(layer_times=timings))
+    two = layer_time(dense_layer(), device, tp=2, micro_batch=2, dtype="bf16")
+    assert (two.fwd, two.bwd, two.source) == (pytest.approx(0.014), pytest.approx(0.026),
+                                              "measured")
+    four = layer_time(dense_layer(), device, tp=4, micro_batch=1, dtype="bf16")
+    one = layer_time(dense_layer(), GPU, tp=1, micro_batch=1, dtype="bf16")
+    ratio = layer_time(dense_layer(), GPU, tp=4, micro_batch=1, dtype="bf16").fwd / one.fwd
+    assert four.fwd == pytest.approx(0.010 * ratio)
+
+
 def test_recompute_costs():
-    layer = dense_layer(elementwise_bytes=1e9)
+    """Selective recompute runs the attention core's forward again (its 2 GB at 80% of
+    2 TB/s), not the elementwise kernel's; full runs the whole forward."""
+    layer = dense_layer(elementwise_bytes=1e9, core_bytes=2e9)
     fwd = layer_time(layer, GPU, tp=1, micro_batch=1, dtype="bf16").fwd
     assert recompute_time(layer, GPU, tp=1, micro_batch=1, dtype="bf16",
                           policy=Recompute.FULL) == pytest.approx(fwd)
     assert recompute_time(layer, GPU, tp=1, micro_batch=1, dtype="bf16",
-                          policy=Recompute.SELECTIVE) == pytest.approx(1e9 / 1.6e12 + 5e-6)
+                          policy=Recompute.SELECTIVE) == pytest.approx(2e9 / 1.6e12 + 5e-6)
     assert recompute_time(layer, GPU, tp=1, micro_batch=1, dtype="bf16",
                           policy=Recompute.NONE) == 0
+    assert (recompute_repeats_tp(Recompute.FULL), recompute_repeats_tp(Recompute.SELECTIVE),
+            recompute_repeats_tp(Recompute.NONE)) == (True, False, False)
 
 
 def test_activation_terms_by_policy():
+    """The residual stream (40 of 100 bytes) stays whole on every tp rank; selective
+    recompute drops 30 bytes of the attention core, split over tp like the rest."""
     layer = dense_layer()
     assert activation_bytes(layer, recompute=Recompute.NONE, tp=1) == 100
     assert activation_bytes(layer, recompute=Recompute.NONE, tp=2) == 40 + 30  # stream whole
     assert activation_bytes(layer, recompute=Recompute.SELECTIVE, tp=1) == 70
-    assert activation_bytes(layer, recompute=Recompute.SELECTIVE, tp=2) == 10 + 30
+    assert activation_bytes(layer, recompute=Recompute.SELECTIVE, tp=2) == 40 + 15
     assert activation_bytes(layer, recompute=Recompute.FULL, tp=1) == 10
+    assert activation_bytes(layer, recompute=Recompute.FULL, tp=2) == 10  # input whole
 
 
 @pytest.fixture(scope="module")

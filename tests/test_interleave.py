@@ -107,7 +107,10 @@ def test_an_interleaved_solver_plan_is_priced_as_estimate_prices_it(interleaved)
     graph, cluster, plan = interleaved
     assert plan.solver.objective == pytest.approx(plan.prediction.step_time, rel=1e-9)
     sim = replay(plan, graph.layers, AnalyticalCostModel(cluster))
-    assert sim.step_time == pytest.approx(plan.prediction.step_time, rel=0.02)
+    # interleaved 1F1B's closed form runs above the event replay where stages are
+    # unbalanced (benchmarks/RESULTS.md, closed-form): 2.3% on this plan since GEMMs are
+    # priced by their shapes (the V100's small GEMMs slower than the A100's)
+    assert plan.prediction.step_time * 0.97 <= sim.step_time <= plan.prediction.step_time
     for p in plan.pipelines:
         assert p.schedule is Schedule.INTERLEAVED and p.interleave == 2
         assert p.num_microbatches % len(p.stages) == 0

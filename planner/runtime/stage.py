@@ -20,7 +20,6 @@ reference too). Parameters of modules without `reset_parameters()` get zeros
 
 from __future__ import annotations
 
-import functools
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -121,8 +120,29 @@ class _ParamReads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_NOT_RUN = {"sequence_parallel": ("sequence parallelism", "--sequence-parallel"),
+            "vocab_parallel": ("vocabulary parallelism", "--vocab-parallel")}
+
+
+def check_options(plan: Plan) -> None:
+    """A PlannerError for a plan whose training asks for what the runtime does not run
+    yet: sequence and vocabulary parallelism are priced (`cost_models.tensor_parallel`),
+    not executed."""
+    given = [key for key in _NOT_RUN if getattr(plan.training, key)]
+    if given:
+        what = _NOT_RUN[given[0]][0]
+        raise PlannerError(
+            "unsupported-plan", f"The plan's training.{given[0]} is set, and the runtime "
+            f"does not run {what} yet: the planner prices it, it cannot launch it.",
+            [f"solve or estimate again without {' and '.join(_NOT_RUN[k][1] for k in given)}"
+             " to launch the plan", f"or set training.{given[0]} to false in the plan file "
+             "(and price it again with `planner estimate --plan`)"])
+
+
 def inspect_model(plan: Plan) -> ModelInfo:
-    """Build the plan's model on meta and check that its layers form a chain."""
+    """Build the plan's model on meta and check that its layers form a chain (and that
+    the runtime runs the plan's tensor-parallel options: `check_options`)."""
+    check_options(plan)
     loaded = load_model(plan.model, seq_len=plan.training.seq_len, device="meta")
     if loaded.loss is None:
         raise PlannerError("unsupported-model", f"Model {plan.model.describe()} has no "
@@ -281,43 +301,37 @@ def materialize(root: nn.Module, seed: int) -> nn.Module:
 
 # --- recompute --------------------------------------------------------------------------
 
-def _saved_ops() -> frozenset:
-    aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "baddbmm", "convolution",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_efficient_attention_forward", "_flash_attention_forward"]
-    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
-    functional = getattr(torch.ops, "_c10d_functional", None)
-    for n in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor"):
-        if functional is not None and hasattr(functional, n):
-            ops.add(getattr(functional, n).default)
-    return frozenset(ops)
+class _RecomputeAttention(TorchFunctionMode):
+    """Runs every fused attention call (`scaled_dot_product_attention`: QK^T, softmax,
+    dropout and attention over V in one kernel) under torch.utils.checkpoint: its inputs
+    (Q, K, V) are kept, its output and statistics made again in backward. The attention
+    core, as the trace records it (`Kernel.core`)."""
 
+    def __torch_function__(self, func: object, types: object, args: tuple = (),
+                           kwargs: dict | None = None) -> object:
+        from torch.utils.checkpoint import checkpoint
 
-def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return (CheckpointPolicy.MUST_SAVE if op in _saved_ops()
-            else CheckpointPolicy.PREFER_RECOMPUTE)
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and torch.is_grad_enabled():
+            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)
 
 
 def apply_recompute(unit: nn.Module, policy: Recompute) -> None:
     """Recompute the unit's activations in backward: all of them (full: only the unit's
-    input is kept) or all but the outputs of matmuls, convolutions, attention and
-    collectives (selective, via torch.utils.checkpoint's selective policy)."""
+    input is kept, torch.utils.checkpoint) or the attention core's (selective,
+    Megatron's: each fused attention call runs again, everything else is kept)."""
     if policy is Recompute.NONE:
         return
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint
 
     forward = unit.forward
-    context = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-               if policy is Recompute.SELECTIVE else None)
 
     def recomputed(*args: object, **kwargs: object) -> object:
-        if context is None:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+        if policy is Recompute.SELECTIVE:
+            with _RecomputeAttention():
+                return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     unit.forward = recomputed
 

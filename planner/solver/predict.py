@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cost_models.comm import Collective, CommGroup, busiest_card, send_sharing, shared_by
+from cost_models.compute import recompute_repeats_tp
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
@@ -188,15 +189,16 @@ def _gather(plan: Plan, layers: Sequence[Layer], stage: StagePlan, groups: Holde
 def _compute(chunk_layers: Sequence[Layer], node: NodeSpec, stage: StagePlan, mb: int,
              dtype: str, costs: CostModel) -> tuple[float, float, float, float]:
     """(forward, backward, tensor-parallel, recompute) seconds of a stage's layers per
-    micro-batch; forward and backward include the tensor-parallel all-reduces."""
+    micro-batch; forward and backward include the tensor-parallel collectives, and a
+    full recompute runs them again (`table.build_table` alike)."""
     fwd = bwd = tp_fwd = recompute = 0.0
     group = CommGroup(((node.name, stage.tp),))
+    again = recompute_repeats_tp(stage.recompute)
     for layer in chunk_layers:
         t = costs.layer_time(layer, node.device, tp=stage.tp, micro_batch=mb, dtype=dtype)
-        tp_comm = (costs.collective_time(Collective.ALL_REDUCE, layer.tp_comm_bytes * mb,
-                                         group) if stage.tp > 1 else 0.0)
+        tp_comm = costs.tp_comm_time(layer, mb, group) if stage.tp > 1 else 0.0
         rec = costs.recompute_time(layer, node.device, tp=stage.tp, micro_batch=mb,
-                                   dtype=dtype, policy=stage.recompute)
+                                   dtype=dtype, policy=stage.recompute) + tp_comm * again
         fwd += t.fwd + tp_comm
         bwd += t.bwd + tp_comm + rec
         tp_fwd += tp_comm

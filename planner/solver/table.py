@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cost_models.comm import Collective, CommGroup
+from cost_models.compute import recompute_repeats_tp
 from cost_models.memory import GIB, activation_bytes, optimizer_state_bytes
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
@@ -80,6 +81,8 @@ class CostTable:
     layer_flops: np.ndarray  # training FLOPs per sample (fwd + bwd), for MFU and bounds
     tied: tuple[tuple[int, int, int], ...] = ()
     unsharded: np.ndarray | None = None  # per layer: parameters tensor parallelism keeps whole
+    split: np.ndarray | None = None  # per layer: whether tensor parallelism splits it (and
+    # so the copy of a tied weight it reads: `types.model.params_per_rank`)
     interleave: int = 1  # folded for this many model chunks per device (`interleave.fold`)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -115,16 +118,17 @@ class CostTable:
 
     def range_params(self, tp: int) -> np.ndarray:
         """[a, b) matrix of the parameters one rank of a tp-wide stage holding layers
-        [a, b) keeps: its own plus copies of tied weights owned outside the range
-        (cached)."""
+        [a, b) keeps: its own plus copies of tied weights owned outside the range, split
+        as their readers are (cached)."""
         if ("range params", tp) not in self.cache:
             prefix = np.concatenate([[0.0], np.cumsum(self.rank_params(tp))])
             out = prefix[None, :] - prefix[:, None]
             a = np.arange(self.num_layers + 1)[:, None]
             b = np.arange(self.num_layers + 1)[None, :]
             for reader, owner, params in self.tied:
-                out = out + params * ((a <= reader) & (reader < b)
-                                      & ~((a <= owner) & (owner < b)))
+                share = tp if self.split is not None and self.split[reader] else 1
+                out = out + params / share * ((a <= reader) & (reader < b)
+                                              & ~((a <= owner) & (owner < b)))
             self.cache["range params", tp] = out
         return self.cache["range params", tp]
 
@@ -209,20 +213,20 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
             peak_flops=device.flops(training.dtype),
             reserve=0.25 * GIB if device.is_cpu else GIB))
     first_node = {t.name: t.nodes[0] for t in types}
-    tp_bytes = np.array([layer.tp_comm_bytes for layer in layers])
 
     def layer_costs(type_name: str, tp: int, mb: int) -> LayerCosts:
         device = devices[type_name]
         times = [costs.layer_time(layer, device, tp=tp, micro_batch=mb, dtype=training.dtype)
                  for layer in layers]
         group = CommGroup(((first_node[type_name], tp),))
-        tp_one = np.array([costs.collective_time(Collective.ALL_REDUCE, b * mb, group)
-                           for b in tp_bytes]) if tp > 1 else np.zeros(len(layers))
+        tp_one = np.array([costs.tp_comm_time(layer, mb, group)
+                           for layer in layers]) if tp > 1 else np.zeros(len(layers))
         fwd = np.array([t.fwd for t in times]) + tp_one
         bwd = np.array([t.bwd for t in times]) + tp_one
         recompute = {p: np.array([costs.recompute_time(layer, device, tp=tp, micro_batch=mb,
                                                        dtype=training.dtype, policy=p)
-                                  for layer in layers]) for p in POLICIES}
+                                  for layer in layers])
+                     + (tp_one if recompute_repeats_tp(p) else 0.0) for p in POLICIES}
         return LayerCosts(fwd=fwd, bwd=bwd, tp_fwd=tp_one, tp_bwd=tp_one, recompute=recompute)
 
     act_cache: dict[tuple[Recompute, int], np.ndarray] = {}
@@ -251,4 +255,5 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
         tied=tuple((layer.index, owner, params) for layer in layers
                    for owner, params in layer.tied),
         unsharded=np.array([0.0 if layer.tp_sharded else float(layer.params)
-                            for layer in layers]))
+                            for layer in layers]),
+        split=np.array([layer.tp_sharded for layer in layers]))

@@ -2,10 +2,12 @@
 
 Devices are taken node by node in cluster-file order and cut into tensor-
 parallel groups of `tp` devices; `dp` pipelines take `pp` consecutive groups
-each; layers are split evenly (with v chunks per stage for an interleaved
-schedule); every pipeline gets an even share of the global batch, the micro-batches
-left over one each to the fastest pipelines (`even_shares`). `estimate` prices a
-recipe the user fixes; the Megatron baseline is the best such recipe.
+each; layers are split Megatron's way (`megatron_bounds`: the blocks evenly, the
+embedding with the first chunk and the head with the last; with v chunks per stage
+for an interleaved schedule); every pipeline gets an even share of the global batch,
+the micro-batches left over one each to the fastest pipelines (`even_shares`).
+`estimate` prices a recipe the user fixes; the Megatron baseline is the best such
+recipe.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from planner.types import (
     ClusterSpec,
     DeviceGroup,
     Layer,
+    LayerKind,
     ModelSpec,
     PipelinePlan,
     Plan,
@@ -41,6 +44,22 @@ def groups(cluster: ClusterSpec, tp: int) -> list[tuple[str, int, str]]:
 
 def even_bounds(num_layers: int, parts: int) -> list[tuple[int, int]]:
     cuts = [round(i * num_layers / parts) for i in range(parts + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(parts)]
+
+
+def megatron_bounds(layers: Sequence[Layer], parts: int) -> list[tuple[int, int]]:
+    """Megatron-LM's split: the blocks (and glue between them) cut into `parts` runs as
+    even as they can be, the layers before the first (the embedding) going with the
+    first run and those after the last (the head) with the last, where counting the
+    embedding and the head as layers would give some stages an extra block. Fewer
+    blocks than parts: every layer counts (`even_bounds`)."""
+    inner = [i for i, layer in enumerate(layers)
+             if layer.kind in (LayerKind.BLOCK, LayerKind.GLUE)]
+    if len(inner) < parts:
+        return even_bounds(len(layers), parts)
+    first, count = inner[0], inner[-1] + 1 - inner[0]
+    cuts = [first + round(i * count / parts) for i in range(parts + 1)]
+    cuts[0], cuts[-1] = 0, len(layers)
     return [(cuts[i], cuts[i + 1]) for i in range(parts)]
 
 
@@ -111,7 +130,7 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
             f"groups of {tp}; cluster {cluster.name} has {len(slots)} such groups "
             f"({cluster.num_devices} devices).", ["lower --dp or --pp", "lower --tp"])
     schedule = Schedule.INTERLEAVED if interleave > 1 else schedule
-    chunks = even_bounds(len(layers), pp * interleave)
+    chunks = megatron_bounds(layers, pp * interleave)
     if any(a == b for a, b in chunks):
         raise PlannerError("bad-option", f"{len(layers)} layers cannot be split into "
                            f"--pp {pp} x --interleave {interleave} non-empty chunks.",

@@ -110,16 +110,19 @@ def _boundaries(groups: list[_Group]) -> tuple[list[float], float]:
     return crossing, first_inputs
 
 
-def _kernels(records: list[NodeRecord], batch: int, whole: set[str]) -> tuple[Kernel, ...]:
+def _kernels(records: list[NodeRecord], batch: int, whole: set[str], core: set[str]
+             ) -> tuple[Kernel, ...]:
     """The records' costs aggregated by class and matmul shape, those every tensor-
-    parallel rank computes whole apart: the cheap records in `whole` (`_stream`) and a
-    mixture-of-experts block's router and dispatch (`OpCost.whole`)."""
+    parallel rank computes whole apart (the cheap records in `whole`, `_stream`, and a
+    mixture-of-experts block's router and dispatch, `OpCost.whole`), and those of
+    attention cores (`_attention_core`) apart."""
     acc: dict[tuple, list[float]] = {}
     for r in records:
         for c in r.costs:
             gemm = (c.gemm[0] / batch, c.gemm[1], c.gemm[2]) if c.gemm else None
             replicated = c.whole or (r.name in whole and c.op_class not in _HEAVY)
-            entry = acc.setdefault((c.op_class, gemm, replicated), [0, 0.0, 0.0, 0.0, 0.0])
+            key = (c.op_class, gemm, replicated, r.name in core)
+            entry = acc.setdefault(key, [0, 0.0, 0.0, 0.0, 0.0])
             entry[0] += 1
             entry[1] += c.flops / batch
             entry[2] += c.bwd_flops / batch
@@ -127,8 +130,29 @@ def _kernels(records: list[NodeRecord], batch: int, whole: set[str]) -> tuple[Ke
             entry[4] += c.bytes_fixed
     return tuple(
         Kernel(op_class=cls, count=int(v[0]), flops=v[1], bwd_flops=v[2], bytes=v[3],
-               bytes_fixed=v[4], gemm=gemm, whole=replicated)
-        for (cls, gemm, replicated), v in acc.items() if cls is not OpClass.RESHAPE or v[3])
+               bytes_fixed=v[4], gemm=gemm, whole=replicated, core=in_core)
+        for (cls, gemm, replicated, in_core), v in acc.items()
+        if cls is not OpClass.RESHAPE or v[3])
+
+
+def _attention_core(group: _Group) -> set[str]:
+    """The group's records of fused attention kernels (scaled dot-product attention:
+    QK^T, softmax, dropout and attention over V in one), the attention core Megatron's
+    selective recompute runs again, as the runtime does (`runtime.stage.apply_recompute`).
+    An unfused core (separate matmuls and softmax) is not one: the runtime keeps it."""
+    return {r.name for r in group.records if r.op_class is OpClass.ATTENTION}
+
+
+def _core_saved(group: _Group, core: set[str], producers: dict[int, NodeRecord]) -> float:
+    """Bytes the attention cores of the group save for backward that selective recompute
+    frees: what they save of tensors they make (their output) and their statistics
+    (log-sum-exp); their inputs (Q, K, V) stay, kept for the recomputation."""
+    freed = 0.0
+    for r in group.records:
+        if r.name in core:
+            freed += r.stats_saved + sum(size for key, size in r.saved.items()
+                                         if key in producers and producers[key].name in core)
+    return freed
 
 
 def _opaque(group: _Group, modules: dict[str, nn.Module]) -> set[str]:
@@ -160,32 +184,27 @@ def _stream(group: _Group, fixed_or_input: set[str]
     return whole | {b.name for _, branches in adds for b in branches}, adds
 
 
-def _tp_comm_bytes(group: _Group, adds: list[tuple[NodeRecord, list[NodeRecord]]],
+def _tp_comm_bytes(adds: list[tuple[NodeRecord, list[NodeRecord]]],
                    modules: dict[str, nn.Module]) -> float:
     """Bytes a Megatron-style tensor-parallel forward all-reduces: one output per
-    residual add fed by a matmul branch (row-parallel projection; `adds` of `_stream`),
-    plus the vocabulary-parallel embedding lookup. A branch from a mixture-of-experts
-    block all-reduces its experts' rows instead (`_experts`)."""
-    total = sum(sum(_experts(b, modules)[0] for b in branches) or add.out_bytes
-                for add, branches in adds)
-    if group.kind is LayerKind.EMBEDDING:
-        total += sum(r.out_bytes for r in group.records
-                     if r.op_class is OpClass.EMBEDDING and not r.fixed)
-    return total
+    residual add fed by a matmul branch (row-parallel projection; `adds` of `_stream`).
+    A branch from a mixture-of-experts block all-reduces its experts' rows instead
+    (`_experts`). (A vocabulary-parallel embedding's and head's traffic follows from
+    their boundaries: `cost_models.tensor_parallel`.)"""
+    return sum(sum(_experts(b, modules)[0] for b in branches) or add.out_bytes
+               for add, branches in adds)
 
 
 def _replicated_saved(group: _Group, whole: set[str], producers: dict[int, NodeRecord],
-                      modules: dict[str, nn.Module], input_bytes: float
-                      ) -> tuple[float, float]:
+                      modules: dict[str, nn.Module]) -> float:
     """Bytes of what the layer saves for its backward that tensor parallelism keeps
-    whole on every rank, without recompute and under selective recompute (of
-    `_selective_bytes`): tensors of the residual stream (`whole` of `_stream`; the
+    whole on every rank: tensors of the residual stream (`whole` of `_stream`; the
     layer's inputs among them, which the norms and the column-parallel projections
     after them save) and the norms' statistics. Tensors made inside an opaque module
     (a leaf) count as split, but for a mixture-of-experts block's: only its experts'
     are."""
     inside = {r.name for r in group.records}
-    saved, kept = 0.0, input_bytes
+    saved = 0.0
     for r in group.records:
         internal = 0.0
         for key, size in r.saved.items():
@@ -199,9 +218,7 @@ def _replicated_saved(group: _Group, whole: set[str], producers: dict[int, NodeR
             saved += max(0.0, internal - split)
         if r.op_class is OpClass.NORM:
             saved += r.stats_saved
-        if r.op_class in _HEAVY and r.name in whole:
-            kept += sum(r.out_keys.values())
-    return saved, kept
+    return saved
 
 
 def _experts(record: NodeRecord, modules: dict[str, nn.Module]) -> tuple[float, float]:
@@ -243,13 +260,23 @@ def _gathered(unit: nn.Module | None) -> bool:
     return isinstance(unit, MLPBlock)
 
 
-def _selective_bytes(group: _Group, input_bytes: float) -> float:
-    """Layer input plus outputs of heavy ops (and attention's log-sum-exp)."""
-    kept = input_bytes
-    for r in group.records:
-        if r.op_class in _HEAVY:
-            kept += sum(r.out_keys.values()) + r.stats_saved
-    return kept
+def _vocab_layer(group: _Group, modules: dict[str, nn.Module]) -> bool:
+    """Whether the group is a zoo transformer's embedding or LM head (its loss
+    included), which vocabulary parallelism splits over the vocabulary."""
+    from planner.models.transformer import Embedding, Head
+
+    return group.kind in (LayerKind.EMBEDDING, LayerKind.HEAD) and any(
+        isinstance(modules.get(root), Embedding | Head)
+        for root in _module_roots(group.records, modules))
+
+
+def _sequence_layer(unit: nn.Module | None, vocab: bool) -> bool:
+    """Whether sequence parallelism can split the layer's residual stream: a zoo
+    transformer block, or a transformer's embedding or head (where vocabulary
+    parallelism splits them)."""
+    from planner.models.transformer import Block
+
+    return vocab or isinstance(unit, Block)
 
 
 def _tp_divisor(group: _Group, capture: Capture, vocab_sizes: set[int]) -> int:
@@ -339,14 +366,16 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
         whole, adds = _stream(group, fixed_or_input)
         if _gathered(capture.modules.get(group.unit)):
             whole = {r.name for r in group.records}
-        kernels = _kernels(group.records, batch, whole - _opaque(group, capture.modules))
+        core = _attention_core(group)
+        kernels = _kernels(group.records, batch, whole - _opaque(group, capture.modules),
+                           core)
         input_bytes = (crossing[i - 1] if i else first_inputs) / batch
         saved = sum(saved_by_class.values())
-        selective = min(saved, _selective_bytes(group, input_bytes * batch) / batch)
+        selective = max(0.0, saved - _core_saved(group, core, producers) / batch)
         sharded = _tp_sharded(capture.modules.get(group.unit))
-        tp_bytes = _tp_comm_bytes(group, adds, capture.modules) / batch if sharded else 0.0
-        replicated, replicated_selective = _replicated_saved(
-            group, whole, producers, capture.modules, input_bytes * batch)
+        tp_bytes = _tp_comm_bytes(adds, capture.modules) / batch if sharded else 0.0
+        replicated = _replicated_saved(group, whole, producers, capture.modules)
+        vocab_split = _vocab_layer(group, capture.modules)
         if sharded and not tp_bytes:  # column-parallel with a gathered output (MLP blocks)
             tp_bytes = crossing[i] / batch if i < len(groups) - 1 else 0.0
         layers.append(Layer(
@@ -360,8 +389,7 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             activation_bytes=saved,
             saved_by_class=dict(saved_by_class),
             selective_bytes=selective,
-            replicated_bytes=min(saved, replicated / batch),
-            replicated_selective_bytes=min(selective, replicated_selective / batch),
+            replicated_bytes=min(selective, replicated / batch),
             input_bytes=input_bytes,
             output_bytes=crossing[i] / batch if i < len(groups) - 1 else 0.0,
             tp_comm_bytes=tp_bytes,
@@ -370,5 +398,7 @@ def build_layers(capture: Capture) -> tuple[tuple[Layer, ...], dict[str, int]]:
             signature=_signature(group, kind, capture),
             tied=tuple(sorted(borrowed.items())),
             tp_sharded=sharded,
+            vocab_layer=vocab_split,
+            sequence_layer=_sequence_layer(capture.modules.get(group.unit), vocab_split),
         ))
     return tuple(layers), node_layer

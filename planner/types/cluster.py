@@ -57,7 +57,13 @@ class MeasuredDevice:
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
-    """A device type: catalog figures (with their sources) and any measurements."""
+    """A device type: catalog figures (with their sources) and any measurements.
+
+    compute_units:   streaming multiprocessors (compute units) a GEMM's output tiles are
+                     shared among in waves (`cost_models.compute.gemm_efficiency`).
+    gemm_efficiency: the share of the dense peak the best large, aligned GEMM reaches
+                     (measured maximum achievable matmul FLOP/s over the peak).
+    """
 
     name: str
     vendor: str
@@ -67,6 +73,8 @@ class DeviceSpec:
     intra_link: LinkSpec
     sources: Mapping[str, str] = field(default_factory=dict, hash=False)
     measured: MeasuredDevice | None = None
+    compute_units: int | None = None
+    gemm_efficiency: float | None = None
 
     @property
     def is_cpu(self) -> bool:

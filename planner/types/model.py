@@ -75,9 +75,12 @@ class Kernel:
     gemm:         (m_per_sample, k, n) of one matmul-like op, so efficiency can
                   depend on problem size; None for other classes.
     whole:        run whole on every rank of a tensor-parallel group: the cheap ops
-                  of the residual stream (residual adds, dropout), whose inputs and
-                  outputs every rank holds whole, and a mixture-of-experts block's
-                  router and dispatch (only its experts are split).
+                  of the residual stream (norms, residual adds, dropout), whose inputs
+                  and outputs every rank holds whole without sequence parallelism, and a
+                  mixture-of-experts block's router and dispatch (only its experts are
+                  split).
+    core:         an attention core (a fused attention kernel: QK^T, softmax, dropout
+                  and attention over V), what selective recompute runs again.
     """
 
     op_class: OpClass
@@ -88,6 +91,7 @@ class Kernel:
     bytes_fixed: float
     gemm: tuple[int, int, int] | None = None
     whole: bool = False
+    core: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,14 +105,14 @@ class Layer:
                            each tensor counted once; attention saves what a
                            fused (flash) kernel saves.
     saved_by_class:        activation_bytes split by the op class that saved them.
-    selective_bytes:       what op-level selective recompute keeps instead: the
-                           layer input and the outputs of matmuls, convolutions
-                           and attention (recomputing the cheap ops between them).
-    replicated_bytes:      the part of activation_bytes that tensor parallelism keeps
-                           whole on every rank (the residual stream: norms' inputs
-                           and outputs, the column-parallel projections' inputs).
-    replicated_selective_bytes: the same part of selective_bytes (the layer input,
-                           the row-parallel projections' outputs).
+    selective_bytes:       what selective recompute keeps instead: all but what the
+                           attention core makes and saves (a fused core's output and
+                           log-sum-exp).
+    replicated_bytes:      the part of activation_bytes (and of selective_bytes: the
+                           attention core is split) that tensor parallelism keeps
+                           whole on every rank without sequence parallelism (the
+                           residual stream: norms' inputs and outputs, the
+                           column-parallel projections' inputs).
     input_bytes:           per-sample bytes of the tensors entering this layer
                            from earlier layers (kept under full recompute).
     output_bytes:          per-sample bytes of the tensors crossing the boundary
@@ -123,6 +127,15 @@ class Layer:
     tp_sharded:            whether tensor parallelism shards this layer (the runtime
                            shards transformer and MLP blocks and layers with a
                            `tensor_parallel_plan`; it replicates the rest on the group).
+    vocab_layer:           a transformer's embedding or LM head, which vocabulary
+                           parallelism splits over the vocabulary (its token table, the
+                           vocabulary-wide matmul and the loss over it).
+    sequence_layer:        sequence parallelism can split its residual stream over the
+                           sequence: a transformer block, or a transformer's embedding
+                           or head where vocabulary parallelism splits them.
+    sequence_parallel:     the figures are as sequence parallelism runs the layer
+                           (`cost_models.tensor_parallel.as_trained`): nothing whole,
+                           its tensor-parallel traffic reduce-scatters and all-gathers.
     """
 
     index: int
@@ -146,7 +159,9 @@ class Layer:
     tied: tuple[tuple[int, int], ...] = ()
     tp_sharded: bool = True
     replicated_bytes: float = 0.0
-    replicated_selective_bytes: float = 0.0
+    vocab_layer: bool = False
+    sequence_layer: bool = False
+    sequence_parallel: bool = False
 
     def tp_share(self, tp: int) -> int:
         """The tensor-parallel degree this layer is split by: tp, or 1 if replicated."""
@@ -224,11 +239,12 @@ def layer_from_json(data: Mapping[str, Any]) -> Layer:
 
 def params_per_rank(layers: Sequence[Layer], tp: int) -> float:
     """Parameters one rank of a tp-wide group holding `layers` keeps: the ones they own
-    (sharded layers split, replicated ones whole), plus a whole copy of tied parameters
-    whose owner is elsewhere (an embedding or head, replicated)."""
+    (sharded layers split, replicated ones whole), plus a copy of tied parameters whose
+    owner is elsewhere, split as the layer reading it is (an LM head replicated keeps
+    the token table whole, one split over the vocabulary its share)."""
     indices = {layer.index for layer in layers}
-    copies = {owner: params for layer in layers for owner, params in layer.tied
-              if owner not in indices}
+    copies = {owner: params / layer.tp_share(tp) for layer in layers
+              for owner, params in layer.tied if owner not in indices}
     return sum(layer.params / layer.tp_share(tp) for layer in layers) + sum(copies.values())
 
 
