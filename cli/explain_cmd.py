@@ -18,7 +18,8 @@ console = output_console()
 err_console = Console(emoji=False, stderr=True)
 
 PlanArg = Annotated[Path, typer.Argument(
-    metavar="PLAN", help="A plan file written by `planner solve -o` (or estimate, what-if).")]
+    metavar="PLAN", help="A plan file written by `planner solve -o` (or estimate, what-if), "
+    "edited or not, or one written by hand (README.md: Price a plan).")]
 
 
 def explain(
@@ -47,18 +48,19 @@ def explain(
     what, memory per device as bars against capacity (by term), communication per
     link, the pipeline timeline of one step (a simulated replay) as a Gantt chart,
     the binding constraint and bottleneck stage, why the baselines (and with
-    --runners-up the next-best plans) lose, and the solver report.
+    --runners-up the next-best plans) lose, and the solver report. The plan is priced
+    as written, so a plan edited after its solve, or one written by hand, is explained
+    with figures of its own.
 
     Examples:
       planner explain plan.json
       planner explain plan.json --html plan.html --svg step.svg
       planner explain plan.json --runners-up 3 --json | jq .explanation.alternatives
     """
-    from cost_models.model import AnalyticalCostModel
     from planner.errors import PlannerError
-    from planner.explain import analysis_dict, analyze, retrace
+    from planner.explain import analysis_dict, analyze
     from planner.files import check_writable
-    from planner.planfile import read_plan
+    from planner.price import price_file
     from planner.timeline import MAX_WIDTH
 
     if runners_up < 0:
@@ -72,16 +74,18 @@ def explain(
     for path in (html, svg):  # before the trace and the replay, not after them
         if path is not None:
             check_writable(path, force=force)
-    plan = read_plan(plan_file)
-    if runners_up and plan.solver.status == "fixed":
-        raise PlannerError(
-            "bad-option", "--runners-up says why the next-best plans of a search lose to the "
-            f"best; {str(plan_file)!r} is a configuration fixed with `planner estimate`, not "
-            "a search result.", ["solve the same model and cluster with `planner solve ... -o "
-                                 f"best.json`, then `planner compare {plan_file} best.json`"])
-    tracing = f"Tracing {escape(plan.model.describe())}..."
-    with err_console.status(tracing, spinner="dots") as status:
-        graph = retrace(plan, str(plan_file))
+    with err_console.status(f"Tracing the model of {escape(str(plan_file))}...",
+                            spinner="dots") as status:
+        # priced as written: an edited plan's figures are its own, not the file's
+        priced = price_file(plan_file)
+        plan, graph = priced.plan, priced.graph
+        if runners_up and plan.solver.status == "fixed":
+            raise PlannerError(
+                "bad-option", "--runners-up says why the next-best plans of a search lose to "
+                f"the best; {str(plan_file)!r} is not a search result: a configuration fixed "
+                "with `planner estimate` or by hand, or a plan edited since its search.",
+                ["solve the same model and cluster with `planner solve ... -o best.json`, "
+                 f"then `planner compare {plan_file} best.json`"])
         others = []
         if runners_up:
             from planner.compare import same_structure
@@ -96,8 +100,8 @@ def explain(
                           if now.explored % 200 == 0 else None)
             others = [p for p in found if not same_structure(p, plan)][:runners_up]
         status.update("Simulating the step...")
-        analysis = analyze(plan, graph.layers, AnalyticalCostModel(plan.cluster),
-                           runners_up=others, group=not all_pipelines)
+        analysis = analyze(plan, graph.layers, priced.costs, runners_up=others,
+                           group=not all_pipelines)
     if html is not None:
         from planner.files import write_atomic
         from planner.report import report_html

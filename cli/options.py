@@ -68,7 +68,7 @@ ScheduleChoice = Annotated[str | None, _constraint(
     "--interleave or --max-interleave); default: the solver tries 1F1B and GPipe, and "
     "interleaved 1F1B as --max-interleave allows.")]
 Mixed = Annotated[bool, typer.Option("--mixed/--no-mixed", rich_help_panel="Constraints",
-                                     help="Allow pipelines that mix two device types.")]
+                                     help="Allow pipelines that mix device types.")]
 TpPerClass = Annotated[bool, typer.Option(
     "--tp-per-class/--no-tp-per-class", rich_help_panel="Constraints",
     help="Let each pipeline class (pipelines alike) take its own tensor-parallel degree, "

@@ -30,12 +30,27 @@ AutoDtype = Annotated[str, typer.Option(
     "--dtype", help="bf16, fp16, fp32, tf32, or auto: bf16 if every device has fast bf16, "
     "else fp16.")]
 Output = Annotated[Path | None, typer.Option("--output", "-o", help="Write the plan file.")]
+SequenceParallel = Annotated[bool, typer.Option(
+    "--sequence-parallel", help="Megatron's sequence parallelism: each tensor-parallel group "
+    "splits transformer blocks' norms, dropout and residual adds (and what they keep for "
+    "backward) over the sequence, its all-reduces becoming reduce-scatters and all-gathers. "
+    "`planner launch` does not run it yet.")]
+VocabParallel = Annotated[bool, typer.Option(
+    "--vocab-parallel", help="Split a transformer's embedding and LM head, its loss "
+    "included, over the vocabulary across each tensor-parallel group, as Megatron does, "
+    "instead of running them whole on every rank. `planner launch` does not run it yet.")]
 
 
 def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dtype: str,
-           shape: dict) -> tuple[ModelGraph, ClusterSpec, TrainingSpec]:
+           shape: dict, *, sequence_parallel: bool = False, vocab_parallel: bool = False
+           ) -> tuple[ModelGraph, ClusterSpec, TrainingSpec]:
+    """The model traced, its layers as the tensor-parallel options run them
+    (`tensor_parallel.as_trained`), the cluster and the training."""
+    import dataclasses
+
     from cost_models.cluster import load_cluster
     from cost_models.compute import rate_dtype
+    from cost_models.tensor_parallel import as_trained
     from planner.models import model_spec
     from planner.session import resolve_dtype
     from planner.trace.cache import cached_trace
@@ -53,8 +68,10 @@ def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dty
     with err_console.status(f"Building and tracing {escape(model_to_trace.describe())}...",
                             spinner="dots"):
         graph = cached_trace(model_to_trace, seq_len=seq_len, dtype=dtype)
-    return graph, spec, TrainingSpec(global_batch=global_batch, seq_len=graph.seq_len,
-                                     dtype=dtype)
+    training = TrainingSpec(global_batch=global_batch, seq_len=graph.seq_len, dtype=dtype,
+                            sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+    return (dataclasses.replace(graph, layers=as_trained(graph.layers, training)), spec,
+            training)
 
 
 def _emit(plan: Plan, graph: ModelGraph, output: Path | None, force: bool,
@@ -127,6 +144,8 @@ def solve(
     interleave: opt.Interleave = None,
     max_interleave: opt.MaxInterleave = None,
     schedule: opt.ScheduleChoice = None,
+    sequence_parallel: SequenceParallel = False,
+    vocab_parallel: VocabParallel = False,
     layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
     kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
     settings: opt.Set = None,
@@ -153,7 +172,9 @@ def solve(
         check_writable(output, force=force)
     shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                           ffn=ffn, vocab=vocab, settings=settings)
-    graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape)
+    graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape,
+                                   sequence_parallel=sequence_parallel,
+                                   vocab_parallel=vocab_parallel)
     options = SolveOptions(
         limits=Limits(tp=tp, max_tp=max_tp, pp=pp, dp=dp, max_dp=max_dp, micro_batch=micro_batch,
                       max_stages=max_stages, mixed=mixed, tp_per_class=tp_per_class,
@@ -191,8 +212,23 @@ def solve(
         render(console, other, [layer.name for layer in graph.layers])
 
 
+PlanFile = Annotated[Path, typer.Argument(
+    metavar="PLAN", help="A plan file: one `planner solve -o` wrote (edited or not), or one "
+    "written by hand (README.md: Price a plan).")]
+
+
 def estimate(
-    model: opt.ModelArg,
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Argument(
+        metavar="MODEL", show_default=False,
+        help="A zoo flavor (see `planner models`), package.module:factory, hf:ConfigClass "
+        "or a transformers config.json; not with --plan.")] = None,
+    plan_file: Annotated[Path | None, typer.Option(
+        "--plan", metavar="PLAN", show_default=False,
+        help="Price this plan file as written instead (uneven layers and shares, stage "
+        "devices, tp, recompute, ZeRO, schedule: a plan `solve` wrote, edited or not, or "
+        "one written by hand); the options that describe a recipe are not taken with it.")
+    ] = None,
     cluster: Cluster = DEFAULT_CLUSTER,
     global_batch: GlobalBatch = 512,
     seq_len: opt.SeqLen = None,
@@ -203,14 +239,17 @@ def estimate(
     dp: Annotated[int | None, typer.Option(
         "--dp", help="Pipelines (default: as many as the devices allow).")] = None,
     micro_batch: Annotated[int, typer.Option("--micro-batch")] = 1,
-    recompute: Annotated[str, typer.Option("--recompute",
-                                           help="none, selective or full.")] = "none",
+    recompute: Annotated[str, typer.Option(
+        "--recompute", help="none, selective (Megatron's: the attention core) or full.")
+    ] = "none",
     zero: Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3.")] = 0,
     interleave: Annotated[int, typer.Option(
         "--interleave", help="Model chunks per device (interleaved 1F1B).")] = 1,
     schedule: Annotated[str | None, typer.Option(
         "--schedule", help="1f1b, gpipe or interleaved (with --interleave); default: 1f1b, "
         "interleaved with --interleave 2 or more.", show_default=False)] = None,
+    sequence_parallel: SequenceParallel = False,
+    vocab_parallel: VocabParallel = False,
     output: Output = None,
     json_out: opt.JsonOut = False,
     force: opt.Force = False,
@@ -218,23 +257,35 @@ def estimate(
     kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
     settings: opt.Set = None,
 ) -> None:
-    """Predict a configuration you fix (a Megatron-style TP x PP x DP recipe).
+    """Predict a configuration you fix (a Megatron-style TP x PP x DP recipe), or with
+    --plan a plan file as written.
 
-    Devices are taken node by node in cluster-file order, layers split evenly,
-    the batch shared evenly (micro-batches left over go one each to the fastest
-    pipelines, whatever their place in the file).
+    Devices are taken node by node in cluster-file order, layers split as Megatron-LM
+    splits them (the blocks evenly, the embedding with the first stage and the head
+    with the last), the batch shared evenly (micro-batches left over go one each to the
+    fastest pipelines, whatever their place in the file).
 
-    Example: planner estimate llama2-70b --cluster dgx-a100-pod --tp 8 --pp 4 --micro-batch 1
-             --recompute full --interleave 2
+    Examples:
+      planner estimate llama2-70b --cluster dgx-a100-pod --tp 8 --pp 4 --micro-batch 1
+               --recompute full --interleave 2
+      planner estimate --plan mine.json -o priced.json
     """
     from cost_models.model import AnalyticalCostModel
     from planner.errors import PlannerError
     from planner.files import check_writable
-    from planner.solver.diagnose import larger_than_cluster
     from planner.solver.limits import parse_schedule
-    from planner.solver.uniform import memory_remedies, overflows, uniform_plan
+    from planner.solver.uniform import uniform_plan
     from planner.types import Schedule
 
+    if plan_file is not None:
+        _refuse_recipe(ctx, model)
+        _price(plan_file, output=output, force=force, json_out=json_out)
+        return
+    if model is None:
+        raise PlannerError("bad-option", "estimate needs a MODEL and a recipe for it (--tp, "
+                           "--pp, ...), or --plan FILE to price a plan file as written.",
+                           ["planner estimate llama3-8b --tp 2 --pp 2",
+                            "planner estimate --plan plan.json"])
     if zero not in (0, 1, 2, 3):
         raise PlannerError("bad-option", f"--zero must be 0, 1, 2 or 3 (got {zero}).")
     if dp is not None and dp < 1:
@@ -258,17 +309,29 @@ def estimate(
         check_writable(output, force=force)
     shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                           ffn=ffn, vocab=vocab, settings=settings)
-    graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape)
+    graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape,
+                                   sequence_parallel=sequence_parallel,
+                                   vocab_parallel=vocab_parallel)
     plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=spec,
                         training=training, costs=AnalyticalCostModel(spec), tp=tp, pp=pp,
                         dp=dp, micro_batch=micro_batch, recompute=_policies(recompute)[0],
                         zero=zero, schedule=chosen, interleave=interleave)
     _emit(plan, graph, output, force, json_out)
+    _refuse_overflow(plan, graph, output)
+
+
+def _refuse_overflow(plan: Plan, graph: ModelGraph, output: Path | None) -> None:
+    """An error, after the plan is shown (and written), where a stage does not fit its
+    devices' memory."""
+    from planner.errors import PlannerError
+    from planner.solver.diagnose import larger_than_cluster
+    from planner.solver.uniform import memory_remedies, overflows
+
     problems = overflows(plan.pipelines, plan.cluster)
     if problems:
         written = (f" The plan was written to {output} all the same, for `planner explain`; "
                    "`planner launch` refuses it." if output is not None else "")
-        too_large = larger_than_cluster(graph.layers, spec, training)
+        too_large = larger_than_cluster(graph.layers, plan.cluster, plan.training)
         if too_large is not None:  # (no configuration fits: say so, not how to shard)
             raise PlannerError("does-not-fit", too_large.message + written, too_large.remedies)
         raise PlannerError("does-not-fit", "This configuration does not fit in memory: "
@@ -276,6 +339,74 @@ def estimate(
                            + written, memory_remedies(plan.pipelines, plan.cluster))
 
 
+# estimate's options that describe a recipe, which --plan does not take (the plan is one)
+_RECIPE = ("cluster", "global_batch", "seq_len", "dtype", "tp", "pp", "dp", "micro_batch",
+           "recompute", "zero", "interleave", "schedule", "sequence_parallel", "vocab_parallel",
+           "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "settings")
+
+
+def _refuse_recipe(ctx: typer.Context, model: str | None) -> None:
+    """An error naming what was given beside --plan: the plan file holds the model, the
+    cluster, the training and the layout, as written."""
+    from planner.errors import PlannerError
+
+    # (typer ships its own click: its ParameterSource is told by name)
+    given = [param.opts[0] for param in ctx.command.params if param.name in _RECIPE
+             and getattr(ctx.get_parameter_source(param.name), "name", "DEFAULT") != "DEFAULT"]
+    if model is not None:
+        given.insert(0, f"MODEL ({model})")
+    if given:
+        raise PlannerError("bad-option", f"--plan prices the plan file as written (its model, "
+                           f"cluster, training and layout); {', '.join(given)} cannot change "
+                           "it.", ["edit the plan file instead, or drop --plan to estimate "
+                                   "a recipe"])
+
+
+def _price(plan_file: Path, *, output: Path | None, force: bool, json_out: bool) -> None:
+    """Price a plan file as written (`planner.price.price_file`): the plan as `solve`
+    shows one, the step the simulator replays beside the closed form's, the plan
+    written with its figures (`-o`)."""
+    from planner.files import check_writable
+    from planner.price import price_file
+    from planner.solver.predict import replay
+
+    if output is not None:
+        check_writable(output, force=force)
+    with err_console.status(f"Tracing the model of {escape(str(plan_file))}...",
+                            spinner="dots"):
+        priced = price_file(plan_file)
+    plan = priced.plan
+    _emit(plan, priced.graph, output, force, json_out)
+    if not json_out:
+        from planner.units import fmt_seconds
+
+        simulated = replay(plan, priced.graph.layers, priced.costs).step_time
+        closed = plan.prediction.step_time
+        off = simulated / closed - 1
+        against = (f"{abs(off):.1%} {'above' if off > 0 else 'below'}" if abs(off) >= 5e-4
+                   else "as")  # (no "-0.0%")
+        console.print(f"Simulated step (an event-driven replay of its schedules): "
+                      f"{fmt_seconds(simulated)}, {against} the closed form's "
+                      f"{fmt_seconds(closed)}.", markup=False, soft_wrap=True)
+    warn_small_batch(plan)
+    _refuse_overflow(plan, priced.graph, output)
+
+
+def price(plan_file: PlanFile, output: Output = None, json_out: opt.JsonOut = False,
+          force: opt.Force = False) -> None:
+    """Price a plan file as written: `planner estimate --plan PLAN`.
+
+    A plan `solve` wrote, edited or not, or one written by hand (a peer planner's,
+    or a pipeline of your own; README.md: Price a plan): uneven layers and shares, stage
+    devices, tp, recompute, ZeRO and schedule as written, priced with the cost model
+    and replayed by the simulator.
+
+    Example: planner price mine.json -o priced.json
+    """
+    _price(plan_file, output=output, force=force, json_out=json_out)
+
+
 def register(app: typer.Typer) -> None:
     app.command("solve")(solve)
     app.command("estimate")(estimate)
+    app.command("price")(price)

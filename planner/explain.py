@@ -7,7 +7,9 @@ the runner-up plans and baselines lose.
     analysis.explanation.reasons[0].text
 
 All figures come from the same cost model as the solver (`planner.solver.predict`)
-and the step replay (`planner.simulate`); nothing here changes a plan.
+and the step replay (`planner.simulate`); nothing here changes a plan. `planner explain`
+prices a plan file as written first (`planner.price.price_file`), so the prediction and
+memory shown are the plan's own, not figures stored before it was edited.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from cost_models.comm import Collective, CommGroup, group_links, shared_by
 from cost_models.model import AnalyticalCostModel, CostModel
 from planner.dtypes import dtype_bytes
-from planner.errors import PlannerError
+from planner.price import check_layers, replicas, stage_memory
 from planner.solver.predict import (
     Holders,
     lead_broadcast,
@@ -29,10 +31,8 @@ from planner.solver.predict import (
     plan_send_sharing,
     stage_timings,
 )
-from planner.solver.timing import in_flight
 from planner.timeline import Timeline, build_timeline, ranges, timeline_dict
 from planner.types import CostBreakdown, Layer, ModelGraph, Plan, Recompute, StagePlan
-from planner.types.model import zero_kept
 from planner.units import fmt_bytes, fmt_seconds
 
 TERMS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
@@ -45,30 +45,14 @@ TERM_WORDS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "ten
 
 def retrace(plan: Plan, source: str = "") -> ModelGraph:
     """The plan's model traced again (batch 1, the plan's sequence length and dtype),
-    checked against the plan's stages (`source`: the plan file, which errors name)."""
+    checked against the plan's stages (`source`: the plan file, which errors name), its
+    layers as the plan's tensor-parallel options run them (`tensor_parallel.as_trained`)."""
+    from cost_models.tensor_parallel import as_trained
     from planner.trace.cache import cached_trace
 
     graph = cached_trace(plan.model, seq_len=plan.training.seq_len, dtype=plan.training.dtype)
     check_layers(plan, graph.layers, source)
-    return graph
-
-
-def check_layers(plan: Plan, layers: Sequence[Layer], source: str = "") -> None:
-    """A clear error when the plan's stages do not match the model's layers (the model
-    or its code changed since the plan was made), naming `source` if given."""
-    for p in plan.pipelines:
-        for s in p.stages:
-            held = [layer for a, b in s.chunks for layer in layers[a:b]]
-            end = max(b for _, b in s.chunks)
-            modules = tuple(m for layer in held for m in layer.modules)
-            if end > len(layers) or (s.modules and modules != tuple(s.modules)):
-                raise PlannerError(
-                    "plan-mismatch", (f"{source}: " if source else "")
-                    + f"The plan's stage {s.index} of pipeline {p.index} holds "
-                    f"layers {s.layers[0]}-{s.layers[1] - 1}, which do not match model "
-                    f"{plan.model.describe()} as it traces now ({len(layers)} layers); the "
-                    "model or its code changed since the plan was made.",
-                    ["solve again with `planner solve` for the model as it is now"])
+    return dataclasses.replace(graph, layers=as_trained(graph.layers, plan.training))
 
 
 # ---------------------------------------------------------------- tables
@@ -414,20 +398,10 @@ def _shared_card(plan: Plan) -> tuple[str, int] | None:
 
 
 def _memory_without(plan: Plan, pipe_index: int, stage: StagePlan, layers: Sequence[Layer],
-                    costs: CostModel, **change: object) -> float:
-    pipe = plan.pipelines[pipe_index]
-    held = [layers[i] for i in stage.held()]
-    replicas = sum(1 for p in plan.pipelines for s in p.stages
-                   if (s.layers, s.device_type, s.tp) == (stage.layers, stage.device_type,
-                                                          stage.tp))
-    args = dict(tp=stage.tp, dp=replicas, zero=stage.zero, recompute=stage.recompute,
-                micro_batch=pipe.micro_batch,
-                in_flight=in_flight(stage.index, len(pipe.stages), pipe.num_microbatches,
-                                    pipe.schedule, pipe.interleave))
-    args.update(change)
-    args["kept"] = zero_kept(layers, set(stage.held()), args["zero"])  # type: ignore[arg-type]
-    device = plan.cluster.node(stage.devices.node).device
-    return costs.memory(held, device, plan.training, **args).total  # type: ignore[arg-type]
+                    costs: CostModel, **change: Recompute | int) -> float:
+    return stage_memory(plan, plan.pipelines[pipe_index], stage, layers, costs,
+                        replicas=replicas(plan)[Holders.key(stage)],
+                        **change).total  # type: ignore[arg-type]
 
 
 def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None, *,

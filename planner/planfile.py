@@ -3,6 +3,11 @@
 The file is the Plan dataclass as JSON (enums by value, tuples as lists); loading
 validates every field's type with pydantic against the same dataclasses, then
 `check_plan` checks values (ranges, the model, the layout) as the runtime needs them.
+
+A plan written by hand (`read_plan(path, written=True)`, for the commands that price a
+plan as written: `planner estimate --plan`, `explain`) may leave out what pricing gives
+(the prediction, each stage's memory and modules, the solver's report) and what follows
+from the rest (`complete_written`); the caller prices it (`planner.price`).
 """
 
 from __future__ import annotations
@@ -18,9 +23,15 @@ from typing import Any
 
 import pydantic
 
-from planner.errors import PlannerError
+from planner.errors import PlannerError, closest
 from planner.files import write_atomic
-from planner.types import SCHEMA_VERSION, Plan
+from planner.types import (
+    SCHEMA_VERSION,
+    CostBreakdown,
+    MemoryBreakdown,
+    Plan,
+    SolverReport,
+)
 
 
 def to_jsonable(value: Any) -> Any:
@@ -75,8 +86,10 @@ def _nested(hint: Any) -> list:
     return out
 
 
-def read_plan(path: Path) -> Plan:
-    """A validated Plan; a clear error for a missing, corrupted or foreign file."""
+def read_plan(path: Path, *, written: bool = False) -> Plan:
+    """A validated Plan; a clear error for a missing, corrupted or foreign file.
+    `written`: the plan may be one written by hand, its left-out fields completed
+    (`complete_written`); its figures are then placeholders until it is priced."""
     if path.is_dir():
         raise PlannerError("bad-plan", f"{str(path)!r} is a folder, not a plan file.",
                            ["give the plan file in it, e.g. "
@@ -105,6 +118,13 @@ def read_plan(path: Path) -> Plan:
                            f"planner reads version {SCHEMA_VERSION} (a number).",
                            ["regenerate the plan with this planner's `planner solve`"])
     data.pop("kind")
+    if written:
+        data = complete_written(data, path)
+    elif "prediction" not in data:
+        raise PlannerError("bad-plan", f"{str(path)!r} has no prediction: it is a plan written "
+                           "by hand, which is priced before it is launched, compared or "
+                           "edited.", [f"price it first: `planner estimate --plan {path} -o "
+                                       "priced.json`, then use priced.json"])
     try:
         plan = _adapter().validate_json(json.dumps(data))
     except pydantic.ValidationError as exc:
@@ -112,17 +132,156 @@ def read_plan(path: Path) -> Plan:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
         why = ("the plan has no such field (misspelt?)" if first["type"] ==
                "unexpected_keyword_argument" else first["msg"])
+        remedies = [f"correct it in {str(path)!r} (README.md: Price a plan)"] if written else [
+            "regenerate it with `planner solve`"]
+        if not written and first["type"] == "missing" and first["loc"][-1] in PRICED:
+            why += ": a plan written by hand leaves out what pricing gives"
+            remedies = [f"price it first: `planner estimate --plan {path} -o priced.json`"]
         raise PlannerError("bad-plan", f"{str(path)!r} is not a valid plan: field "
                            f"{where.lstrip('.')}: {why} ({exc.error_count()} problem(s) in all).",
-                           ["regenerate it with `planner solve`"]) from exc
-    return check_plan(plan, str(path))
+                           remedies) from exc
+    return check_plan(plan, str(path), written=written)
 
 
-def check_plan(plan: Plan, source: str) -> Plan:
+# What pricing gives a plan (`planner.price`): a plan written by hand leaves them out.
+PRICED = ("prediction", "solver", "memory", "modules")
+WRITTEN_REPORT = SolverReport(status="fixed", objective=0.0, best_bound=0.0, gap=0.0,
+                              wall_time=0.0, lower_bound=0.0, explored=0, pruned=0,
+                              search_space="written by hand")
+UNPRICED = CostBreakdown(step_time=0.0, compute=0.0, bubble=0.0, tp_comm=0.0, pp_comm=0.0,
+                         dp_comm=0.0, optimizer=0.0, samples_per_s=0.0, tokens_per_s=None,
+                         mfu=0.0)
+NO_MEMORY = MemoryBreakdown(weights=0.0, gradients=0.0, optimizer=0.0, activations=0.0,
+                            reserve=0.0)
+
+
+def complete_written(data: dict, path: Path) -> dict:
+    """A plan's JSON as written by hand, completed: `cluster` may name a cluster file
+    (beside the plan file or as `--cluster` takes it), a built-in example or an inline
+    spec; `prediction`, `solver`, and each stage's `memory` and `modules` may be left out
+    (placeholders until the plan is priced); pipelines and stages are numbered in file
+    order; a pipeline needs two of `batch_share`, `micro_batch` and `num_microbatches`
+    (the third follows) and runs 1F1B (interleaved 1F1B with `interleave` 2 or more); a
+    stage needs `devices.node` and `layers` ([start, end)) or `chunks`: `tp` is its
+    devices' count, its devices 0 .. tp-1 (tp 1 where neither is given), `device_type`
+    its node's, recompute none and ZeRO 0 unless given. Other fields of the wrong type are
+    left as they are, for the validation after to name (a stage's devices are checked
+    here: its node gives its device type)."""
+    out = {"solver": to_jsonable(WRITTEN_REPORT), "prediction": to_jsonable(UNPRICED), **data}
+    if isinstance(out.get("cluster"), str):
+        out["cluster"] = to_jsonable(_written_cluster(out["cluster"], path))
+    cluster = out.get("cluster")
+    nodes = {n.get("name"): n for n in cluster.get("nodes", [])
+             if isinstance(n, dict)} if isinstance(cluster, dict) else {}
+    if isinstance(out.get("pipelines"), list):
+        out["pipelines"] = [_written_pipeline(p, i, nodes, path) if isinstance(p, dict) else p
+                            for i, p in enumerate(out["pipelines"])]
+    return out
+
+
+def _written_cluster(text: str, path: Path) -> Any:
+    """The cluster a hand-written plan names: a file beside the plan first."""
+    from cost_models.cluster import load_cluster
+
+    beside = path.parent / text
+    try:
+        return load_cluster(str(beside) if beside.is_file() else text)
+    except PlannerError as exc:
+        raise PlannerError("bad-plan", f"{str(path)!r}: field cluster: {exc.message}",
+                           exc.remedies) from None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+_SIZES = ("batch_share", "micro_batch", "num_microbatches")  # share = size x count
+
+
+def _written_pipeline(pipe: dict, index: int, nodes: dict, path: Path) -> dict:
+    at = f"{str(path)!r}: pipelines[{index}]"
+    out = {"index": index, **pipe}
+    interleave = out.get("interleave", 1)
+    out.setdefault("schedule", "interleaved-1f1b" if _is_count(interleave) and interleave > 1
+                   else "1f1b")
+    sizes = {name: out[name] for name in _SIZES if name in out}
+    if len(sizes) < 2:
+        raise PlannerError("bad-plan", f"{at} gives {' and '.join(sizes) or 'none of them'}"
+                           ", but a pipeline needs two of batch_share, micro_batch and "
+                           "num_microbatches (the third follows: share = size x count).",
+                           [f"add {next(n for n in _SIZES if n not in sizes)} to it"])
+    if len(sizes) == 2 and all(map(_is_count, sizes.values())):
+        if "batch_share" not in sizes:
+            out["batch_share"] = sizes["micro_batch"] * sizes["num_microbatches"]
+        else:
+            known, = (n for n in sizes if n != "batch_share")
+            third, = (n for n in _SIZES if n not in sizes)
+            if sizes["batch_share"] % sizes[known]:
+                raise PlannerError("bad-plan", f"{at}.batch_share {sizes['batch_share']} is "
+                                   f"not a multiple of its {known} {sizes[known]}, so its "
+                                   f"{third} is not whole.",
+                                   [f"give a batch_share that {sizes[known]} divides"])
+            out[third] = sizes["batch_share"] // sizes[known]
+    if isinstance(out.get("stages"), list):
+        out["stages"] = [_written_stage(s, index, j, nodes, path) if isinstance(s, dict) else s
+                         for j, s in enumerate(out["stages"])]
+    return out
+
+
+def _pair(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in value))
+
+
+def _written_stage(stage: dict, pipe: int, index: int, nodes: dict, path: Path) -> dict:
+    at = f"pipelines[{pipe}].stages[{index}]"
+    out = {"index": index, "recompute": "none", "zero": 0, "modules": [],
+           "memory": to_jsonable(NO_MEMORY), **stage}
+    chunks, layers = out.get("chunks"), out.get("layers")
+    if "chunks" not in out and _pair(layers):
+        out["chunks"] = [layers]
+    if "layers" not in out and isinstance(chunks, list) and chunks and all(map(_pair, chunks)):
+        out["layers"] = [min(a for a, _ in chunks), max(b for _, b in chunks)]
+    if "layers" not in out and "chunks" not in out:
+        raise PlannerError("bad-plan", f"{str(path)!r}: {at} gives neither layers nor chunks: "
+                           "the stage holds no layers.",
+                           [f"give {at}.layers as [start, end), e.g. [0, 4] for layers 0-3 "
+                            "(`planner trace MODEL` lists the model's layers)"])
+    devices = out.get("devices")
+    if not isinstance(devices, dict) or "node" not in devices:
+        raise PlannerError("bad-plan", f"{str(path)!r}: {at}.devices is "
+                           f"{json.dumps(devices) if 'devices' in out else 'missing'}; a stage "
+                           "runs on {\"node\": NAME}, a node of the plan's cluster, and "
+                           "optionally its \"devices\": [indices] (0 .. tp-1 if not given).",
+                           [f"give {at}.devices, e.g. {{\"node\": "
+                            f"{json.dumps(next(iter(nodes), 'NODE'))}}}"])
+    devices = {**devices}
+    tp = out.get("tp")
+    if "devices" not in devices:
+        devices["devices"] = list(range(tp if _is_count(tp) else 1))
+    if "tp" not in out and isinstance(devices["devices"], list):
+        out["tp"] = len(devices["devices"])
+    out["devices"] = devices
+    node = devices["node"]
+    if "device_type" not in out:
+        if not isinstance(node, str) or node not in nodes:
+            near = closest(str(node), [str(n) for n in nodes])
+            hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+            raise PlannerError("bad-plan", f"{str(path)!r}: {at}.devices.node {node!r} is not "
+                               f"a node of the plan's cluster.{hint}",
+                               [f"use one of its nodes: {', '.join(map(str, nodes))}"])
+        device = nodes[node].get("device")
+        if isinstance(device, dict) and isinstance(device.get("name"), str):
+            out["device_type"] = device["name"]
+    return out
+
+
+def check_plan(plan: Plan, source: str, *, written: bool = False) -> Plan:
     """The plan if it is one the runtime can run as written (counts in range, a model
     the zoo builds, every layer placed once, shares summing to the global batch, each
     device used once, devices and types that match its cluster, a known dtype); else an
-    error naming the source and the first problem."""
+    error naming the source and the first problem. `written`: a plan written by hand,
+    which the error says to correct rather than to regenerate."""
     from planner.dtypes import canonical_dtype
     from planner.runtime.layout import rank_layout
 
@@ -133,7 +292,10 @@ def check_plan(plan: Plan, source: str) -> Plan:
         canonical_dtype(plan.training.dtype)
         rank_layout(plan)
     except PlannerError as exc:
-        raise PlannerError("bad-plan", f"{source}: {exc.message}", exc.remedies) from None
+        remedies = ([*(r for r in exc.remedies if not r.startswith("regenerate")),
+                     f"correct it in {source} (README.md: Price a plan)"] if written
+                    else exc.remedies)
+        raise PlannerError("bad-plan", f"{source}: {exc.message}", remedies) from None
     return plan
 
 

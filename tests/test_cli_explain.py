@@ -59,10 +59,13 @@ def test_explain_json_is_machine_output_only(plans):
 
 
 def test_explain_of_a_plan_over_a_devices_memory_says_it_does_not_fit(plans):
-    """A stage's stored memory past its device's (a plan edited by hand, or one `estimate`
-    wrote all the same) read "ZeRO-2: everything would fit without it (at most 1%)"."""
+    """A stage past its device's memory (a plan edited by hand, here its device's memory,
+    or one `estimate` wrote all the same) read "ZeRO-2: everything would fit without it
+    (at most 1%)". Explain prices the plan as written: the memory stored in the file is
+    not what it shows."""
     data = json.loads((plans / "base.json").read_text())
-    data["pipelines"][0]["stages"][0]["memory"]["activations"] = 933 * 2**30
+    data["cluster"]["nodes"][0]["device"]["memory"] = 2**30
+    data["pipelines"][0]["stages"][0]["memory"]["activations"] = 0.0  # (not read)
     (plans / "big.json").write_text(json.dumps(data))
     result = run("explain", plans / "big.json", "--json")
     assert result.exit_code == 0, result.output
@@ -73,8 +76,8 @@ def test_explain_of_a_plan_over_a_devices_memory_says_it_does_not_fit(plans):
     assert memory == [
         "ZeRO-2 on 4 of 4 stages: even with it, pipeline 0 stage 0 does not fit "
         "a100-80g-sxm-0 (A100-80G-SXM).",
-        "The plan does not fit: pipeline 0 stage 0 holds 934 GiB per device on a100-80g-sxm-0 "
-        "(A100-80G-SXM), which has 80 GiB (1168%); its largest term is activations (933 GiB). "
+        "The plan does not fit: pipeline 0 stage 0 holds 1.01 GiB per device on a100-80g-sxm-0 "
+        "(A100-80G-SXM), which has 1 GiB (101%); its largest term is reserve (1 GiB). "
         "`planner launch` refuses it."]
 
 

@@ -297,7 +297,10 @@ def test_plan_file_round_trip(setup, tmp_path):
     ("{not json", "not JSON"),
     ('{"kind": "device-profile", "schema_version": 1}', "is not a plan file"),
     ('{"kind": "plan", "schema_version": 9}', "schema_version 9"),
-    ('{"kind": "plan", "schema_version": 1, "model": 3}', "is not a valid plan"),
+    ('{"kind": "plan", "schema_version": 1, "model": 3, "prediction": {}}',
+     "is not a valid plan"),
+    # no prediction: a plan written by hand, which `estimate --plan` prices (and checks)
+    ('{"kind": "plan", "schema_version": 1, "model": 3}', "estimate --plan"),
     ("[" * 100_000, "its JSON nests deeper than any plan does"),
 ])
 def test_corrupted_or_foreign_plan_files(tmp_path, text, needle):
