@@ -24,22 +24,30 @@ class Target(str, Enum):
     local = "local"
 
 
-def _cpus(values: list[str] | None) -> dict[str, str]:
-    """--cpus NODE=CPUS values by node; a node named twice is refused, not overridden."""
+def _pairs(option: str, values: list[str] | None, key: str, example: str,
+           each: str) -> dict[str, str]:
+    """KEY=VALUE values of a repeatable option by key; a key named twice is refused, not
+    overridden."""
     from planner.errors import PlannerError
 
     out: dict[str, str] = {}
     for value in values or []:
-        node, sep, cpus = value.partition("=")
-        if not sep or not node or not cpus:
-            raise PlannerError("bad-option", f"--cpus {value!r} must look like NODE=CPUS, e.g. "
-                               "worker-0=0 or worker-1=1-3.")
-        if node in out:
-            raise PlannerError("bad-option", f"--cpus names node {node!r} twice ({out[node]!r}, "
-                               f"then {cpus!r}); give each node's CPU list once.",
-                               [f"keep one of --cpus {node}={out[node]} and --cpus {node}={cpus}"])
-        out[node] = cpus
+        name, sep, given = value.partition("=")
+        if not sep or not name or not given:
+            raise PlannerError("bad-option", f"{option} {value!r} must look like {key}=VALUE, "
+                               f"e.g. {example}.")
+        if name in out:
+            raise PlannerError("bad-option", f"{option} names {key.lower()} {name!r} twice "
+                               f"({out[name]!r}, then {given!r}); give each {each} once.",
+                               [f"keep one of {option} {name}={out[name]} and {option} "
+                                f"{name}={given}"])
+        out[name] = given
     return out
+
+
+def _cpus(values: list[str] | None) -> dict[str, str]:
+    """--cpus NODE=CPUS values by node."""
+    return _pairs("--cpus", values, "NODE", "worker-0=0 or worker-1=1-3", "node's CPU list")
 
 
 def _check_runtime_args(args: list[str]) -> None:
@@ -110,7 +118,16 @@ def launch(
         "--python", help="Python on the nodes (default: python3; local: this one).")] = None,
     sbatch: Annotated[list[str] | None, typer.Option(
         "--sbatch", help="An extra #SBATCH option, e.g. --sbatch=--partition=gpu "
-        "(repeatable).")] = None,
+        "(repeatable; --signal or --no-requeue replace the script's own).")] = None,
+    constraint: Annotated[list[str] | None, typer.Option(
+        "--constraint", help="DEVICE=FEATURES: the SLURM --constraint of the component of "
+        "that device type, e.g. --constraint A100-80G-SXM=a100 (repeatable).")] = None,
+    gres: Annotated[list[str] | None, typer.Option(
+        "--gres", help="DEVICE=GRES: the SLURM --gres of that device type's component in "
+        "place of --gpus-per-node, e.g. --gres V100-32G=gpu:v100:4 (repeatable).")] = None,
+    rendezvous_timeout: Annotated[int, typer.Option(
+        "--rendezvous-timeout", help="Seconds the nodes wait for each other before the ones "
+        "missing are named.")] = 600,
     runtime_arg: Annotated[list[str] | None, typer.Option(
         "--runtime-arg", help="Another argument for python -m planner.runtime (repeatable).")
     ] = None,
@@ -134,6 +151,8 @@ def launch(
         write_launch,
     )
     from planner.planfile import read_plan
+    from planner.runtime.layout import rank_layout
+    from planner.runtime.train import checkpoint_warning
     from planner.solver.uniform import overflows
 
     if out is None and not dry_run:
@@ -154,6 +173,10 @@ def launch(
     if checkpoint_every < 0:
         raise PlannerError("bad-option", f"--checkpoint-every must be 0 or more (got "
                            f"{checkpoint_every}).")
+    warning = checkpoint_warning(steps, checkpoint_every)
+    if warning:
+        err_console.print(f"[yellow]warning:[/] {escape(warning)}.", highlight=False,
+                          soft_wrap=True)
     if not lr > 0 or lr == float("inf"):
         raise PlannerError("bad-option", f"--lr must be a positive number (got {lr}).")
     if not 0 <= seed < 2**63:
@@ -163,9 +186,14 @@ def launch(
     if data is not None and not (colon and module and function):
         raise PlannerError("bad-option", f"--data {data!r} must name a data hook as "
                            "package.module:function (importable on every node).")
-    if sbatch and target is not Target.slurm:
-        raise PlannerError("bad-option", f"--sbatch goes into the SLURM job script; the "
-                           f"{target.value} target has none.", ["use --target slurm"])
+    slurm_only = [name for name, given in (("--sbatch", sbatch), ("--constraint", constraint),
+                                           ("--gres", gres)) if given]
+    if slurm_only and target is not Target.slurm:
+        raise PlannerError("bad-option", f"{' and '.join(slurm_only)} go(es) into the SLURM job "
+                           f"script; the {target.value} target has none.", ["use --target slurm"])
+    constraints = _pairs("--constraint", constraint, "DEVICE", "A100-80G-SXM=a100",
+                         "device type's constraint")
+    gres_by_type = _pairs("--gres", gres, "DEVICE", "V100-32G=gpu:v100:4", "device type's gres")
     _check_runtime_args(list(runtime_arg or []))
     entries = read_hosts(hosts) if hosts is not None else {}
     for node, cpu_list in _cpus(cpus).items():
@@ -202,17 +230,29 @@ def launch(
         loaded, target=target.value, hosts=entries, master_port=master_port,
         max_restarts=max_restarts, runtime_args=args,
         python=python or (sys.executable if target is Target.local else "python3"),
-        run_dir=run_dir, sbatch=list(sbatch or []))
-    hostless = hostless_nodes(loaded, entries) if target is not Target.local else []
+        run_dir=run_dir, sbatch=list(sbatch or []), constraints=constraints,
+        gres=gres_by_type, rendezvous_timeout=rendezvous_timeout,
+        folder=str(out.resolve()) if out is not None else None)
+    # (SLURM picks the hosts of nodes no one named)
+    hostless = hostless_nodes(loaded, entries) if target is Target.torchrun else []
     if hostless:
         given = f"{escape(str(hosts))} does not map" if hosts is not None else "no --hosts maps"
         err_console.print(
             f"[yellow]warning:[/] {given} node(s) {escape(', '.join(hostless))}, and the "
             "plan's cluster gives them no host, so the scripts use these node names as host "
-            "names" + (" (SLURM's --nodelist)" if target is Target.slurm else "") + ": they "
-            "work only where the names resolve to the nodes. Map every node to its host in "
-            "a hosts file (`node: host`, --hosts FILE).",
+            "names: they work only where the names resolve to the nodes. Map every node to "
+            "its host in a hosts file (`node: host`, --hosts FILE).",
             highlight=False, soft_wrap=True)
+    # GPU types some of whose nodes SLURM picks with nothing to tell their type by
+    unplaced = sorted({n.device_type for n in rank_layout(loaded).nodes
+                       if not n.is_cpu and n.name in hostless_nodes(loaded, entries)}
+                      - set(constraints) - set(gres_by_type)) if target is Target.slurm else []
+    if unplaced:
+        err_console.print(
+            f"[yellow]warning:[/] no --constraint (or --gres) for {escape(', '.join(unplaced))}: "
+            "SLURM may place those components on nodes of any GPU type. Give the node feature "
+            f"your site marks them with, e.g. --constraint {escape(unplaced[0])}=FEATURE, or "
+            "their hosts (--hosts).", highlight=False, soft_wrap=True)
     if dry_run:
         for name, text in files.items():
             if name == "plan.json":
@@ -225,8 +265,8 @@ def launch(
     console.print(f"Wrote {len(files)} files to {out}: " + ", ".join(files), soft_wrap=True,
                   markup=False)
     if main_file:  # sbatch from inside the folder: the job finds its scripts there
-        run = (f"bash {shlex.quote(str(out / main_file))}" if target is Target.local else
-               f"cd {shlex.quote(str(out))} && sbatch {main_file}")
+        run = ("bash" if target is Target.local else "sbatch") + " " + shlex.quote(
+            str(out / main_file))
         console.print(f"Run: {run}  (see {out / 'README.md'})", soft_wrap=True, markup=False)
     else:
         console.print(f"Run each node's script on its host (see {out / 'README.md'}).",

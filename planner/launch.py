@@ -3,15 +3,17 @@
     files = render_launch(plan, target="torchrun", hosts=read_hosts("hosts.yaml"))
 
 Targets:
-  torchrun  one script per node (node-<rank>-<name>.sh): torchrun with a static
-            rendezvous (node rank and master address from the plan, a different
-            --nproc-per-node per node where the plan needs it), per-node
-            environment (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, NCCL/gloo), running
-            `python -m planner.runtime` on every rank;
+  torchrun  one script per node (node-<rank>-<name>.sh): per-node environment
+            (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, NCCL/gloo), then
+            `python -m planner.runtime.node` (`runtime/node.py`): the nodes meet at
+            node rank 0's address (a missing node is named), torchrun's c10d
+            rendezvous restarts every node's ranks together, and a failure report
+            names the rank that failed first; every rank runs `python -m planner.runtime`;
   slurm     the node scripts plus launch.sbatch: a heterogeneous job (one
             component per group of nodes with the same device type and device
-            count) that starts each node's script with srun on its host;
-  local     run-local.sh: every node's torchrun on this machine (127.0.0.1), all on
+            count) whose one srun step starts a task per node (slurm-task.sh picks
+            the node's script); hosts and the head node come from SLURM at run time;
+  local     run-local.sh: every node's launcher on this machine (127.0.0.1), all on
             the CPU with gloo, each optionally pinned to CPUs with taskset, for
             trying a plan without its cluster.
 
@@ -56,6 +58,9 @@ from planner.types import Plan
 
 TARGETS = ("torchrun", "slurm", "local")
 DEFAULT_PORT = 29500
+DEFAULT_RENDEZVOUS_TIMEOUT = 600  # seconds the nodes wait for each other (runtime/node.py)
+STOP_BEFORE_END = 300  # seconds before a SLURM time limit the ranks checkpoint and requeue
+LOCAL_GRACE = 10  # seconds run-local.sh lets the other nodes record their failures
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CPUS = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 _SLURM_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -217,6 +222,7 @@ class _Setup:
     runtime_args: tuple[str, ...]
     python: str
     run_dir: str | None
+    rendezvous_timeout: int = DEFAULT_RENDEZVOUS_TIMEOUT
 
     def host(self, node: NodeRanks) -> HostEntry:
         """The node's entry, its host filled in: the given one, else the cluster file's,
@@ -299,32 +305,35 @@ def _preamble(title: Sequence[str]) -> list[str]:
     return lines
 
 
+def _run_dir_word(setup: _Setup) -> str:
+    """The run directory as a shell word: --run-dir, else run/ in the launch folder."""
+    return '"$HERE/run"' if setup.run_dir is None else shlex.quote(setup.run_dir)
+
+
 def _common_vars(setup: _Setup) -> list[str]:
     q = shlex.quote
-    run_dir = '"$HERE/run"' if setup.run_dir is None else q(setup.run_dir)
     return [
-        'PLAN="$HERE/plan.json"', f"RUN_DIR={run_dir}", f"PYTHON={q(setup.python)}",
-        f"PORT={setup.port}",
+        'PLAN="$HERE/plan.json"', f"RUN_DIR={_run_dir_word(setup)}", f"PYTHON={q(setup.python)}",
+        f"PORT={setup.port}", f"RDZV_TIMEOUT={setup.rendezvous_timeout}",
         f"RUNTIME_ARGS=({' '.join(q(a) for a in setup.runtime_args)})",
         "# overrides from the environment",
         'PLAN="${PLANNER_PLAN:-$PLAN}"', 'RUN_DIR="${PLANNER_RUN_DIR:-$RUN_DIR}"',
         'PYTHON="${PLANNER_PYTHON:-$PYTHON}"', 'PORT="${PLANNER_MASTER_PORT:-$PORT}"',
+        'RDZV_TIMEOUT="${PLANNER_RDZV_TIMEOUT:-$RDZV_TIMEOUT}"',
     ]
 
 
-def _torchrun(setup: _Setup, node: NodeRanks, *, master: str, extra: Sequence[str],
-              indent: str = "", prefix: str = "") -> list[str]:
+def _launcher(setup: _Setup, node: NodeRanks, *, head: str, local_addr: str,
+              extra: Sequence[str] = (), indent: str = "", prefix: str = "") -> list[str]:
+    """The node's launcher command (`runtime/node.py`: torchrun, c10d rendezvous); `head`
+    and `local_addr` are shell words (a quoted value or "$VAR")."""
     q = shlex.quote
-    args = [f"--nnodes={len(setup.layout.nodes)}", f"--node-rank={node.node_rank}",
-            f"--nproc-per-node={node.nproc}", "--rdzv-backend=static",
-            f"--max-restarts={setup.max_restarts}", "--monitor-interval=1"]
-    lines = [f'{indent}{prefix}"$PYTHON" -m torch.distributed.run \\',
-             f"{indent}  {' '.join(args)} \\",
-             f"{indent}  --master-addr={q(master)} --master-port=\"$PORT\" \\",
-             f'{indent}  -m planner.runtime --plan "$PLAN" --run-dir "$RUN_DIR" '
-             + '${RUNTIME_ARGS[@]+"${RUNTIME_ARGS[@]}"}'
-             + "".join(f" {q(e)}" for e in extra) + ' "$@"']
-    return lines
+    return [f'{indent}{prefix}"$PYTHON" -m planner.runtime.node --plan "$PLAN" '
+            f'--run-dir "$RUN_DIR" --node {q(node.name)} \\',
+            f'{indent}  --head {head} --port "$PORT" --local-addr {local_addr} '
+            f'--max-restarts {setup.max_restarts} --rendezvous-timeout "$RDZV_TIMEOUT" \\',
+            f'{indent}  -- ${{RUNTIME_ARGS[@]+"${{RUNTIME_ARGS[@]}}"}}'
+            + "".join(f" {q(e)}" for e in extra) + ' "$@"']
 
 
 def _node_env(setup: _Setup, node: NodeRanks, entry: HostEntry) -> list[str]:
@@ -364,14 +373,20 @@ def _render_node(setup: _Setup, node: NodeRanks) -> str:
         "rendezvous timeout).",
         "Arguments after the script name go to python -m planner.runtime."])
     lines += _common_vars(setup)
-    lines.append("")
+    lines += ["# node rank 0's address (the rendezvous) and this node's, as the others reach "
+              "them (SLURM sets both at run time)",
+              f"HEAD={shlex.quote(setup.master.address)}",
+              f"LOCAL_ADDR={shlex.quote(entry.address)}",
+              'HEAD="${PLANNER_MASTER_ADDR:-$HEAD}"',
+              'LOCAL_ADDR="${PLANNER_LOCAL_ADDR:-$LOCAL_ADDR}"', ""]
     lines += _node_env(setup, node, entry)
     lines.append("")
     pin = ""
     if entry.cpus:
         lines += _need_taskset(node_script(node))
         pin = f"taskset -c {shlex.quote(entry.cpus)} "
-    lines += _torchrun(setup, node, master=setup.master.address, extra=(), prefix="exec " + pin)
+    lines += _launcher(setup, node, head='"$HEAD"', local_addr='"$LOCAL_ADDR"',
+                       prefix="exec " + pin)
     return "\n".join(lines) + "\n"
 
 
@@ -386,8 +401,8 @@ def _render_local(setup: _Setup) -> str:
     lines = _preamble([
         f"planner launch (local): the plan's {world} rank(s) on {len(nodes)} node(s), all on "
         "this machine, on the CPU with gloo.",
-        "Each node gets its own torchrun (static rendezvous on 127.0.0.1), optionally pinned "
-        "to CPUs with taskset.",
+        "Each node gets its own launcher and torchrun (c10d rendezvous on 127.0.0.1), "
+        "optionally pinned to CPUs with taskset.",
         "Arguments go to python -m planner.runtime; logs go to $PLANNER_LOGS "
         "(default: logs/ here)."])
     lines += _common_vars(setup)
@@ -407,8 +422,8 @@ def _render_local(setup: _Setup) -> str:
         env = [f"PLANNER_NODE={q(node.name)}", 'CUDA_VISIBLE_DEVICES=""',
                f'OMP_NUM_THREADS="${{PLANNER_THREADS:-{threads}}}"',
                *(f"{k}={q(v)}" for k, v in sorted(entry.env.items()))]
-        run = _torchrun(setup, node, master="127.0.0.1", extra=("--cpu",), indent="  ",
-                        prefix=pin)
+        run = _launcher(setup, node, head="127.0.0.1", local_addr="127.0.0.1",
+                        extra=("--cpu",), indent="  ", prefix=pin)
         run[0] = "env " + " ".join(env) + " \\\n" + run[0]
         run[-1] += f' \\\n  >"$LOGS"/{q(log)} 2>&1 &'
         lines += run
@@ -419,6 +434,14 @@ def _render_local(setup: _Setup) -> str:
         "  if ! wait -n; then",
         "    status=1",
         '    echo "run-local.sh: a node failed; stopping the others (logs: $LOGS)" >&2',
+        "    # the others end by themselves once their ranks lose the failed ones: a while",
+        "    # to record their failures for the report, then they are stopped",
+        f"    for _ in $(seq {LOCAL_GRACE}); do",
+        "      alive=0",
+        '      for pid in "${pids[@]}"; do if kill -0 "$pid" 2>/dev/null; then alive=1; fi; done',
+        '      if [ "$alive" = 0 ]; then break; fi',
+        "      sleep 1",
+        "    done",
         "    stop",
         "    break",
         "  fi",
@@ -426,7 +449,9 @@ def _render_local(setup: _Setup) -> str:
         "wait || true",
         'if [ "$status" = 0 ]; then',
         '  echo "run-local.sh: done; summary: $RUN_DIR/summary.json, logs: $LOGS"',
-        "else  # the runtime's first error paragraph, as every rank logs it, else the cause",
+        "# the rank that failed first and why (runtime/failures.py), else the first error",
+        "# paragraph in the logs, else the cause",
+        'elif ! "$PYTHON" -m planner.runtime.failures "$RUN_DIR"; then',
         '  reason=$(cat "$LOGS"/*.log 2>/dev/null | awk \'/^error: /{if (found) exit; found=1; '
         'print; next} found && /^  [0-9]+\\) /{print; next} found{exit}\' || true)',
         '  if [ -n "$reason" ]; then',
@@ -455,58 +480,172 @@ def _slurm_groups(setup: _Setup) -> list[list[NodeRanks]]:
     return list(groups.values())
 
 
-def _render_sbatch(setup: _Setup, sbatch: Sequence[str]) -> str:
-    q = shlex.quote
-    for node in setup.layout.nodes:
-        host = setup.host(node).host
-        if not _SLURM_HOST.match(host):
-            raise PlannerError("bad-hosts", f"Host {host!r} (node {node.name}) is not a name "
-                               "SLURM can place a job on (letters, digits, '.', '_', '-').",
-                               ["map the node to its SLURM node name with --hosts"])
-    planned = ("--job-name", "--nodes", "--nodelist", "--ntasks-per-node", "--exclusive",
-               "--gpus-per-node")  # what the script sets itself
-    for line in sbatch:
+@dataclass(frozen=True)
+class SlurmOptions:
+    """What the SLURM target adds: extra #SBATCH lines (`sbatch`, given to every component),
+    and per device type a --constraint (the node features that type's nodes carry) and a
+    --gres (in place of --gpus-per-node), keyed by the plan's device type names."""
+
+    sbatch: tuple[str, ...] = ()
+    constraints: Mapping[str, str] = field(default_factory=dict)
+    gres: Mapping[str, str] = field(default_factory=dict)
+
+
+_SLURM_VALUE = re.compile(r"^[A-Za-z0-9_.:&|*()\[\],+=-]+$")
+# what the script sets itself; a user's --signal or --requeue/--no-requeue replaces its own
+_SLURM_PLANNED = ("--job-name", "--nodes", "--nodelist", "--ntasks-per-node", "--exclusive",
+                  "--gpus-per-node", "--constraint", "--gres", "--cpus-per-task", "--hetjob")
+
+
+def _check_slurm(setup: _Setup, slurm: SlurmOptions) -> None:
+    """Errors, before anything is written, for SLURM options the job would refuse."""
+    for line in slurm.sbatch:
         if not line.startswith("--") or not _comment(line) == line or any(
                 c.isspace() for c in line):
             raise PlannerError("bad-option", f"--sbatch {line!r} must be one sbatch option "
                                "starting with --, without spaces, e.g. --partition=gpu.")
-        if line.split("=")[0] in planned:
+        if line.split("=")[0] in _SLURM_PLANNED:
             raise PlannerError("bad-option", f"--sbatch {line!r}: the script sets "
                                f"{line.split('=')[0]} itself, from the plan.",
-                               ["change the plan (or its hosts) instead"])
+                               ["change the plan (or its hosts) instead; --constraint and "
+                                "--gres take DEVICE=VALUE"])
+    types = sorted({n.device_type for n in setup.layout.nodes})
+    for option, given in (("--constraint", slurm.constraints), ("--gres", slurm.gres)):
+        for device, value in given.items():
+            if device not in types:
+                near = closest(device, types)
+                raise PlannerError(
+                    "bad-option", f"{option} {device}={value}: the plan has no device type "
+                    f"{device!r}" + (f"; did you mean {', '.join(map(repr, near))}?" if near
+                                     else "."), [f"its device types are {', '.join(types)}"])
+            if not _SLURM_VALUE.match(value):
+                raise PlannerError("bad-option", f"{option} {device}={value!r} is not a SLURM "
+                                   f"{option[2:]} (letters, digits and _.:&|*()[],+=-).")
+    for node in setup.layout.nodes:
+        host = _listed_host(setup.hosts, node) or node.host
+        if host and not _SLURM_HOST.match(host):
+            raise PlannerError("bad-hosts", f"Host {host!r} (node {node.name}) is not a name "
+                               "SLURM can place a job on (letters, digits, '.', '_', '-').",
+                               ["map the node to its SLURM node name with --hosts"])
+
+
+def _render_sbatch(setup: _Setup, slurm: SlurmOptions) -> str:
+    """A heterogeneous job (one component per device type and device count) whose one srun
+    step runs a task per node: SLURM gives the hosts, and a task that fails ends the rest."""
     groups = _slurm_groups(setup)
+    own_signal = not any(line.startswith("--signal") for line in slurm.sbatch)
+    own_requeue = not any(line in ("--requeue", "--no-requeue") for line in slurm.sbatch)
     lines = ["#!/usr/bin/env bash"]
     for g, nodes in enumerate(groups):
         if g:
             lines.append("#SBATCH hetjob")
         first = nodes[0]
         lines += ["#SBATCH --job-name=planner", f"#SBATCH --nodes={len(nodes)}",
-                  f"#SBATCH --nodelist={','.join(setup.host(n).host for n in nodes)}",
                   "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive"]
-        if not first.is_cpu:
+        if first.device_type in slurm.gres:
+            lines.append(f"#SBATCH --gres={slurm.gres[first.device_type]}")
+        elif not first.is_cpu:
             lines.append(f"#SBATCH --gpus-per-node={first.nproc}")
-        lines += [f"#SBATCH {line}" for line in sbatch]
+        if first.device_type in slurm.constraints:
+            lines.append(f"#SBATCH --constraint={slurm.constraints[first.device_type]}")
+        listed = [h for n in nodes if (h := _listed_host(setup.hosts, n) or n.host)]
+        if listed:  # hosts the user gave; SLURM picks the rest
+            lines.append(f"#SBATCH --nodelist={','.join(listed)}")
+        if g == 0 and own_signal:
+            lines.append(f"#SBATCH --signal=USR1@{STOP_BEFORE_END}")
+        if g == 0 and own_requeue:
+            lines.append("#SBATCH --requeue")
+        lines += [f"#SBATCH {line}" for line in slurm.sbatch]
     lines += [f"# {_comment(t)}" for t in (
         f"planner launch (slurm): {len(setup.layout.nodes)} node(s) in {len(groups)} "
         "heterogeneous component(s), one per device type and device count.",
-        "Submit from this folder: cd into it, then sbatch launch.sbatch.")]
+        "Submit it from anywhere: sbatch /path/to/launch.sbatch (it finds this folder from "
+        "its own path); arguments go to python -m planner.runtime.",
+        f"SLURM signals the ranks {STOP_BEFORE_END} s before the time limit: they checkpoint "
+        "and end, and the job requeues itself to resume.")]
     lines += ["set -euo pipefail", "",
-              'HERE="${PLANNER_LAUNCH_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"',
-              "# SLURM gives each job step the GPUs it asked for", "export PLANNER_SET_DEVICES=0",
-              "pids=()", ""]
-    for g, nodes in enumerate(groups):
-        for node in nodes:
-            host = setup.host(node).host
-            het = f"--het-group={g} " if len(groups) > 1 else ""
-            lines += [f"# node {node.name} (node rank {node.node_rank})",
-                      f"srun {het}--nodes=1 --ntasks=1 --nodelist={q(host)} \\",
-                      f'  bash "$HERE"/{q(node_script(node))} "$@" &', 'pids+=("$!")']
-    lines += ["", "status=0", 'for pid in "${pids[@]}"; do',
-              '  if ! wait "$pid"; then status=1; fi', "done", 'exit "$status"']
+              "# this folder: the path SLURM recorded for this script (sbatch runs a copy)",
+              'if [ -z "${PLANNER_LAUNCH_DIR:-}" ]; then',
+              '  script=$(scontrol show job "$SLURM_JOB_ID" | sed -n "s/^ *Command=//p" '
+              "| head -n 1)",
+              '  case "$script" in',
+              "    /*) ;;",
+              '    *) script="${SLURM_SUBMIT_DIR:-$PWD}/$script" ;;',
+              "  esac",
+              '  PLANNER_LAUNCH_DIR=$(dirname "$script")',
+              "fi",
+              'HERE="$PLANNER_LAUNCH_DIR"',
+              'if [ ! -f "$HERE/plan.json" ]; then',
+              '  echo "launch.sbatch: no plan.json in $HERE: set PLANNER_LAUNCH_DIR to the '
+              'launch folder" >&2',
+              "  exit 1",
+              "fi"]
+    lines += [f"RUN_DIR={_run_dir_word(setup)}", 'RUN_DIR="${PLANNER_RUN_DIR:-$RUN_DIR}"']
+    lines += ["", "# SLURM gives each task the GPUs it asked for", "export PLANNER_SET_DEVICES=0",
+              "# node rank 0's host, the first SLURM gave the first component, is the head "
+              "(the rendezvous)",
+              f'HEAD=$(scontrol show hostnames "{_slurm_var("SLURM_JOB_NODELIST", 0, groups)}" '
+              "| head -n 1)",
+              'export PLANNER_MASTER_ADDR="$HEAD"',
+              "# each component's CPUs per node: srun does not pass --cpus-per-task on to its "
+              "tasks since Slurm 22.05"]
+    for g in range(len(groups)):
+        lines += [f'cpus{g}="{_slurm_var("SLURM_JOB_CPUS_PER_NODE", g, groups)}"',
+                  f'cpus{g}="${{cpus{g}%%[(,]*}}"']
+    parts = [f'--kill-on-bad-exit=1 --label --nodes={len(nodes)} --ntasks-per-node=1 '
+             f'--cpus-per-task="$cpus{g}" bash "$HERE"/slurm-task.sh "$@"'
+             for g, nodes in enumerate(groups)]
+    lines += ["", "# one job step, a task per node (slurm-task.sh picks its node's script); a "
+              "task that fails ends the others", "status=0",
+              "srun " + " \\\n  : ".join(parts) + " || status=$?",
+              'if [ "$status" = 0 ] && [ -f "$RUN_DIR/stopped.json" ]; then',
+              '  echo "launch.sbatch: the ranks checkpointed before the time limit; requeueing '
+              'the job to resume" >&2',
+              '  scontrol requeue "$SLURM_JOB_ID"',
+              "fi",
+              'exit "$status"']
     return "\n".join(lines) + "\n"
 
 
-def _readme(setup: _Setup, target: str, files: Sequence[str]) -> str:
+def _slurm_var(name: str, group: int, groups: Sequence[object]) -> str:
+    """A SLURM job variable of component `group` as a shell word's text: its _HET_GROUP_<g>
+    form in a heterogeneous job, the plain one otherwise."""
+    return f"${{{name}_HET_GROUP_{group}}}" if len(groups) > 1 else f"${{{name}}}"
+
+
+def _render_slurm_task(setup: _Setup) -> str:
+    """What each task of launch.sbatch's step runs: SLURM_PROCID numbers the tasks component
+    by component, so it picks the node's script; the task's host is the node's address."""
+    q = shlex.quote
+    order = [node for nodes in _slurm_groups(setup) for node in nodes]
+    lines = _preamble([
+        "planner launch (slurm): one task per node of the plan, started by launch.sbatch's "
+        "srun; SLURM_PROCID (tasks numbered component by component) picks its node's script."])
+    lines += [f"SCRIPTS=({' '.join(q(node_script(n)) for n in order)})",
+              'script="${SCRIPTS[$SLURM_PROCID]}"',
+              "# the address the other nodes reach this one at: its SLURM node name",
+              'PLANNER_LOCAL_ADDR="${SLURMD_NODENAME:-$(hostname)}"',
+              "export PLANNER_LOCAL_ADDR",
+              'exec bash "$HERE/$script" "$@"']
+    return "\n".join(lines) + "\n"
+
+
+def _ssh_lines(setup: _Setup, folder: str | None) -> list[str]:
+    """The README's commands that start every node's script on its host, all at once: each
+    cds into the launch folder there (ssh runs a command in the home folder)."""
+    q = shlex.quote
+    where = q(folder) if folder else "$DIR"
+    lines = [] if folder else ["    DIR=/path/to/this/folder  # where it is on every host"]
+    for node in setup.layout.nodes:
+        remote = f"cd {where} && bash {q(node_script(node))}"
+        lines.append(f"    ssh -- {q(str(setup.host(node).host))} "
+                     + (q(remote) if folder else f'"{remote}"')
+                     + f" > {q(node_script(node)[:-3] + '.log')} 2>&1 &")
+    return [*lines, "    wait"]
+
+
+def _readme(setup: _Setup, target: str, files: Sequence[str],
+            folder: str | None = None) -> str:
     plan, layout = setup.plan, setup.layout
     rows = []
     for node in layout.nodes:
@@ -519,23 +658,31 @@ def _readme(setup: _Setup, target: str, files: Sequence[str]) -> str:
                     f"{node.device_type} | {','.join(map(str, node.devices))} | {ranks} | "
                     f"`{'run-local.sh' if target == 'local' else node_script(node)}` |")
     what = {
-        "torchrun": ("Copy this folder to every host (or put it on a shared file system), "
-                     "then on each host run its node's script; they find each other through "
-                     f"a static rendezvous at {setup.master.address}:{setup.port} (node rank 0)."
-                     "\n\n" + "\n".join(f"    ssh -- {shlex.quote(str(setup.host(n).host))} "
-                                        f"bash {shlex.quote(node_script(n))}  # from this "
-                                        "folder" for n in layout.nodes)),
-        "slurm": ("From this folder on the login node: `sbatch launch.sbatch`. It asks for "
-                  "the hosts below in a heterogeneous job and starts each node's script with "
-                  "srun on its host; SLURM assigns the GPUs."),
+        "torchrun": ("Put this folder at the same path on every host (a shared file system, "
+                     "or a copy), then run every node's script on its host, in any order, "
+                     f"within {setup.rendezvous_timeout} s of each other: they meet at node "
+                     f"rank 0's {setup.master.address}:{setup.port} (a node that never comes "
+                     "is named), then torchrun's c10d rendezvous. From here, all at once:"
+                     "\n\n" + "\n".join(_ssh_lines(setup, folder))),
+        "slurm": ("On the login node: `sbatch launch.sbatch` (from any folder: it finds this "
+                  "one from its own path). A heterogeneous job, one component per device type "
+                  "and count below, runs one srun step with a task per node; SLURM picks the "
+                  "hosts (the table's, where `--hosts` named them) and assigns the GPUs, and "
+                  "node rank 0's host is the head. A task that fails ends the others. "
+                  f"{STOP_BEFORE_END} s before the time limit the ranks checkpoint, end, and "
+                  "the job requeues itself to resume."),
         "local": ("On this machine: `bash run-local.sh`. Every node of the plan gets its own "
-                  "torchrun on 127.0.0.1, on the CPU with gloo; logs go to `logs/`."),
+                  "launcher and torchrun on 127.0.0.1, on the CPU with gloo; logs go to "
+                  "`logs/`."),
     }[target]
-    restarts = (f"torchrun restarts failed ranks up to {setup.max_restarts} time(s); the "
-                "runtime then resumes from the latest checkpoint in the run directory "
-                "(`--resume`), so a crash loses at most the steps since the last checkpoint "
-                "(`--checkpoint-every K`)." if setup.max_restarts else
+    restarts = (f"When a rank fails, every node's ranks restart together, up to "
+                f"{setup.max_restarts} time(s), and resume from the newest intact checkpoint "
+                "in the run directory (`--resume`), so a crash loses at most the steps since "
+                "the last checkpoint (`--checkpoint-every K`)." if setup.max_restarts else
                 "No restarts (`planner launch --max-restarts N` adds them).")
+    failed = ("When the run fails, each node's output ends with the rank that failed first "
+              "and why (`failures/` in the run directory holds each node's record), and "
+              "each rank's output is in `logs/` there.")
     return "\n".join([
         f"# Launch: {plan.model.describe()} on {plan.cluster.name}", "",
         f"Target `{target}`: {layout.world_size} rank(s) on {len(layout.nodes)} node(s), "
@@ -547,21 +694,28 @@ def _readme(setup: _Setup, target: str, files: Sequence[str]) -> str:
         "Each rank checks its environment against `plan.json` before doing anything "
         "(world size, node rank, local rank, device type) and says what it expected and "
         "found. Environment overrides: PLANNER_PLAN, PLANNER_RUN_DIR, PLANNER_PYTHON, "
-        "PLANNER_MASTER_PORT; arguments after a script's name go to "
+        "PLANNER_MASTER_PORT, PLANNER_RDZV_TIMEOUT (seconds the nodes wait for each other), "
+        "PLANNER_MASTER_ADDR (node rank 0's address); arguments after a script's name go to "
         "`python -m planner.runtime` (see `python -m planner.runtime --help`).", "",
         "Checkpoints, `losses.jsonl` and `summary.json` go to the run directory "
         f"({f'`{setup.run_dir}`' if setup.run_dir else '`run/` in this folder'} unless "
         "PLANNER_RUN_DIR is set), which "
         "every node must see at the same path (a shared file system). " + restarts, "",
+        failed, "",
         "Files: " + ", ".join(f"`{f}`" for f in files) + ".", ""])
 
 
 def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | None = None,
                   master_port: int = DEFAULT_PORT, max_restarts: int = 0,
                   runtime_args: Sequence[str] = (), python: str = "python3",
-                  run_dir: str | None = None, sbatch: Sequence[str] = ()) -> dict[str, str]:
-    """{file name: text} of the launch files for `plan` (see the module docstring).
-    Pure: reads and writes nothing."""
+                  run_dir: str | None = None, sbatch: Sequence[str] = (),
+                  constraints: Mapping[str, str] | None = None,
+                  gres: Mapping[str, str] | None = None,
+                  rendezvous_timeout: int = DEFAULT_RENDEZVOUS_TIMEOUT,
+                  folder: str | None = None) -> dict[str, str]:
+    """{file name: text} of the launch files for `plan` (see the module docstring);
+    `folder` is where they will be (for the README's commands), `constraints` and `gres`
+    map device types to SLURM's --constraint and --gres. Pure: reads and writes nothing."""
     if target not in TARGETS:
         raise PlannerError("bad-option", f"--target {target!r} is not one of "
                            f"{', '.join(TARGETS)}.")
@@ -570,6 +724,9 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
     if max_restarts < 0:
         raise PlannerError("bad-option", f"--max-restarts must be 0 or more (got "
                            f"{max_restarts}).")
+    if rendezvous_timeout < 1:
+        raise PlannerError("bad-option", f"--rendezvous-timeout must be at least 1 second "
+                           f"(got {rendezvous_timeout}).")
     if run_dir is not None and (not run_dir.strip() or not run_dir.isprintable()):
         raise PlannerError("bad-option", f"--run-dir {run_dir!r} is not a folder name: the "
                            "runs write checkpoints, logs and the summary there.",
@@ -579,14 +736,18 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
     hosts = dict(hosts or {})
     _check_hosts(plan, layout, hosts)
     args = tuple(runtime_args)
-    if max_restarts and "--resume" not in args:
-        args = (*args, "--resume")
+    if (max_restarts or target == "slurm") and "--resume" not in args:
+        args = (*args, "--resume")  # (a requeued SLURM job resumes too)
     setup = _Setup(plan=plan, layout=layout, hosts=hosts, port=master_port,
                    max_restarts=max_restarts, runtime_args=args, python=python,
-                   run_dir=run_dir)
+                   run_dir=run_dir, rendezvous_timeout=rendezvous_timeout)
+    slurm = SlurmOptions(sbatch=tuple(sbatch), constraints=dict(constraints or {}),
+                         gres=dict(gres or {}))
     if target != "local":
         _check_plan_hosts(setup)
         _check_one_node_per_host(setup)
+    if target == "slurm":
+        _check_slurm(setup, slurm)
     files: dict[str, str] = {"plan.json": plan_json(plan)}
     scripts: dict[str, str] = {}
     if target == "local":
@@ -595,9 +756,10 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
         for node in layout.nodes:
             scripts[node_script(node)] = _render_node(setup, node)
         if target == "slurm":
-            scripts["launch.sbatch"] = _render_sbatch(setup, sbatch)
+            scripts["launch.sbatch"] = _render_sbatch(setup, slurm)
+            scripts["slurm-task.sh"] = _render_slurm_task(setup)
     files.update({name: _literal_note(text) for name, text in scripts.items()})
-    files["README.md"] = _readme(setup, target, [*files, "README.md"])
+    files["README.md"] = _readme(setup, target, [*files, "README.md"], folder)
     return files
 
 

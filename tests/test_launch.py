@@ -63,26 +63,40 @@ def test_scripts_pass_bash_n_and_shellcheck(tmp_path, hetero_plan, target):
         assert set(files) == {"plan.json", "README.md", "run-local.sh"}
         text = files["run-local.sh"]
         assert "taskset -c 0-3" in text and "--cpu" in text and "127.0.0.1" in text
-        assert text.count("torch.distributed.run") == 2
-        assert "--nproc-per-node=2" in text and "--nproc-per-node=4" in text
+        assert text.count("-m planner.runtime.node") == 2
+        assert "node rank 0, 2 rank(s)" in text and "node rank 1, 4 rank(s)" in text
         readme = files["README.md"]
         assert "| this machine | 127.0.0.1 |" in readme and "`node-0-" not in readme
         assert "| 0-1 |" in readme and "(`run/` in this folder" in readme
     else:  # a node with cpus runs torchrun under taskset, the others do not
         pinned, free = files["node-0-a100-80g-sxm-0.sh"], files["node-1-v100-32g-0.sh"]
-        assert "exec taskset -c 0-3 \"$PYTHON\" -m torch.distributed.run" in pinned
+        assert "exec taskset -c 0-3 \"$PYTHON\" -m planner.runtime.node" in pinned
         assert "OMP_NUM_THREADS=2" in pinned and "taskset" not in free
 
 
-def test_each_node_gets_its_rank_its_process_count_and_its_devices(hetero_plan):
+def test_each_node_gets_its_rank_its_process_count_and_its_devices(tmp_path, hetero_plan):
+    from planner.runtime.layout import rank_layout
+    from planner.runtime.node import NodeOptions, torchrun_args
+
     files = render_launch(hetero_plan, target="torchrun", max_restarts=1,
                           hosts=parse_hosts({"a100-80g-sxm-0": "gpu-a1"}, "t"))
     first, second = files["node-0-a100-80g-sxm-0.sh"], files["node-1-v100-32g-0.sh"]
-    assert "--nnodes=2 --node-rank=0 --nproc-per-node=2" in first
-    assert "--nnodes=2 --node-rank=1 --nproc-per-node=4" in second
+    assert "--node a100-80g-sxm-0" in first and "--node v100-32g-0" in second
     for text in (first, second):
-        assert "--rdzv-backend=static" in text and "--master-addr=gpu-a1" in text
-        assert "--max-restarts=1" in text and "--resume" in text
+        assert "HEAD=gpu-a1\n" in text and '--head "$HEAD"' in text
+        assert "--max-restarts 1" in text and "--resume" in text
+    # the launcher runs torchrun with the plan's process count per node and the c10d
+    # rendezvous, which node rank 0 hosts
+    layout = rank_layout(hetero_plan)
+    options = NodeOptions(plan=tmp_path / "plan.json", node="", head="gpu-a1", port=29500,
+                          run_dir=tmp_path / "run", max_restarts=1)
+    head, other = (torchrun_args(layout, node, options) for node in layout.nodes)
+    assert "--nnodes=2" in head and "--nproc-per-node=2" in head
+    assert "--nproc-per-node=4" in other and "--max-restarts=1" in other
+    for args in (head, other):
+        assert "--rdzv-backend=c10d" in args and "--rdzv-endpoint=gpu-a1:29500" in args
+    assert "--rdzv-conf=is_host=true,join_timeout=600" in head
+    assert "--rdzv-conf=is_host=false,join_timeout=600" in other
     assert "export CUDA_VISIBLE_DEVICES=0,1\n" in first
     assert "export CUDA_VISIBLE_DEVICES=0,1,2,3\n" in second
     assert "export PLANNER_NODE=v100-32g-0" in second
@@ -92,12 +106,17 @@ def test_each_node_gets_its_rank_its_process_count_and_its_devices(hetero_plan):
 
 
 def test_slurm_asks_for_one_component_per_device_type(hetero_plan):
-    files = render_launch(hetero_plan, target="slurm", sbatch=["--time=01:00:00"])
+    files = render_launch(hetero_plan, target="slurm", sbatch=["--time=01:00:00"],
+                          constraints={"V100-32G": "v100"})
     sbatch = files["launch.sbatch"]
     assert sbatch.count("#SBATCH hetjob") == 1
     assert "#SBATCH --gpus-per-node=2" in sbatch and "#SBATCH --gpus-per-node=4" in sbatch
-    assert "srun --het-group=1 --nodes=1 --ntasks=1 --nodelist=v100-32g-0" in sbatch
+    assert "#SBATCH --constraint=v100" in sbatch and "--nodelist" not in sbatch
     assert sbatch.count("#SBATCH --time=01:00:00") == 2
+    # one step, a task per node, each component's CPUs passed on
+    assert sbatch.count("\nsrun ") == 1 and sbatch.count('bash "$HERE"/slurm-task.sh') == 2
+    assert '--cpus-per-task="$cpus1"' in sbatch and "--kill-on-bad-exit=1" in sbatch
+    assert "SCRIPTS=(node-0-a100-80g-sxm-0.sh node-1-v100-32g-0.sh)" in files["slurm-task.sh"]
     with pytest.raises(PlannerError, match="not a name SLURM can place"):
         render_launch(hetero_plan, target="slurm",
                       hosts=parse_hosts({"v100-32g-0": "alice@gpu-v1"}, "t"))
@@ -113,13 +132,16 @@ def test_values_with_shell_metacharacters_are_quoted_not_executed(tmp_path, hete
                           runtime_args=["--data", "$(touch pwned3)"])
     out = _check_shell(tmp_path, files)
     # the README's ssh lines end ssh's options before the host: copied into a shell, they
-    # run each node's script on its host and nothing here
-    readme = files["README.md"]
-    ssh = [line.split("  # from this folder")[0] for line in readme.splitlines()
-           if line.startswith("    ssh ")]
-    assert [shlex.split(line) for line in ssh] == [
-        ["ssh", "--", "alice@gpu-a1", "bash", "node-0-a100-80g-sxm-0.sh"],
-        ["ssh", "--", "gpu-v1", "bash", "node-1-v100-32g-0.sh"]]
+    # run each node's script on its host, in the launch folder there, all at once
+    readme = render_launch(hetero_plan, target="torchrun", hosts=hosts,
+                           folder="/srv/my launch")["README.md"]
+    ssh = [shlex.split(line) for line in readme.splitlines() if line.startswith("    ssh ")]
+    assert [line[:3] for line in ssh] == [["ssh", "--", "alice@gpu-a1"],
+                                          ["ssh", "--", "gpu-v1"]]
+    assert [shlex.split(line[3]) for line in ssh] == [
+        ["cd", "/srv/my launch", "&&", "bash", "node-0-a100-80g-sxm-0.sh"],
+        ["cd", "/srv/my launch", "&&", "bash", "node-1-v100-32g-0.sh"]]
+    assert all(line[-1] == "&" for line in ssh) and "    wait" in readme.splitlines()
     # run the script with a stand-in python that records its arguments and environment
     fake = tmp_path / "fake-python"
     fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$EVIL" "$@" > "$ARGS_FILE"\n')
@@ -132,8 +154,8 @@ def test_values_with_shell_metacharacters_are_quoted_not_executed(tmp_path, hete
     args = (tmp_path / "args").read_text().split("\n")
     assert not list(work.iterdir()) and not list(out.glob("pwned*"))
     assert args[0] == EVIL
-    # the master address is node rank 0's host; a user@ names the login, not the address
-    assert "--master-addr=gpu-a1" in args
+    # the head is node rank 0's host; a user@ names the login, not the address
+    assert args[args.index("--head") + 1] == "gpu-a1"
     assert args[args.index("--data") + 1] == "$(touch pwned3)"
     assert args[-3:-1] == ["--steps", "2"] and args[args.index("--plan") + 1] == str(
         out / "plan.json")

@@ -178,7 +178,8 @@ def test_launch_refuses_a_model_the_runtime_cannot_run(tmp_path):
 
 def test_nodes_without_a_host_are_warned_about(tmp_path, plan_file):
     """Their scripts use the plan's made-up node names as host names: a partial hosts
-    file, or slurm without one, went through silently."""
+    file went through silently. SLURM picks such nodes itself, by type only where
+    --constraint or --gres tell it."""
     partial = tmp_path / "partial.yaml"
     partial.write_text("a100-80g-sxm-0: gpu-a1\nv100-32g-0: {cpus: 0-3}\n")
     result = _launch(plan_file, "--dry-run", "--hosts", partial)
@@ -188,8 +189,12 @@ def test_nodes_without_a_host_are_warned_about(tmp_path, plan_file):
     assert "Map every node to its host in a hosts file" in _said(result)
     slurm = _launch(plan_file, "--dry-run", "--target", "slurm")
     assert slurm.exit_code == 0, slurm.output
-    assert ("warning: no --hosts maps node(s) a100-80g-sxm-0, v100-32g-0" in _said(slurm)
-            and "(SLURM's --nodelist)" in _said(slurm))
+    assert ("warning: no --constraint (or --gres) for A100-80G-SXM, V100-32G: SLURM may place "
+            "those components on nodes of any GPU type") in _said(slurm)
+    assert "does not map" not in _said(slurm) and "no --hosts maps" not in _said(slurm)
+    placed = _launch(plan_file, "--dry-run", "--target", "slurm", "--constraint",
+                     "A100-80G-SXM=a100", "--gres", "V100-32G=gpu:v100:4")
+    assert placed.exit_code == 0 and "warning" not in placed.stderr, placed.output
     full = tmp_path / "full.yaml"
     full.write_text("a100-80g-sxm-0: gpu-a1\nv100-32g-0: {host: gpu-v1, cpus: 0-3}\n")
     for args in (["--hosts", full], ["--target", "local"]):

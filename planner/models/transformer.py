@@ -38,12 +38,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+class TiedTokens(nn.Embedding):
+    """A token table the head also projects onto the vocabulary with: initialized N(0,
+    0.02) as GPT-2 and Megatron do. PyTorch's N(0, 1) for embeddings made the first
+    logits' scale the square root of the width, and the first loss about 85 instead of
+    ln(vocabulary)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class Embedding(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg
         width = cfg.embed_dim or cfg.hidden
-        self.tokens = nn.Embedding(cfg.vocab_size, width)
+        self.tokens = (TiedTokens if cfg.tie_embeddings else nn.Embedding)(cfg.vocab_size, width)
         self.proj_in = nn.Linear(width, cfg.hidden, bias=False) if cfg.embed_dim else None
         self.positions = (nn.Embedding((cfg.max_positions or cfg.seq_len) + cfg.position_offset,
                                        cfg.hidden) if cfg.positions == "learned" else None)

@@ -9,9 +9,12 @@ data.py:       synthetic batches or a user hook, sliced per pipeline
 parallel.py:   process groups and device meshes, tensor parallel, FSDP2, gradient sums
 schedule.py:   the pipeline schedule (torch.distributed.pipelining)
 follow.py:     a stage's ranks outside its pipeline's chains, mirroring the first
-checkpoint.py: torch.distributed.checkpoint saves and resume
+checkpoint.py: torch.distributed.checkpoint saves (atomic, hashed) and verified resume
+guard.py:      each step's check: NaN/inf loss or gradients, a stop request (SIGUSR1)
 summary.py:    step logs and the run summary
 train.py:      `run(RunOptions, env)`, the whole thing
+node.py:       `python -m planner.runtime.node`: a node's launcher (arrival, torchrun)
+failures.py:   why a run failed, and which rank failed first
 reference.py:  the same training in one process, for checking a run
 """
 

@@ -2,8 +2,9 @@
 
 Started by torchrun (the scripts `planner launch` writes), which sets RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and
-MASTER_PORT. A PlannerError (a plan/environment mismatch, a bad option) prints
-one paragraph and exits with 1; `--debug` shows the traceback instead.
+MASTER_PORT. A PlannerError (a plan/environment mismatch, a bad option, a NaN
+loss) prints one paragraph and exits with 1; `--debug` shows the traceback instead.
+SIGUSR1 ends the run after the step in progress, with a checkpoint (`guard.py`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
                    help="Steps left out of the step-time statistics.")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="Seconds a collective may wait before the run fails.")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="A step with a NaN or infinite loss or gradient: stop the run before "
+                   "applying it (default), or skip its update (the run still stops when several "
+                   "such steps come in a row). Either way no checkpoint holds a NaN.")
     p.add_argument("--debug", action="store_true", help="Show tracebacks of errors.")
     return p
 
@@ -61,7 +66,7 @@ def options_from(args: argparse.Namespace) -> RunOptions:
         checkpoint_every=args.checkpoint_every, final_checkpoint=not args.no_final_checkpoint,
         resume=args.resume, data=args.data, seed=args.seed, lr=args.lr,
         optimizer=args.optimizer, cpu=args.cpu, check_device_type=not args.ignore_device_type,
-        warmup=args.warmup, timeout=args.timeout)
+        warmup=args.warmup, timeout=args.timeout, on_nonfinite=args.on_nonfinite)
 
 
 def main(argv: list[str] | None = None) -> int:

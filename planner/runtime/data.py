@@ -20,7 +20,9 @@ model's loss takes, each with stop - start rows (integers in any integer dtype: 
 tokenizers' int32 ids are widened to the int64 embeddings and cross-entropy take). It
 must be deterministic in its
 arguments: the first and last stage of a pipeline call it separately (for the
-inputs and the targets), and a resumed run calls it again for the same steps.
+inputs and the targets), and a resumed run calls it again for the same steps. Each
+rank calls it twice for its first batch and stops with an error naming the hook
+where the two differ.
 """
 
 from __future__ import annotations
@@ -59,6 +61,25 @@ def _is_integer(tensor: torch.Tensor) -> bool:
                 or tensor.dtype == torch.bool)
 
 
+def _identical(first: Any, second: Any) -> bool:
+    """Whether two batches hold the same tensors (NaN equal to NaN) in the same structure."""
+    leaves, spec = torch.utils._pytree.tree_flatten(first)
+    others, other_spec = torch.utils._pytree.tree_flatten(second)
+    if spec != other_spec:
+        return False
+    for a, b in zip(leaves, others, strict=True):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return False
+        if not isinstance(a, torch.Tensor):
+            if a != b:
+                return False
+        elif a.shape != b.shape or a.dtype != b.dtype or not torch.equal(
+                torch.nan_to_num(a) if a.is_floating_point() else a,
+                torch.nan_to_num(b) if b.is_floating_point() else b):
+            return False
+    return True
+
+
 def _take(tree: Any, start: int, stop: int) -> Any:
     return torch.utils._pytree.tree_map(
         lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, tree)
@@ -77,6 +98,7 @@ class Batches:
         self.hook_name = hook
         self._cache: tuple[int, Any, Any] | None = None
         self._example: tuple | None = None  # the model's own inputs, one sample on meta
+        self._repeated = False  # whether the hook was called twice with the same arguments
 
     def _synthetic(self, step: int) -> tuple[tuple, Any]:
         if self._cache is not None and self._cache[0] == step:
@@ -96,13 +118,19 @@ class Batches:
         if self.hook is None:
             args, targets = self._synthetic(step)
             return _take(args, start, stop), _take(targets, start, stop)
-        try:
-            made = self.hook(step, start, stop, seq_len=self.loaded.seq_len, seed=self.seed)
-        except Exception as exc:
-            raise PlannerError("bad-data", f"Data hook {self.hook_name!r} raised "
-                               f"{type(exc).__name__}: {exc} (step {step}, samples "
-                               f"{start}-{stop}).", ["run the hook by hand with those "
-                                                     "arguments"]) from exc
+        made = self._call(step, start, stop)
+        if not self._repeated:
+            self._repeated = True
+            if not _identical(made, self._call(step, start, stop)):
+                raise PlannerError(
+                    "bad-data", f"Data hook {self.hook_name!r} returned different samples "
+                    f"when called twice with the same arguments (step {step}, samples "
+                    f"{start}-{stop}): the pipelines' first and last stages call it "
+                    "separately for the inputs and the targets, and a resumed run calls it "
+                    "again, so they would train on samples that do not match.",
+                    ["make it a function of (step, start, stop, seq_len, seed) alone: seed "
+                     "any random generator from seed and step, and read files by index "
+                     "rather than from a shared stream"])
         if not isinstance(made, tuple) or len(made) != 2:
             raise PlannerError("bad-data", f"Data hook {self.hook_name!r} must return "
                                f"(inputs, targets); it returned {type(made).__name__}.")
@@ -116,6 +144,15 @@ class Batches:
                     f"tensor needs {stop - start} rows.")
         self._check_like(inputs, targets, stop - start)
         return self._integers_like(inputs, targets)
+
+    def _call(self, step: int, start: int, stop: int) -> Any:
+        try:
+            return self.hook(step, start, stop, seq_len=self.loaded.seq_len, seed=self.seed)
+        except Exception as exc:
+            raise PlannerError("bad-data", f"Data hook {self.hook_name!r} raised "
+                               f"{type(exc).__name__}: {exc} (step {step}, samples "
+                               f"{start}-{stop}).", ["run the hook by hand with those "
+                                                     "arguments"]) from exc
 
     def _check_like(self, inputs: tuple, targets: Any, rows: int) -> None:
         """An error naming the hook where its batch differs from the model's own example

@@ -6,6 +6,11 @@ LOCAL_WORLD_SIZE, GROUP_RANK (the node rank), MASTER_ADDR and MASTER_PORT; the
 generated scripts also set PLANNER_NODE (the plan node this host plays). Every
 mismatch is collected and reported at once as "expected ..., found ..." so a
 wrong --nproc-per-node, node rank or host mapping is obvious.
+
+Under torchrun's c10d rendezvous (what the scripts start: `node.py`), torchrun numbers
+the nodes in the order they join, so PLANNER_RANKS=plan says the rank is the plan's:
+its node's first rank (PLANNER_NODE) plus LOCAL_RANK; RANK and GROUP_RANK are then
+torchrun's own and not checked.
 """
 
 from __future__ import annotations
@@ -85,11 +90,15 @@ def validate_environment(plan: Plan, layout: Layout, env: Mapping[str, str], *,
             f"(the plan needs {layout.world_size} ranks on {len(layout.nodes)} node(s)).",
             ["run the scripts `planner launch plan.json --out DIR` writes",
              "or start it with torchrun (see the README those scripts come with)"])
-    rank = _int(env, "RANK", problems)
+    planned = env.get("PLANNER_RANKS") == "plan"
+    if planned and "PLANNER_NODE" not in env:
+        problems.append("PLANNER_NODE: expected the plan node this host plays "
+                        "(PLANNER_RANKS=plan numbers ranks from it), found none")
+    rank = None if planned else _int(env, "RANK", problems)
     world = _int(env, "WORLD_SIZE", problems)
     local = _int(env, "LOCAL_RANK", problems)
     local_world = _int(env, "LOCAL_WORLD_SIZE", problems)
-    node_rank = _int(env, "GROUP_RANK", problems)
+    node_rank = None if planned else _int(env, "GROUP_RANK", problems)
     port = _int(env, "MASTER_PORT", problems)
     if port is not None and not 0 < port < 65536:
         problems.append(f"MASTER_PORT: expected a TCP port (1-65535), found {port}")
@@ -110,6 +119,8 @@ def validate_environment(plan: Plan, layout: Layout, env: Mapping[str, str], *,
                             f"found {node_rank}")
     if node is None and rank is not None and 0 <= rank < layout.world_size:
         node = layout.node(layout.of(rank).node)
+    if node is not None and planned and local is not None and 0 <= local < node.nproc:
+        rank = node.first_rank + local
     if node is not None:
         if node_rank is not None and node_rank != node.node_rank:
             problems.append(f"GROUP_RANK (node rank) of node {node.name}: expected "

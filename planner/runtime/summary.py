@@ -2,13 +2,18 @@
 
 RUN_DIR/losses.jsonl: one line per step as it finishes (rank 0):
     {"step": 3, "loss": 6.21, "seconds": 0.84, "attempt": 0}
-`attempt` is torchrun's restart count, so a resumed run's lines follow the
-interrupted one's; for each step the last line is the one that counts. A run that
-starts at step 0 (no checkpoint to resume from) starts the file afresh.
+`attempt` counts the job's restarts (torchrun's, summed over nodes), so a resumed run's
+lines follow the interrupted one's; for each step the last line is the one that counts.
+A step whose update was skipped says why ("skipped": "overflow" for fp16's loss scale,
+"non-finite" for a NaN or inf loss or gradient, with "loss": null where the loss was
+not finite). A run that starts at step 0 (no checkpoint to resume from) starts the file
+afresh.
 
 RUN_DIR/summary.json (rank 0, at the end):
-    kind "run-summary", plan, world_size, steps_run, first_step (0, or the step
-    resumed from), losses [{step, loss, seconds}], step_time {mean, median, min,
+    kind "run-summary", plan, plan_fingerprint and model_fingerprint (what the
+    checkpoints' manifests record), world_size, steps_run, first_step (0, or the step
+    resumed from), losses [{step, loss, seconds}], skipped_steps, stopped (why the run
+    ended before its last step, on a stop request; else null), step_time {mean, median, min,
     max} over the timed steps (after `warmup` steps), samples_per_s,
     tokens_per_s, predicted_step_time (the plan's), prediction_error
     ((measured - predicted) / predicted), ranks [{rank, node, pipeline, stage,
@@ -57,17 +62,21 @@ class StepLog:
         if enabled and fresh and self.path.exists():
             self.path.unlink()
 
-    def write(self, step: int, loss: float, seconds: float) -> None:
+    def write(self, step: int, loss: float | None, seconds: float,
+              skipped: str | None = None) -> None:
+        """loss: None where it was not finite (JSON has no NaN)."""
         if not self.enabled:
             return
+        row = {"step": step, "loss": loss, "seconds": seconds, "attempt": self.attempt,
+               "time": time.time()} | ({"skipped": skipped} if skipped else {})
         with self.path.open("a") as out:
-            out.write(json.dumps({"step": step, "loss": loss, "seconds": seconds,
-                                  "attempt": self.attempt, "time": time.time()}) + "\n")
+            out.write(json.dumps(row) + "\n")
 
 
-def read_losses(run_dir: Path) -> dict[int, float]:
-    """Each step's loss from losses.jsonl (the last line of a step wins)."""
-    out: dict[int, float] = {}
+def read_losses(run_dir: Path) -> dict[int, float | None]:
+    """Each step's loss from losses.jsonl (the last line of a step wins; None where it was
+    not finite)."""
+    out: dict[int, float | None] = {}
     path = run_dir / "losses.jsonl"
     if path.is_file():
         for line in path.read_text().splitlines():

@@ -8,12 +8,19 @@ Order of work on every rank:
   3. create every process group and this rank's device meshes;
   4. materialize only this rank's stage (deterministic values), then tensor
      parallelism, recompute, FSDP2 (in that order);
-  5. resume from the latest checkpoint (--resume), else start at step 0;
+  5. resume from the newest intact checkpoint (--resume), else start at step 0;
   6. per step: the pipeline schedule (forward, loss, backward over the micro-
      batches; a follower mirrors its stage's leader instead, `follow.py`),
-     gradient sums over the holders of each parameter, optimizer step, the
-     global loss (one all-reduce), logs; a checkpoint every K steps;
-  7. a final checkpoint (unless turned off) and the run summary.
+     gradient sums over the holders of each parameter, the step's check (one
+     all-reduce: the global loss, NaN/inf gradients, a stop request, `guard.py`),
+     the optimizer step unless the check failed, logs; a checkpoint every K steps;
+  7. a final checkpoint (unless turned off) and the run summary. A stop request
+     (SIGUSR1) ends the run after the step with a checkpoint and `stopped.json`.
+
+Ranks: the plan numbers them (`layout.py`). torchrun's static rendezvous numbers them
+alike; under its c10d rendezvous (the launch scripts', `PLANNER_RANKS=plan`) torchrun
+numbers nodes as they arrive, so each rank takes its plan rank from PLANNER_NODE and
+LOCAL_RANK and joins a store that torchrun's rank 0 hosts, fresh in every attempt.
 
 Training dtype: fp32 and tf32 train in fp32 (tf32 allows TF32 matmuls on CUDA);
 bf16 and fp16 keep fp32 parameters and optimizer state and run the forward
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import math
 import os
 import time
@@ -37,11 +45,22 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import PlannerError
-from planner.planfile import read_plan
-from planner.runtime import checkpoint
+from planner.planfile import plan_json, read_plan
+from planner.runtime import checkpoint, failures
 from planner.runtime.data import Batches
 from planner.runtime.env import validate_environment
 from planner.runtime.follow import Follower
+from planner.runtime.guard import (
+    MAX_SKIPPED,
+    ON_NONFINITE,
+    BadRank,
+    StopRequest,
+    bad_gradients,
+    check_parameters,
+    check_step,
+    gather_bad_ranks,
+    nonfinite_error,
+)
 from planner.runtime.layout import rank_layout
 from planner.runtime.parallel import (
     GradientSum,
@@ -58,6 +77,7 @@ from planner.runtime.stage import apply_recompute, build_stage, inspect_model
 from planner.runtime.summary import StepLog, log, peak_memory, timing, write_summary
 
 FP16_SCALE = 2.0**12
+STOPPED = "stopped.json"  # written where a stop request ended the run before --steps
 
 
 MAX_TIMEOUT = 7 * 24 * 3600  # seconds a collective may wait at most (torch takes whole ms)
@@ -79,6 +99,7 @@ class RunOptions:
     check_device_type: bool = True
     warmup: int = 1  # steps left out of the timing
     timeout: float = 600.0  # seconds a collective may wait
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run, or skip the step
 
     def resolved_run_dir(self) -> Path:
         return self.run_dir or Path("runs") / self.plan.stem
@@ -105,6 +126,18 @@ def check_options(options: RunOptions) -> None:
     if options.optimizer not in (None, "adamw", "sgd"):
         raise PlannerError("bad-option", f"--optimizer must be adamw or sgd (got "
                            f"{options.optimizer!r}).")
+    if options.on_nonfinite not in ON_NONFINITE:
+        raise PlannerError("bad-option", f"--on-nonfinite must be stop or skip (got "
+                           f"{options.on_nonfinite!r}).")
+
+
+def checkpoint_warning(steps: int, every: int, first: int = 0) -> str | None:
+    """A warning where --checkpoint-every asks for periodic checkpoints that steps
+    first+1..steps never reach (only the final one is saved)."""
+    if every and every >= steps - first:
+        return (f"--checkpoint-every {every} with {steps - first} step(s) to run "
+                f"(to step {steps}): no periodic checkpoint, only the final one")
+    return None
 
 
 def _optimizer(params: list, name: str, lr: float) -> torch.optim.Optimizer:
@@ -123,8 +156,17 @@ def _to_device(tree: Any, device: torch.device) -> Any:
 
 
 def run(options: RunOptions, env: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """Train with the plan; rank 0 returns the run summary (other ranks None)."""
+    """Train with the plan; rank 0 returns the run summary (other ranks None). A failure
+    is also recorded for the launcher's report (`failures.record`)."""
     env = dict(os.environ if env is None else env)
+    try:
+        return _run(options, env)
+    except BaseException as exc:
+        failures.record(env, exc)
+        raise
+
+
+def _run(options: RunOptions, env: dict[str, str]) -> dict[str, Any] | None:
     check_options(options)
     run_dir = options.resolved_run_dir()
     for folder in (run_dir, *run_dir.parents):
@@ -137,13 +179,15 @@ def run(options: RunOptions, env: dict[str, str] | None = None) -> dict[str, Any
     place = validate_environment(plan, layout, env, cpu=options.cpu,
                                  check_device_name=options.check_device_type)
     rank = place.slot.rank
-    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if place.device.type == "cuda":
         torch.cuda.set_device(place.device)
-    _init_process_group(place.backend, rank, layout.world_size, env, attempt,
+    stop = StopRequest()
+    stop.install()
+    _init_process_group(place.backend, rank, layout.world_size, env,
                         datetime.timedelta(seconds=options.timeout))
     try:
-        return _train(options, plan, layout, place, run_dir, attempt)
+        attempt = _job_attempt(env, place)
+        return _train(options, plan, layout, place, run_dir, attempt, stop)
     finally:
         # the model, FSDP and the schedules hold the groups in reference cycles: freed
         # now, the groups' worker threads end while the interpreter is alive (left to
@@ -153,20 +197,23 @@ def run(options: RunOptions, env: dict[str, str] | None = None) -> dict[str, Any
 
 
 def _init_process_group(backend: str, rank: int, world: int, env: dict[str, str],
-                        attempt: int, timeout: datetime.timedelta) -> None:
-    """Join the process group. Under torchrun the workers meet in the agent's store; a
-    static rendezvous keeps that store across restarts (torch prefixes nothing then),
-    so each attempt uses keys of its own and never meets the dead attempt's addresses."""
+                        timeout: datetime.timedelta) -> None:
+    """Join the process group as plan rank `rank`. Where torchrun shares its agent's store
+    (its static rendezvous), that store outlives restarts (torch prefixes nothing then),
+    so each attempt uses keys of its own and never meets the dead attempt's addresses;
+    otherwise the process torchrun (or the caller) made rank 0 hosts a fresh store at
+    MASTER_ADDR:MASTER_PORT (under the c10d rendezvous, a new port every attempt)."""
     addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
     try:
         if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            store = dist.PrefixStore(f"planner/attempt-{attempt}", dist.TCPStore(
+            restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"planner/attempt-{restarts}", dist.TCPStore(
                 addr, port, world_size=world, is_master=False, timeout=timeout))
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                    timeout=timeout)
-            return
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        else:
+            store = dist.TCPStore(addr, port, world_size=world, timeout=timeout,
+                                  is_master=env["RANK"] == "0")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
     except (RuntimeError, OSError) as exc:  # DistStoreError is a RuntimeError
         raise PlannerError(
             "rendezvous", f"Rank {rank} could not meet the plan's other {world - 1} rank(s) "
@@ -175,6 +222,17 @@ def _init_process_group(backend: str, rank: int, world: int, env: dict[str, str]
             ["start every node's script (`planner launch` wrote one per node)",
              f"check that every node reaches {addr}:{port} (firewall, --hosts addr)",
              "give slow starts more time with --timeout"]) from exc
+
+
+def _job_attempt(env: dict[str, str], place: Any) -> int:
+    """The job's restarts so far: every node's torchrun restart count, summed (one
+    all-reduce). Node counts differ under the c10d rendezvous, where a node whose ranks
+    were healthy restarts with the others without counting it; the sum grows with every
+    failure the job survived, and every rank of an attempt agrees on it."""
+    mine = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if place.slot.local_rank == 0 else 0
+    total = torch.tensor([mine], dtype=torch.int64, device=place.device)
+    dist.all_reduce(total)
+    return int(total.item())
 
 
 def _prepare_run_dir(run_dir: Path, options: RunOptions, rank: int) -> None:
@@ -188,6 +246,7 @@ def _prepare_run_dir(run_dir: Path, options: RunOptions, rank: int) -> None:
         else:
             problem = [None]
             (run_dir / "pids").mkdir(parents=True, exist_ok=True)
+            (run_dir / STOPPED).unlink(missing_ok=True)  # an earlier run's stop
     else:
         problem = [None]
     dist.broadcast_object_list(problem, src=0)
@@ -205,7 +264,7 @@ def _prepare_run_dir(run_dir: Path, options: RunOptions, rank: int) -> None:
 
 
 def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Path,
-           attempt: int) -> dict[str, Any] | None:
+           attempt: int, stop: StopRequest) -> dict[str, Any] | None:
     me, rank, device = place.slot, place.slot.rank, place.device
     _prepare_run_dir(run_dir, options, rank)
     notes = list(place.notes)
@@ -283,14 +342,20 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
     else:
         runner = PipelineRunner(pipeline, stage, built.chunks, device=device, group=groups.pp,
                                 chain=groups.chain, loss_fn=loss_fn, following=groups.following)
+    who = checkpoint.identity(info.module, plan.model.describe(), opt_name, plan_json(plan))
     first = 0
-    if options.resume:
-        found = checkpoint.latest_step(run_dir)
-        if found is not None:
-            checkpoint.load(run_dir, found, built.root, optimizer)
-            first = found
-            if rank == 0:
-                log(rank, f"resumed from step {found} ({checkpoint.step_dir(run_dir, found)})")
+    resumed = checkpoint.resume(run_dir, built.root, optimizer, who) if options.resume else None
+    if resumed is not None:
+        first = resumed.step
+        if rank == 0:
+            for passed in resumed.passed_over:
+                log(rank, f"warning: passed over checkpoint {passed}")
+            log(rank, f"resumed from step {first} ({resumed.folder})"
+                + ("" if resumed.verified else ", unverified: written before checksums")
+                + (", written under another plan: resharded" if resumed.other_plan else ""))
+    warning = checkpoint_warning(options.steps, options.checkpoint_every, first)
+    if warning and rank == 0:
+        log(rank, f"warning: {warning}")
     batches = Batches(info.loaded, global_batch=plan.training.global_batch, seed=options.seed,
                       hook=options.data, vocab=info.vocab, classes=info.classes)
     offset = sum(p.batch_share for p in plan.pipelines[:me.pipeline])
@@ -304,7 +369,12 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
             f"{dtype}; set up in {setup_seconds:.1f} s; steps {first + 1}-{options.steps}")
     step_seconds: list[float] = []
     busy_seconds: list[float] = []
-    losses: list[dict[str, float]] = []
+    losses: list[dict[str, Any]] = []
+    named = list(built.root.named_parameters())
+    loss_scale = FP16_SCALE if dtype == "fp16" else 1.0
+    latest = first or None  # the latest checkpoint's step
+    in_a_row = 0  # non-finite steps skipped in a row
+    done, stopped = first, None
     for step in range(first, options.steps):
         begin = time.perf_counter()
         inputs = targets = None
@@ -315,56 +385,75 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
         mb_losses = runner.step(inputs, targets)
         busy = time.perf_counter() - begin
         gradient_sum()
-        skipped = _finish_grads(optimizer, params, dtype, device)
-        if not skipped:
+        if dtype == "fp16":
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(FP16_SCALE)
+        bad = bad_gradients(named)
+        check = check_step(sum(float(x.detach()) for x in mb_losses) if reports_loss else 0.0,
+                           not bad, stop.requested, device, loss_scale)
+        # fp16's fixed loss scale overflows now and then: those steps are skipped, as
+        # loss scaling does; any other NaN or inf is the guard's
+        overflow = dtype == "fp16" and check.loss_finite and check.ranks_with_bad_grads > 0
+        broken = not overflow and (not check.loss_finite or check.ranks_with_bad_grads > 0)
+        in_a_row = in_a_row + 1 if broken else 0
+        seconds = time.perf_counter() - begin
+        if broken and (options.on_nonfinite == "stop" or in_a_row >= MAX_SKIPPED):
+            culprits = gather_bad_ranks(
+                BadRank(rank, me.pipeline, me.stage, tuple(bad)) if bad else None,
+                layout.world_size) if check.ranks_with_bad_grads else []
+            step_log.write(step + 1, check.loss if check.loss_finite else None, seconds,
+                           skipped="non-finite: run stopped")
+            raise nonfinite_error(step + 1, options.steps, check, culprits,
+                                  skipped_in_a_row=in_a_row, latest_checkpoint=latest,
+                                  lr=options.lr, data=options.data)
+        if not (overflow or broken):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        if reports_loss:
-            total += sum(float(x.detach()) for x in mb_losses)
-        dist.all_reduce(total)
-        loss = float(total) / (FP16_SCALE if dtype == "fp16" else 1.0)
         seconds = time.perf_counter() - begin
         if step - first >= options.warmup:
             step_seconds.append(seconds)
             busy_seconds.append(busy)
-        losses.append({"step": step + 1, "loss": loss, "seconds": seconds})
-        step_log.write(step + 1, loss, seconds)
+        loss = check.loss if check.loss_finite else None
+        skipped = "overflow" if overflow else "non-finite" if broken else None
+        losses.append({"step": step + 1, "loss": loss, "seconds": seconds}
+                      | ({"skipped": skipped} if skipped else {}))
+        step_log.write(step + 1, loss, seconds, skipped=skipped)
         if rank == 0:
-            log(rank, f"step {step + 1}/{options.steps} loss {loss:.5f} {seconds:.3f} s "
+            log(rank, f"step {step + 1}/{options.steps} loss {check.loss:.5f} {seconds:.3f} s "
                 f"{plan.training.global_batch / seconds:.1f} samples/s"
-                + (" (overflow: step skipped)" if skipped else ""))
+                + (f" ({skipped}: step skipped)" if skipped else ""))
         done = step + 1
+        if check.stop_requested and done < options.steps:
+            stopped = f"stopped after step {done} of {options.steps} on request (SIGUSR1)"
+            break
         if options.checkpoint_every and done % options.checkpoint_every == 0 and (
                 done < options.steps or not options.final_checkpoint):
-            checkpoint.save(run_dir, done, built.root, optimizer, others)
-    if options.final_checkpoint and first < options.steps:
-        checkpoint.save(run_dir, options.steps, built.root, optimizer, others)
+            _save(run_dir, done, built.root, optimizer, who, others, params, device)
+            latest = done
+    if (options.final_checkpoint or stopped) and done > first:
+        _save(run_dir, done, built.root, optimizer, who, others, params, device)
+    if stopped and rank == 0:
+        log(rank, f"{stopped}; checkpoint {checkpoint.step_dir(run_dir, done)}")
+        (run_dir / STOPPED).write_text(json.dumps({"step": done, "steps": options.steps,
+                                                   "reason": stopped}) + "\n")
     return _summarize(options, plan, layout, place, run_dir, built, step_seconds,
-                      busy_seconds, losses, first, notes, attempt)
+                      busy_seconds, losses, first, notes, attempt, who, stopped)
 
 
-def _finish_grads(optimizer: torch.optim.Optimizer, params: list, dtype: str,
-                  device: torch.device) -> bool:
-    """fp16: unscale gradients; True if any rank found an overflow (skip the step)."""
-    if dtype != "fp16":
-        return False
-    from planner.runtime.parallel import _local
-
-    bad = torch.zeros((), device=device)
-    for p in params:
-        if p.grad is not None:
-            p.grad.div_(FP16_SCALE)
-            if not torch.isfinite(_local(p.grad)).all():
-                bad.fill_(1.0)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bool(bad.item())
+def _save(run_dir: Path, step: int, root: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          who: checkpoint.Identity, others: frozenset[str], params: list,
+          device: torch.device) -> None:
+    """A checkpoint, after every rank found its parameters finite (`guard.py`)."""
+    check_parameters(params, step, device)
+    checkpoint.save(run_dir, step, root, optimizer, who, others)
 
 
 def _summarize(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Path,
                built: Any, step_seconds: list[float], busy_seconds: list[float],
                losses: list[dict], first: int, notes: list[str],
-               attempt: int) -> dict[str, Any] | None:
+               attempt: int, who: checkpoint.Identity,
+               stopped: str | None) -> dict[str, Any] | None:
     from planner.runtime.parallel import _local
 
     me, rank = place.slot, place.slot.rank
@@ -389,7 +478,8 @@ def _summarize(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir:
     predicted = plan.prediction.step_time or None
     batch = plan.training.global_batch
     summary = {
-        "plan": str(options.plan), "model": plan.model.describe(),
+        "plan": str(options.plan), "plan_fingerprint": who.plan,
+        "model": plan.model.describe(), "model_fingerprint": who.model,
         "world_size": layout.world_size, "steps_run": len(losses), "first_step": first,
         "attempt": attempt, "global_batch": batch, "dtype": plan.training.dtype,
         "losses": losses, "step_time": stats, "warmup_steps": options.warmup,
@@ -401,6 +491,8 @@ def _summarize(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir:
                              if stats and predicted else None),
         "ranks": gathered,
         "notes": sorted({n for r in gathered for n in r["notes"]}),
+        "skipped_steps": [row["step"] for row in losses if row.get("skipped")],
+        "stopped": stopped,
     }
     path = write_summary(run_dir, summary)
     log(rank, f"wrote {path}")
