@@ -293,8 +293,11 @@ if [ -n "${STOP:-}" ]; then
   if [ "$node" = a100-0 ]; then mkdir -p "$run" && echo '{"step": 3}' > "$run/stopped.json"; fi
   exit 0
 fi
-sleep 300 &
-trap 'kill $!; echo "terminated $node" >> "$STUB_LOG"; exit 143' TERM
+# (the trap first, and the sleep off the test's pipes: a TERM that came before the trap
+# left a sleep holding them, and the test waited for it)
+trap 'kill "${pid:-}" 2>/dev/null; echo "terminated $node" >> "$STUB_LOG"; exit 143' TERM
+sleep 300 </dev/null >/dev/null 2>&1 &
+pid=$!
 wait
 '''
 
