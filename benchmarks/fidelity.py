@@ -5,7 +5,12 @@ configuration and measured time were published.
 
 Each row is a run as its authors describe it (model shape, GPUs, tensor, pipeline and
 data parallelism, batch, micro-batch, recompute, sequence parallelism, schedule) and the
-seconds per iteration they measured, with its source. Every row is priced the way
+seconds per iteration they measured, with its source: Megatron-LM's weak scaling from
+1.7B to 1T parameters on up to 3,072 A100s (Narayanan et al. 2021, Table 1: teraFLOP/s
+per GPU, turned into seconds by the paper's own FLOP count; each run's configuration
+from the script Megatron-LM ships to reproduce the table), Korthikanti et al. 2022's
+end-to-end times with full and with selective recompute and sequence parallelism, and
+MT-NLG 530B. Every row is priced the way
 `planner estimate` prices a recipe (`uniform_plan`: Megatron's split, the batch shared
 evenly) on its cluster: DGX A100 nodes (8 A100-80G SXM on NVLink 3, 8 x 200 Gb/s
 InfiniBand, NVIDIA Selene), with Megatron's vocabulary-parallel embedding and loss.
@@ -99,7 +104,46 @@ def _korthikanti(name: str, hidden: int, layers: int, heads: int, gpus: int, pp:
                       source=KORTHIKANTI, **common))
 
 
+NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU "
+             "Clusters Using Megatron-LM (SC21, arXiv 2104.04473), Table 1 (achieved teraFLOP/s "
+             "per GPU; as text in SotaroKaneda/MLCarbon data/megatron_table.csv); each row's "
+             "configuration (tp, pp, micro-batch, batch, shape, full recompute, layers per "
+             "virtual stage) from NVIDIA/Megatron-LM examples/sc21/run_table_1.sh; seconds per "
+             "iteration = 96 B s l h^2 (1 + s/6h + V/16lh) / (teraFLOP/s x GPUs), the paper's "
+             "Eq. (3)")
+
+
+def megatron_flops(batch: int, layers: int, hidden: int) -> float:
+    """FLOPs of one iteration as Narayanan et al. 2021 count them (Eq. 3, with full
+    recompute): 96 B s l h^2 (1 + s / 6h + V / 16lh)."""
+    return 96 * batch * SEQ * layers * hidden**2 * (
+        1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
+
+
+def _narayanan(name: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int,
+               batch: int, micro_batch: int, per_virtual_stage: int | None, teraflops: float
+               ) -> Published:
+    """A row of Narayanan et al.'s Table 1 (full recompute; interleaved where run_table_1.sh
+    gives layers per virtual stage), its seconds from its published teraFLOP/s per GPU."""
+    chunks = layers // pp // per_virtual_stage if per_virtual_stage else 1
+    return Published(name=f"{name} (2021)", hidden=hidden, layers=layers, heads=heads,
+                     gpus=gpus, tp=tp, pp=pp, batch=batch, micro_batch=micro_batch,
+                     recompute=Recompute.FULL, sequence_parallel=False, interleave=chunks,
+                     seconds=megatron_flops(batch, layers, hidden) / (teraflops * 1e12 * gpus),
+                     stack="Megatron-LM", source=NARAYANAN)
+
+
 ROWS: tuple[Published, ...] = (
+    _narayanan("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, None, 137),
+    _narayanan("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, None, 138),
+    _narayanan("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, None, 142),
+    _narayanan("18B", 48, 6144, 40, 8, 1, 256, 1024, 8, None, 135),
+    _narayanan("39B", 64, 8192, 48, 8, 2, 512, 1536, 4, None, 138),
+    _narayanan("76B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 5, 140),
+    _narayanan("145B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 5, 148),
+    _narayanan("310B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 3, 155),
+    _narayanan("530B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 1, 163),
+    _narayanan("1T", 160, 25600, 128, 8, 64, 3072, 3072, 1, None, 163),
     *_korthikanti("22B", 6144, 48, 64, 8, 1, 4, 4, 1, 1.42, 1.10),
     *_korthikanti("175B", 12288, 96, 96, 64, 8, 64, 1, 3, 18.13, 13.75),
     *_korthikanti("530B", 20480, 105, 128, 280, 35, 280, 1, 3, 49.05, 37.83),
@@ -110,6 +154,7 @@ ROWS: tuple[Published, ...] = (
               stack="DeepSpeed + Megatron-LM", source=MTNLG),
 )
 ONE_T = "1T sel+SP"  # Megatron's 1T model, tp 8 x pp 64, selective recompute and SP
+ONE_T_3072 = "1T (2021)"  # ... on 3,072 GPUs (tp 8 x pp 64 x dp 6), full recompute as run
 ONE_T_MFU = 0.563  # its published model FLOPs utilization (Megatron-LM README, 2022)
 A100_PEAK = 312e12
 
@@ -171,6 +216,25 @@ def summary(priced: list[Priced]) -> str:
             f"{max(abs(p.error) for p in priced):.1%} over {len(priced)} rows")
 
 
+def _three_thousand(priced: list[Priced], share: float) -> str:
+    """Megatron's 1T model on 3,072 GPUs: as published (full recompute), and whether it
+    fits with selective recompute and sequence parallelism instead."""
+    run = next(p for p in priced if p.row.name == ONE_T_3072)
+    flops = megatron_flops(run.row.batch, run.row.layers, run.row.hidden)
+    per_gpu = flops / (run.seconds * run.row.gpus) / 1e12
+    published = flops / (run.row.seconds * run.row.gpus) / 1e12
+    lean = price(dataclasses.replace(run.row, recompute=Recompute.SELECTIVE,
+                                     sequence_parallel=True), attention(share))
+    return (f"Megatron's 1T model on {run.row.gpus:,} A100s (tp 8 x pp 64 x dp "
+            f"{run.row.dp}, batch {run.row.batch}, Narayanan et al. 2021), full recompute as "
+            f"it ran: {per_gpu:.0f} TFLOP/s per GPU predicted (the paper's count, Eq. 3), "
+            f"{published:.0f} published ({(per_gpu - published) / published:+.1%}). With "
+            f"selective recompute and sequence parallelism instead it "
+            f"{'fits' if lean.fits else 'does not fit'} ({lean.memory / 2**30:.1f} GiB of 80 "
+            f"on the fullest GPU) and is predicted {lean.seconds:.1f} s a step "
+            f"({run.seconds / lean.seconds:.2f}x the full-recompute step's speed).\n\n")
+
+
 def main() -> int:
     started = time.perf_counter()
     megatron = tuple(row for row in ROWS if row.stack == "Megatron-LM")
@@ -210,11 +274,7 @@ def main() -> int:
         f"model FLOPs per GPU predicted, {published / 1e12:.0f} published ({one_t.error:+.1%}"
         f" in time; the README's MFU {ONE_T_MFU:.1%} is "
         f"{ONE_T_MFU * A100_PEAK / 1e12:.0f} TFLOP/s, counted with Megatron's formula).\n\n"
-        "Not included: Narayanan et al. 2021's Table 1 (GPT 1.7B-1T on up to 3,072 A100s) "
-        "and its 1T run on 3,072 GPUs (502 PFLOP/s, 52% of peak: the paper's abstract): "
-        "the table's rows and that run's batch size were not found in a text source "
-        "(the Megatron-LM README shows the table as an image), and no figure here is "
-        "taken from memory.\n\n"
+        + _three_thousand(priced, share) +
         "Sources:\n" + "".join(f"- {s}\n" for s in sources)
         + f"\n({time.perf_counter() - started:.0f} s.)")
     write_section("fidelity", "python benchmarks/fidelity.py", body)

@@ -205,5 +205,82 @@ def merge(
                   f"{devices} device{'s' * (devices != 1)}) to {output}", markup=False)
 
 
+class ImportFormat(str, Enum):
+    metis = "metis"
+    amp = "amp"
+    csv = "csv"
+
+
+@profile_app.command("import")
+def import_profile(
+    files: Annotated[list[Path], typer.Argument(
+        help="The profile's files: Metis's JSON files (one per degree and micro-batch), "
+        "AMP's .npy arrays (one per degree) or CSV tables.")],
+    fmt: Annotated[ImportFormat, typer.Option(
+        "--format", "-f", help="Who wrote the files: metis (Metis, Sailor), amp, csv.")],
+    model: Annotated[str, typer.Option(
+        "--model", "-m", help="The model profiled (a zoo flavor, package.module:factory or "
+        "transformers config), its shape as profiled (--layers ...).")],
+    cluster: Annotated[str, typer.Option(
+        "--cluster", "-c", help="The cluster whose devices the profile measured (a YAML "
+        "file, a built-in example or an inline spec).")],
+    device: Annotated[str, typer.Option(
+        "--device", "-d", help="The device type profiled (as the cluster names it, or its "
+        "catalog name): its nodes get the measurements.")],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="The cluster YAML to write, measurements included.")],
+    seq_len: opt.SeqLen = None,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="dtype the profile trained in (what the plans will train in).")
+    ] = "bf16",
+    layers: opt.Layers = None,
+    hidden: opt.Hidden = None,
+    heads: opt.Heads = None,
+    settings: opt.Set = None,
+    force: opt.Force = False,
+) -> None:
+    """Bring per-layer times, memory and the optimizer step that another tool measured.
+
+    The files' layers are mapped to the model's (as `planner trace` lists them), and
+    the measurements go to every node of --device in a new cluster file, which the
+    next `planner solve --cluster FILE` prices plans with: the layer times as measured
+    (at each degree measured, tensor-parallel traffic included where the tool measured
+    it so), measured memory for what fits, and the measured optimizer step.
+
+    Examples:
+      planner profile import DeviceType.A100_tp*_bs*.json -f metis -m gpt3-1.3b \\
+          -c lab.yaml -d A100-40G -o lab-measured.yaml
+      planner profile import known_cost/gpt2_G4_*.npy -f amp -m gpt2-medium \\
+          -c 4x4xT4 -d T4 -o t4-measured.yaml
+    """
+    import yaml
+
+    from cost_models.cluster import cluster_to_dict, load_cluster
+    from cost_models.imports import attach, read_profile
+    from planner.dtypes import canonical_dtype
+    from planner.models import model_spec
+    from planner.trace.cache import cached_trace
+
+    check_writable(output, force=force)
+    spec = load_cluster(cluster)
+    traced = model_spec(model, opt.overrides(layers=layers, hidden=hidden, heads=heads,
+                                             settings=settings))
+    graph = cached_trace(traced, seq_len=seq_len, dtype=canonical_dtype(dtype))
+    profile = read_profile(fmt.value, files, graph)
+    measured = attach(spec, device, profile.measured)
+    write_atomic(output, f"# Made by `planner profile import --format {fmt.value}` from "
+                 + ", ".join(str(p) for p in files) + f" for {traced.describe()}\n"
+                 + yaml.safe_dump(cluster_to_dict(measured), sort_keys=False), force=force)
+    nodes = sum(n.device.measured is not None and n.device.measured is not m.device.measured
+                for n, m in zip(measured.nodes, spec.nodes, strict=True))
+    optimizer = " and the optimizer step" if profile.measured.optimizer else ""
+    memory = (", with memory" if any(t.memory is not None
+                                     for t in profile.measured.layer_times) else "")
+    console.print(f"Wrote cluster {measured.name} to {output}: {profile.layers} layers of "
+                  f"{traced.describe()} at {profile.points} degree and micro-batch "
+                  f"pair{'s' * (profile.points != 1)}{memory}{optimizer}, on {nodes} "
+                  f"node{'s' * (nodes != 1)} of {device}.", markup=False, soft_wrap=True)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(profile_app, name="profile")

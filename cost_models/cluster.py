@@ -24,6 +24,7 @@ NIC bandwidths are per node (what one node sends).
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ from planner.types import (
     LinkSpec,
     MeasuredDevice,
     NodeSpec,
+    OptimizerTiming,
 )
 from planner.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
 
@@ -207,22 +209,49 @@ def _flops(fields: Fields, key: str) -> dict[str, float] | None:
     return {dtype: rates.parse(dtype, parse_flops) for dtype in value}
 
 
+def _flag(fields: Fields, key: str) -> bool:
+    value = fields.get(key, False)
+    if not isinstance(value, bool):
+        raise fields.error(f"must be true or false (got {value!r})", key)
+    return value
+
+
 def _measured(fields: Fields) -> MeasuredDevice:
     times = []
     for i, item in enumerate(fields.get("layer_times", []) or []):
         t = fields.sub("layer_times", item, i)
+        memory = t.parse("memory", parse_bytes, -1.0)
         times.append(LayerTiming(
             model=str(t.get("model", "")), layer=str(t.get("layer", required=True)),
             seq_len=t.get("seq_len"), dtype=str(t.get("dtype", "fp32")),
             micro_batch=t.positive_int("micro_batch"), tp=t.positive_int("tp", 1),
-            fwd=t.parse("fwd", parse_duration), bwd=t.parse("bwd", parse_duration)))
+            fwd=t.parse("fwd", parse_duration), bwd=t.parse("bwd", parse_duration),
+            with_tp_comm=_flag(t, "tp_comm"), memory=None if memory < 0 else memory))
         t.check_unknown()
+    optimizer = None
+    if fields.get("optimizer") is not None:
+        o = fields.sub("optimizer", fields.get("optimizer"))
+        optimizer = OptimizerTiming(params=o.parse("params", _positive_count),
+                                    seconds=o.parse("seconds", parse_duration))
+        o.check_unknown()
+    fields.get("name")  # (the device type's name after '@': `_device`)
     measured = MeasuredDevice(
         matmul_flops=_flops(fields, "matmul_flops") or {},
         memory_bandwidth=fields.parse("memory_bandwidth", parse_bandwidth, 0.0) or None,
-        layer_times=tuple(times), source=str(fields.get("source", "")))
+        layer_times=tuple(times), optimizer=optimizer, source=str(fields.get("source", "")))
     fields.check_unknown()
     return measured
+
+
+def _positive_count(value: Any) -> float:
+    """A count of parameters: a positive number (1.3e9; YAML reads that as text)."""
+    try:
+        count = float(value) if isinstance(value, int | float | str) else math.nan
+    except ValueError:
+        count = math.nan
+    if isinstance(value, bool) or not 0 < count < math.inf:
+        raise PlannerError("bad-cluster", f"must be a positive number (got {value!r})")
+    return count
 
 
 def _device(fields: Fields, node_name: str) -> DeviceSpec:
@@ -281,8 +310,14 @@ def _device(fields: Fields, node_name: str) -> DeviceSpec:
                             ["give the device's memory with its unit, e.g. memory: 24GiB"])
     measured = fields.get("measured")
     if measured is not None:
-        device = replace(device, name=f"{device.name}@{node_name}",
-                         measured=_measured(fields.sub("measured", measured)))
+        sub = fields.sub("measured", measured)
+        shared = sub.get("name")  # nodes whose measurements are one type's share its name
+        if shared is not None and (not isinstance(shared, str) or not shared.strip()):
+            raise sub.error(f"must be a name (got {shared!r})", "name")
+        if shared is not None:
+            _one_line(sub, "name", shared)
+        device = replace(device, name=f"{device.name}@{shared or node_name}",
+                         measured=_measured(sub))
     return device
 
 
@@ -441,16 +476,28 @@ def _device_dict(device: DeviceSpec) -> str | dict[str, Any]:
             "intra_link": _link_dict(device.intra_link), **gemm}
 
 
-def _measured_dict(measured: MeasuredDevice) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "matmul_flops": {k: _human(v, _FLOPS) for k, v in measured.matmul_flops.items()}}
+def _timing_dict(t: LayerTiming) -> dict[str, Any]:
+    out = {"model": t.model, "layer": t.layer, "seq_len": t.seq_len, "dtype": t.dtype,
+           "micro_batch": t.micro_batch, "tp": t.tp, "fwd": _human(t.fwd, _TIME),
+           "bwd": _human(t.bwd, _TIME)}
+    if t.with_tp_comm:
+        out["tp_comm"] = True
+    if t.memory is not None:
+        out["memory"] = _human(t.memory, _BYTES)
+    return out
+
+
+def _measured_dict(measured: MeasuredDevice, name: str | None = None) -> dict[str, Any]:
+    """`name`: the device type's name after '@' where it is not the node's own."""
+    out: dict[str, Any] = {"name": name} if name else {}
+    out["matmul_flops"] = {k: _human(v, _FLOPS) for k, v in measured.matmul_flops.items()}
     if measured.memory_bandwidth:
         out["memory_bandwidth"] = _human(measured.memory_bandwidth, _RATE)
     if measured.layer_times:
-        out["layer_times"] = [
-            {"model": t.model, "layer": t.layer, "seq_len": t.seq_len, "dtype": t.dtype,
-             "micro_batch": t.micro_batch, "tp": t.tp, "fwd": _human(t.fwd, _TIME),
-             "bwd": _human(t.bwd, _TIME)} for t in measured.layer_times]
+        out["layer_times"] = [_timing_dict(t) for t in measured.layer_times]
+    if measured.optimizer is not None:
+        out["optimizer"] = {"params": measured.optimizer.params,
+                            "seconds": _human(measured.optimizer.seconds, _TIME)}
     if measured.source:
         out["source"] = measured.source
     return out
@@ -472,7 +519,9 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
         if n.groups:
             entry["group"] = n.groups[-1]
         if n.device.measured is not None:
-            entry["measured"] = _measured_dict(n.device.measured)
+            shared = n.device.name.partition("@")[2]
+            entry["measured"] = _measured_dict(n.device.measured,
+                                               shared if shared != n.name else None)
         nodes.append(entry)
     out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "name": cluster.name,
                            "network": _link_dict(cluster.network)}

@@ -39,7 +39,12 @@ this very layer (same signature and dtype) at one or more micro-batch sizes
 replace the roofline, fitted as time = a + b * mb: those measured at the
 tensor-parallel degree priced as they are, else those at tp 1 scaled by the
 roofline's tp ratio. A dtype the profile did not measure (or, without a profile,
-the catalog does not list) runs at the fp32 rate (`rate_dtype`).
+the catalog does not list) runs at the fp32 rate (`rate_dtype`). Times measured at a
+degree with the layer's tensor-parallel collectives in them (`LayerTiming.with_tp_comm`:
+what profiles of Megatron-LM runs hold) hold that degree's traffic too
+(`includes_tp_comm`), which the cost model then does not price again. A measured
+optimizer step (`MeasuredDevice.optimizer`) prices the step per parameter instead of
+the bandwidth bound.
 """
 
 from __future__ import annotations
@@ -197,6 +202,16 @@ def layer_time(layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int, d
     return LayerTime(fwd, bwd, "measured")
 
 
+def includes_tp_comm(layer: Layer, device: DeviceSpec, tp: int) -> bool:
+    """Whether `layer_time` gives `layer` at degree `tp` from times measured at that degree
+    with the layer's tensor-parallel collectives in them (their dtype is in the layer's
+    signature, which the timings match)."""
+    measured = device.measured
+    return tp > 1 and measured is not None and any(
+        t.with_tp_comm for t in measured.layer_times
+        if t.layer == layer.signature and t.tp == tp)
+
+
 def recompute_time(layer: Layer, device: DeviceSpec, *, tp: int, micro_batch: int,
                    dtype: str, policy: Recompute, eff: Efficiency = DEFAULT_EFFICIENCY
                    ) -> float:
@@ -224,7 +239,11 @@ def optimizer_time(params: float, device: DeviceSpec, *, dtype_bytes: int,
                    optimizer: OptimizerSpec, state_bytes: float,
                    eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """Seconds of a memory-bound optimizer step over `params` local parameters: read
-    gradients, read and write weights and optimizer states."""
+    gradients, read and write weights and optimizer states; or, where the device's
+    optimizer step was measured, its seconds per parameter times `params`."""
+    measured = device.measured.optimizer if device.measured else None
+    if measured is not None:
+        return params * measured.seconds / measured.params
     grad = optimizer.grad_bytes or dtype_bytes
     moved = params * (grad + 2 * dtype_bytes + 2 * state_bytes)
     _, _, bandwidth = _rates(device, "fp32", eff)

@@ -32,6 +32,9 @@ parameter without ZeRO: the rule of thumb of the ZeRO paper.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
+
+import numpy as np
 
 from planner.dtypes import dtype_bytes
 from planner.types import DeviceSpec, Layer, MemoryBreakdown, TrainingSpec
@@ -39,6 +42,7 @@ from planner.types.model import params_per_rank
 from planner.types.training import Recompute
 
 GIB = 2.0**30
+Bytes = TypeVar("Bytes", float, np.ndarray)
 
 
 def optimizer_state_bytes(training: TrainingSpec) -> float:
@@ -48,6 +52,12 @@ def optimizer_state_bytes(training: TrainingSpec) -> float:
         return training.optimizer.state_bytes
     master = 4.0 if dtype_bytes(training.dtype) < 4 else 0.0
     return 8.0 + master
+
+
+def sync_state_bytes(training: TrainingSpec) -> float:
+    """Bytes per parameter the sync mode keeps beside the optimizer's state: DiLoCo's
+    outer parameters and their Nesterov momentum, fp32 (`runtime/sync_modes.py`)."""
+    return 8.0 if training.sync.mode == "diloco" else 0.0
 
 
 def activation_bytes(layer: Layer, *, recompute: Recompute, tp: int) -> float:
@@ -79,18 +89,29 @@ def stage_memory(layers: Sequence[Layer], *, device: DeviceSpec, training: Train
     weight = dtype_bytes(training.dtype)
     grad = training.optimizer.grad_bytes or weight
     per_sample = sum(activation_bytes(layer, recompute=recompute, tp=tp) for layer in layers)
-    activations = per_sample * micro_batch * in_flight
-    if recompute is Recompute.FULL and layers:
-        # the layer whose backward is running holds its full activations again
-        activations += max(activation_bytes(layer, recompute=Recompute.NONE, tp=tp)
-                           for layer in layers) * micro_batch
+    largest = max((activation_bytes(layer, recompute=Recompute.NONE, tp=tp)
+                   for layer in layers), default=0.0)
+    activations = kept_activations(per_sample, largest, recompute=recompute,
+                                   micro_batch=micro_batch, in_flight=in_flight)
     return MemoryBreakdown(
         weights=held(weight, 3),
         gradients=held(grad, 2),
-        optimizer=held(optimizer_state_bytes(training), 1),
+        optimizer=held(optimizer_state_bytes(training) + sync_state_bytes(training), 1),
         activations=activations,
         reserve=framework_reserve(device),
     )
+
+
+def kept_activations(per_sample: Bytes, largest: Bytes, *, recompute: Recompute,
+                     micro_batch: int, in_flight: int | float) -> Bytes:
+    """Activation bytes a stage keeps at its peak: `per_sample` (its layers' per-sample
+    bytes under `recompute`, `activation_bytes`) for each of the micro-batches in flight,
+    and under full recompute, the largest layer's full activations (`largest`, per
+    sample) again while its backward runs. The one rule for reports (`stage_memory`) and
+    the search's exact splits (`planner.solver.partition`), which takes it on arrays of
+    layer ranges."""
+    held = per_sample * micro_batch * in_flight
+    return held + largest * micro_batch if recompute is Recompute.FULL else held
 
 
 def framework_reserve(device: DeviceSpec) -> float:

@@ -6,8 +6,11 @@
     costs.memory(stage_layers, device, training, tp=2, zero=1, dp=8, in_flight=4)
 
 Measured profiles enter through the cluster spec: devices carry measured
-matmul rates, memory bandwidth and layer timings, links carry measured
-bandwidth and latency (see `planner profile merge`).
+matmul rates, memory bandwidth, layer timings (and memory), optimizer steps, links
+carry measured bandwidth and latency (see `planner profile merge`, `planner profile
+import`, `planner tune`). Measured layer memory scales the layers' activation figures
+(`cost_models.measured_memory`), wherever they are priced: `activation_bytes` (the
+solver's table) and `memory`.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from cost_models.compute import (
     DEFAULT_EFFICIENCY,
     Efficiency,
     LayerTime,
+    includes_tp_comm,
     layer_time,
     optimizer_time,
     recompute_time,
 )
-from cost_models.memory import optimizer_state_bytes, stage_memory
+from cost_models.measured_memory import activation_scale, scaled
+from cost_models.memory import activation_bytes, optimizer_state_bytes, stage_memory
 from cost_models.tensor_parallel import tp_comm_time
 from planner.dtypes import dtype_bytes
 from planner.types import ClusterSpec, DeviceSpec, Layer, MemoryBreakdown, TrainingSpec
@@ -50,6 +55,8 @@ class CostModel(Protocol):
     def memory(self, layers: Sequence[Layer], device: DeviceSpec, training: TrainingSpec, *,
                tp: int, dp: int, zero: int, recompute: Recompute, micro_batch: int,
                in_flight: int, kept: float = 0.0) -> MemoryBreakdown: ...
+
+    def activation_bytes(self, layer: Layer, *, recompute: Recompute, tp: int) -> float: ...
 
     def optimizer_time(self, params: float, device: DeviceSpec,
                        training: TrainingSpec) -> float: ...
@@ -108,6 +115,11 @@ class AnalyticalCostModel:
         return memo[key]
 
     def tp_comm_time(self, layer: Layer, micro_batch: int, group: CommGroup) -> float:
+        """The layer's tensor-parallel traffic over `group` (a stage's tp group, on one
+        node), none where its time there is measured with that traffic in it."""
+        device = self.cluster.node(group.members[0][0]).device
+        if includes_tp_comm(layer, device, group.size):
+            return 0.0
         return tp_comm_time(layer, micro_batch, group, self.collective_time)
 
     def p2p_time(self, nbytes: float, src: str, dst: str) -> float:
@@ -119,11 +131,24 @@ class AnalyticalCostModel:
         key = ("memory", tuple(_priced(layer) for layer in layers), id(device), training, tp,
                dp, zero, recompute, micro_batch, in_flight, kept)
         if key not in self.memo:
+            layers = [scaled(layer, self._activation_scale(layer)) for layer in layers]
             self.memo[key] = stage_memory(layers, device=device, training=training, tp=tp,
                                           dp=dp, zero=zero, recompute=recompute,
                                           micro_batch=micro_batch, in_flight=in_flight,
                                           kept=kept)
             self.memo["alive", key] = device
+        return self.memo[key]
+
+    def activation_bytes(self, layer: Layer, *, recompute: Recompute, tp: int) -> float:
+        """Per-sample bytes `layer` keeps under `recompute` on a rank of a tp group
+        (`cost_models.memory.activation_bytes`, scaled to measured memory)."""
+        return activation_bytes(scaled(layer, self._activation_scale(layer)),
+                                recompute=recompute, tp=tp)
+
+    def _activation_scale(self, layer: Layer) -> float | None:
+        key = ("activation scale", _priced(layer))
+        if key not in self.memo:
+            self.memo[key] = activation_scale(layer, self.cluster)
         return self.memo[key]
 
     def optimizer_time(self, params: float, device: DeviceSpec,

@@ -321,19 +321,20 @@ def test_the_runtime_recomputes_only_the_attention_core():
     assert kept - kept_selective == 2 * 16 * 32 * 4 + 2 * 4 * 16 * 4
 
 
-def test_the_runtime_refuses_sequence_and_vocabulary_parallel_plans():
+def test_the_runtime_runs_sequence_and_vocabulary_parallel_plans_of_one_degree():
     from planner.runtime.stage import check_options
-    from tests.runtime_helpers import tiny_plan
+    from tests.runtime_helpers import on_devices, tiny_plan
 
-    plan = tiny_plan("1x2xcpu", tp=2)
-    check_options(plan)
+    plan = tiny_plan("1x4xcpu", tp=2, pp=2)
+    mixed = on_devices(tiny_plan("1x4xcpu", pp=2), 0, [(0,), (1, 2)])
     for key, flag in (("sequence_parallel", "--sequence-parallel"),
                       ("vocab_parallel", "--vocab-parallel")):
-        odd = dataclasses.replace(plan, training=dataclasses.replace(plan.training,
-                                                                     **{key: True}))
+        check_options(dataclasses.replace(plan, training=dataclasses.replace(
+            plan.training, **{key: True})))  # (tests/test_runtime_megatron.py runs them)
         with pytest.raises(PlannerError) as err:
-            check_options(odd)
-        assert f"training.{key}" in err.value.message and flag in err.value.remedies[0]
+            check_options(dataclasses.replace(mixed, training=dataclasses.replace(
+                mixed.training, **{key: True})))
+        assert f"training.{key}" in err.value.message and flag in err.value.remedies[1]
 
 
 def test_estimate_prices_sequence_and_vocabulary_parallelism(tmp_path):

@@ -20,6 +20,7 @@ reference too). Parameters of modules without `reset_parameters()` get zeros
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,23 @@ from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlannerError, closest
 from planner.models import LoadedModel, load_model
-from planner.types import Plan, Recompute, StagePlan
+from planner.types import Plan, Recompute, StagePlan, TrainingSpec
+
+
+@dataclass(frozen=True)
+class TensorParallelOptions:
+    """What a tensor-parallel group splits beyond Megatron's block split, from the plan's
+    training (`TrainingSpec`): `sequence`, the residual stream of transformer blocks over
+    the sequence (sequence parallelism); `vocab`, a transformer's token table, LM head
+    and loss over the vocabulary. `build_stage` sets them on each layer module of a
+    stage wider than one device (attribute `TP_OPTIONS`), where
+    `parallel.apply_tensor_parallel` reads them."""
+
+    sequence: bool = False
+    vocab: bool = False
+
+
+TP_OPTIONS = "planner_tensor_parallel"  # the layer modules' attribute holding their options
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,7 @@ class ModelInfo:
     owner: dict[str, str]  # parameter name -> path of the module that owns it
     vocab: dict[int, int]  # model input (by position) -> rows of the table it indexes
     classes: int | None  # classes the loss takes integer targets from (`loss_classes`)
+    training: TrainingSpec | None = None  # the plan's (its tensor-parallel options)
 
     @property
     def module(self) -> nn.Module:
@@ -120,23 +138,23 @@ class _ParamReads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_NOT_RUN = {"sequence_parallel": ("sequence parallelism", "--sequence-parallel"),
-            "vocab_parallel": ("vocabulary parallelism", "--vocab-parallel")}
-
-
 def check_options(plan: Plan) -> None:
-    """A PlannerError for a plan whose training asks for what the runtime does not run
-    yet: sequence and vocabulary parallelism are priced (`cost_models.tensor_parallel`),
-    not executed."""
-    given = [key for key in _NOT_RUN if getattr(plan.training, key)]
-    if given:
-        what = _NOT_RUN[given[0]][0]
-        raise PlannerError(
-            "unsupported-plan", f"The plan's training.{given[0]} is set, and the runtime "
-            f"does not run {what} yet: the planner prices it, it cannot launch it.",
-            [f"solve or estimate again without {' and '.join(_NOT_RUN[k][1] for k in given)}"
-             " to launch the plan", f"or set training.{given[0]} to false in the plan file "
-             "(and price it again with `planner estimate --plan`)"])
+    """A PlannerError for a plan whose tensor-parallel options the runtime cannot run:
+    sequence and vocabulary parallelism split the tensors a pipeline's stages pass on
+    (a sequence slice per tp rank, logits over a vocabulary slice), so every stage of
+    such a pipeline needs the same degree (a wider stage's followers mirror whole
+    tensors: `follow.py`)."""
+    given = [name for name, on in (("sequence_parallel", plan.training.sequence_parallel),
+                                    ("vocab_parallel", plan.training.vocab_parallel)) if on]
+    for p in plan.pipelines if given else ():
+        tps = sorted({s.tp for s in p.stages})
+        if len(tps) > 1:
+            raise PlannerError(
+                "unsupported-plan", f"Pipeline {p.index} runs stages of tensor-parallel "
+                f"degrees {tps} with training.{given[0]}; the runtime runs sequence and "
+                "vocabulary parallelism on pipelines of one degree.",
+                ["solve with a fixed --tp (or without --tp-per-class)",
+                 f"or without --{given[0].replace('_', '-')}"])
 
 
 def inspect_model(plan: Plan) -> ModelInfo:
@@ -181,9 +199,14 @@ def inspect_model(plan: Plan) -> ModelInfo:
         for handle in handles:
             handle.remove()
     _check_chain(plan, paths, calls, args, kwargs, output)
+    if plan.training.vocab_parallel:  # (logits split over the vocabulary: `parallel.py`)
+        from planner.runtime.parallel import ShardedLogitsLoss
+
+        loaded = dataclasses.replace(loaded, loss=ShardedLogitsLoss(loaded.loss))
     return ModelInfo(loaded=loaded, layer_modules=paths,
                      uses=tuple(frozenset(u) for u in uses), owner=owner,
-                     vocab=dict(mode.vocab), classes=loss_classes(loaded, output, targets))
+                     vocab=dict(mode.vocab), classes=loss_classes(loaded, output, targets),
+                     training=plan.training)
 
 
 def loss_classes(loaded: LoadedModel, output: object, targets: object) -> int | None:
@@ -391,6 +414,12 @@ def build_stage(info: ModelInfo, stage: StagePlan, *, seed: int,
     root = prune(info.module, [*all_units, *extras])
     materialize(root, seed)
     units = [[(p, root.get_submodule(p)) for p in paths] for paths in chunk_units]
+    if stage.tp > 1 and info.training is not None:
+        options = TensorParallelOptions(sequence=info.training.sequence_parallel,
+                                        vocab=info.training.vocab_parallel)
+        for chunk in units:
+            for _, unit in chunk:
+                setattr(unit, TP_OPTIONS, options)
     chunks = [ChunkModule(u, autocast) for u in units]
     return BuiltStage(root=root, chunks=chunks, units=units, extras=extras)
 

@@ -33,7 +33,15 @@ class LinkSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class LayerTiming:
-    """A measured forward and backward time of one traced layer on one device type."""
+    """A measured forward and backward time of one traced layer on one device type.
+
+    with_tp_comm: the times include the layer's tensor-parallel collectives (as profilers
+                  built on Megatron-LM measure them at tp > 1), which the cost model
+                  then does not add again.
+    memory:       bytes one device of the tp group held for the layer in the measured
+                  step (weights, gradients, optimizer states and the micro-batch's
+                  activations), where measured; None otherwise.
+    """
 
     model: str  # ModelSpec.describe()
     layer: str  # Layer.signature
@@ -43,15 +51,28 @@ class LayerTiming:
     tp: int = 1
     fwd: float
     bwd: float
+    with_tp_comm: bool = False
+    memory: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerTiming:
+    """A measured optimizer step: `seconds` on one device holding `params` parameters."""
+
+    params: float
+    seconds: float
 
 
 @dataclass(frozen=True, kw_only=True)
 class MeasuredDevice:
-    """What `planner profile` measured on a device; overrides catalog figures."""
+    """What `planner profile` measured on a device, or what `planner profile import`
+    and `planner tune` brought from other tools and trial runs; overrides catalog
+    figures."""
 
     matmul_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
     memory_bandwidth: float | None = None
     layer_times: tuple[LayerTiming, ...] = ()
+    optimizer: OptimizerTiming | None = None
     source: str = ""
 
 
