@@ -23,18 +23,30 @@ arguments: the first and last stage of a pipeline call it separately (for the
 inputs and the targets), and a resumed run calls it again for the same steps. Each
 rank calls it twice for its first batch and stops with an error naming the hook
 where the two differ.
+
+Variable-length samples (`samples`): a hook may instead return `inputs` and `targets`
+as lists (not tuples), one 1-D tensor of token ids and one of targets per sample, of
+any lengths up to the plan's sequence length (a sample's targets as long as its ids);
+or, without a hook, a data profile (`planner data-profile`, the runtime's `--lengths`)
+gives synthetic samples of random tokens whose lengths are drawn from it (seeded by
+(seed, step); cut to the plan's sequence length). Every rank then takes the whole step's
+samples and packs them (`planner.runtime.packed`).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from planner.errors import PlannerError
 from planner.models import LoadedModel
 from planner.models.user import _import_target
+
+if TYPE_CHECKING:
+    from planner.data.profile import DataProfile
 
 Hook = Callable[..., tuple[Any, Any]]
 
@@ -90,8 +102,9 @@ class Batches:
 
     def __init__(self, loaded: LoadedModel, *, global_batch: int, seed: int,
                  hook: str | None = None, vocab: Mapping[int, int] | None = None,
-                 classes: int | None = None) -> None:
+                 classes: int | None = None, lengths: DataProfile | None = None) -> None:
         self.loaded, self.global_batch, self.seed = loaded, global_batch, seed
+        self.lengths = lengths  # synthetic variable-length samples' distribution
         self.vocab = dict(vocab or {})  # input -> rows of the embedding it indexes
         self.classes = classes  # classes the loss takes integer targets from (or None)
         self.hook = load_hook(hook) if hook else None
@@ -144,6 +157,85 @@ class Batches:
                     f"tensor needs {stop - start} rows.")
         self._check_like(inputs, targets, stop - start)
         return self._integers_like(inputs, targets)
+
+    def variable(self) -> bool:
+        """Whether the samples vary in length (`samples`): a data profile gives their
+        lengths, or the hook returns lists (asked once, for one sample of step 0)."""
+        if self.lengths is not None:
+            return True
+        if self.hook is None:
+            return False
+        made = self._call(0, 0, 1)
+        return isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], list)
+
+    def samples(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every sample of step `step` as (token ids, targets), 1-D int64 CPU tensors of
+        its own length (see the module docstring)."""
+        if self.hook is None:
+            return self._synthetic_samples(step)
+        made = self._call(step, 0, self.global_batch)
+        if not self._repeated:
+            self._repeated = True
+            if not _identical(made, self._call(step, 0, self.global_batch)):
+                self._bad(f"different samples when called twice with the same arguments "
+                          f"(step {step}, samples 0-{self.global_batch})",
+                          ["make it a function of (step, start, stop, seq_len, seed) alone"])
+        if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], list)
+                and isinstance(made[1], list)):
+            self._bad("other than two lists (token ids and targets, a tensor per sample) for "
+                      "variable-length samples", ["return ([ids, ...], [targets, ...])"])
+        inputs, targets = made
+        if len(inputs) != self.global_batch or len(targets) != self.global_batch:
+            self._bad(f"{len(inputs)} inputs and {len(targets)} targets for step {step}; "
+                      f"a step has {self.global_batch} samples")
+        out = []
+        for i, (ids, wanted) in enumerate(zip(inputs, targets, strict=True)):
+            out.append(self._sample(step, i, ids, wanted))
+        return out
+
+    def _synthetic_samples(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        from planner.data.profile import draw_lengths
+
+        if self.lengths is None or not self.vocab:
+            raise PlannerError("bad-data", "Synthetic variable-length samples need a data "
+                               "profile (--lengths) and a model that takes token ids.",
+                               ["pass a data hook that returns samples with --data"])
+        lengths = draw_lengths(self.lengths, self.global_batch,
+                               random.Random(self.seed * 1_000_003 + step))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        size = self.vocab.get(0, min(self.vocab.values()))
+        out = []
+        for length in lengths:
+            ids = torch.randint(0, size, (min(length, self.loaded.seq_len or length) + 1,),
+                                generator=generator)
+            out.append((ids[:-1], ids[1:]))
+        return out
+
+    def _sample(self, step: int, index: int, ids: Any, wanted: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One variable-length sample, checked: 1-D integer tensors of one length, 1 to
+        the sequence length, ids in the vocabulary and targets among the classes."""
+        where = f"sample {index} of step {step}"
+        for what, tensor in (("token ids", ids), ("targets", wanted)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or not _is_integer(
+                    tensor):
+                self._bad(f"{what} of {where} as "
+                          f"{getattr(tensor, 'shape', type(tensor).__name__)}, not a 1-D "
+                          "integer tensor")
+        limit = self.loaded.seq_len
+        if len(ids) != len(wanted) or not 1 <= len(ids) <= (limit or len(ids)):
+            self._bad(f"{where} with {len(ids)} token ids and {len(wanted)} targets; each "
+                      f"sample needs as many of both, 1 to {limit} (the plan's sequence "
+                      "length)", ["cut long samples to the sequence length"])
+        size = self.vocab.get(0)
+        if size is not None:
+            low, high = (int(v) for v in torch.aminmax(ids))
+            if low < 0 or high >= size:
+                self._bad(f"{where} with token id {high if high >= size else low}, outside "
+                          f"the model's vocabulary of {size:,}")
+        if self.classes is not None:
+            self._check_classes(wanted, self.classes)
+        return ids.to(torch.int64), wanted.to(torch.int64)
 
     def _call(self, step: int, start: int, stop: int) -> Any:
         try:
