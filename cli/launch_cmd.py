@@ -131,6 +131,16 @@ def launch(
     runtime_arg: Annotated[list[str] | None, typer.Option(
         "--runtime-arg", help="Another argument for python -m planner.runtime (repeatable).")
     ] = None,
+    supervise: Annotated[bool, typer.Option(
+        "--supervise", help="Also write supervise.sh: it runs the plan and, when a node is "
+        "lost, re-plans on the nodes left, writes their scripts and resumes from the newest "
+        "checkpoint.", rich_help_panel="Supervisor")] = False,
+    max_replans: Annotated[int | None, typer.Option(
+        "--max-replans", help="Re-plans the supervisor may make (default 3).",
+        rich_help_panel="Supervisor")] = None,
+    replan_time_limit: Annotated[float | None, typer.Option(
+        "--replan-time-limit", help="Seconds each re-plan's search may take (default 10).",
+        rich_help_panel="Supervisor")] = None,
 ) -> None:
     """Write launch scripts that train with PLAN on real torch.distributed.
 
@@ -138,10 +148,12 @@ def launch(
       planner launch plan.json --out launch/ --hosts hosts.yaml
       planner launch plan.json --out job/ --target slurm --sbatch=--partition=gpu
       planner launch plan.json --out try/ --target local --steps 20 && bash try/run-local.sh
+      planner launch plan.json --out sup/ --supervise --checkpoint-every 50 --hosts hosts.yaml
     """
     from planner.errors import PlannerError
     from planner.launch import (
         HostEntry,
+        SuperviseOptions,
         check_model,
         check_out,
         hostless_nodes,
@@ -186,6 +198,15 @@ def launch(
     if data is not None and not (colon and module and function):
         raise PlannerError("bad-option", f"--data {data!r} must name a data hook as "
                            "package.module:function (importable on every node).")
+    supervisor = {key: value for key, value in (("max_replans", max_replans),
+                                                ("time_limit", replan_time_limit))
+                  if value is not None}
+    supervisor_only = [flag for flag, key in (("--max-replans", "max_replans"),
+                                              ("--replan-time-limit", "time_limit"))
+                       if key in supervisor]
+    if supervisor_only and not supervise:
+        raise PlannerError("bad-option", f"{' and '.join(supervisor_only)} set(s) up the "
+                           "supervisor; give --supervise too.")
     slurm_only = [name for name, given in (("--sbatch", sbatch), ("--constraint", constraint),
                                            ("--gres", gres)) if given]
     if slurm_only and target is not Target.slurm:
@@ -232,7 +253,8 @@ def launch(
         python=python or (sys.executable if target is Target.local else "python3"),
         run_dir=run_dir, sbatch=list(sbatch or []), constraints=constraints,
         gres=gres_by_type, rendezvous_timeout=rendezvous_timeout,
-        folder=str(out.resolve()) if out is not None else None)
+        folder=str(out.resolve()) if out is not None else None,
+        supervise=SuperviseOptions(**supervisor) if supervise else None)
     # (SLURM picks the hosts of nodes no one named)
     hostless = hostless_nodes(loaded, entries) if target is Target.torchrun else []
     if hostless:
@@ -261,20 +283,21 @@ def launch(
         return
     assert out is not None
     write_launch(files, out, force=force)
-    main_file = {"local": "run-local.sh", "slurm": "launch.sbatch"}.get(target.value)
+    main_file = "supervise.sh" if supervise else {
+        "local": "run-local.sh", "slurm": "launch.sbatch"}.get(target.value)
     console.print(f"Wrote {len(files)} files to {out}: " + ", ".join(files), soft_wrap=True,
                   markup=False)
     if main_file:  # sbatch from inside the folder: the job finds its scripts there
-        run = ("bash" if target is Target.local else "sbatch") + " " + shlex.quote(
+        run = ("bash" if target is Target.local or supervise else "sbatch") + " " + shlex.quote(
             str(out / main_file))
         console.print(f"Run: {run}  (see {out / 'README.md'})", soft_wrap=True, markup=False)
     else:
         console.print(f"Run each node's script on its host (see {out / 'README.md'}).",
                       soft_wrap=True, markup=False)
-    if max_restarts and not checkpoint_every:
-        console.print("[yellow]note:[/] --max-restarts without --checkpoint-every: a restart "
-                      "resumes from the last checkpoint, and only the final step saves one.",
-                      soft_wrap=True)
+    if (max_restarts or supervise) and not checkpoint_every:
+        console.print(f"[yellow]note:[/] {'--max-restarts' if max_restarts else '--supervise'} "
+                      "without --checkpoint-every: a restart resumes from the last checkpoint, "
+                      "and only the final step saves one.", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

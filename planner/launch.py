@@ -17,6 +17,11 @@ Targets:
             the CPU with gloo, each optionally pinned to CPUs with taskset, for
             trying a plan without its cluster.
 
+With `supervise`, any target also gets supervise.sh, the supervisor
+(`runtime/supervise.py`: a lost node is re-planned around and the run resumed), and
+launch.json, the options the files were rendered with (`read_launch`), so that the
+supervisor renders a new plan's files alike.
+
 Every script starts with `set -euo pipefail`, quotes every interpolated value
 with shlex.quote (host names, paths, model and runtime arguments), keeps
 comments free of line breaks, and passes ShellCheck. The output also holds the
@@ -212,6 +217,22 @@ def _cpu_count(cpus: str) -> int:
     return count
 
 
+def host_of(node: NodeRanks, hosts: Mapping[str, HostEntry]) -> HostEntry:
+    """The node's entry in `hosts`, its host filled in: the given one, else the cluster
+    file's, else the node's name."""
+    entry = hosts.get(node.name) or HostEntry()
+    return entry if entry.host else dataclasses.replace(entry, host=node.host or node.name)
+
+
+@dataclass(frozen=True)
+class SuperviseOptions:
+    """What `supervise.sh` (`runtime/supervise.py`) is given: how many times it may
+    re-plan, and the seconds each re-plan's search may take."""
+
+    max_replans: int = 3
+    time_limit: float = 10.0
+
+
 @dataclass(frozen=True)
 class _Setup:
     plan: Plan
@@ -225,10 +246,7 @@ class _Setup:
     rendezvous_timeout: int = DEFAULT_RENDEZVOUS_TIMEOUT
 
     def host(self, node: NodeRanks) -> HostEntry:
-        """The node's entry, its host filled in: the given one, else the cluster file's,
-        else the node's name."""
-        entry = self.hosts.get(node.name) or HostEntry()
-        return entry if entry.host else dataclasses.replace(entry, host=node.host or node.name)
+        return host_of(node, self.hosts)
 
     @property
     def master(self) -> HostEntry:
@@ -645,7 +663,7 @@ def _ssh_lines(setup: _Setup, folder: str | None) -> list[str]:
 
 
 def _readme(setup: _Setup, target: str, files: Sequence[str],
-            folder: str | None = None) -> str:
+            folder: str | None = None, *, supervise: SuperviseOptions | None = None) -> str:
     plan, layout = setup.plan, setup.layout
     rows = []
     for node in layout.nodes:
@@ -683,12 +701,22 @@ def _readme(setup: _Setup, target: str, files: Sequence[str],
     failed = ("When the run fails, each node's output ends with the rank that failed first "
               "and why (`failures/` in the run directory holds each node's record), and "
               "each rank's output is in `logs/` there.")
+    supervised = [] if supervise is None else [
+        "Supervised: `bash supervise.sh` does the above and watches the run. When a node is "
+        "lost (its launcher ended without a word, or its ranks were killed and torchrun's "
+        "restarts did not bring them back) it re-plans on the nodes left (`planner replan`: "
+        "the surviving pipelines rebalanced, or a search of at most "
+        f"{supervise.time_limit:g} s, the global batch kept), writes the new plan's scripts "
+        "into `replan-N/` here, and resumes from the newest checkpoint, up to "
+        f"{supervise.max_replans} time(s); `supervisor.jsonl` in the run directory says what "
+        "it did. A rank that failed on its own (an error, a NaN) stops it: a new plan would "
+        "fail alike.", ""]
     return "\n".join([
         f"# Launch: {plan.model.describe()} on {plan.cluster.name}", "",
         f"Target `{target}`: {layout.world_size} rank(s) on {len(layout.nodes)} node(s), "
         f"{len(plan.pipelines)} pipeline(s), global batch {plan.training.global_batch}, "
         f"{plan.training.dtype}; predicted step time {plan.prediction.step_time:.4g} s.", "",
-        what, "",
+        what, "", *supervised,
         "| node rank | node | host | address | device | devices | ranks | script |",
         "|---|---|---|---|---|---|---|---|", *rows, "",
         "Each rank checks its environment against `plan.json` before doing anything "
@@ -712,10 +740,13 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
                   constraints: Mapping[str, str] | None = None,
                   gres: Mapping[str, str] | None = None,
                   rendezvous_timeout: int = DEFAULT_RENDEZVOUS_TIMEOUT,
-                  folder: str | None = None) -> dict[str, str]:
+                  folder: str | None = None,
+                  supervise: SuperviseOptions | None = None) -> dict[str, str]:
     """{file name: text} of the launch files for `plan` (see the module docstring);
     `folder` is where they will be (for the README's commands), `constraints` and `gres`
-    map device types to SLURM's --constraint and --gres. Pure: reads and writes nothing."""
+    map device types to SLURM's --constraint and --gres; `supervise` adds supervise.sh and
+    launch.json (these options, for the supervisor to write a new plan's files alike).
+    Pure: reads and writes nothing."""
     if target not in TARGETS:
         raise PlannerError("bad-option", f"--target {target!r} is not one of "
                            f"{', '.join(TARGETS)}.")
@@ -736,8 +767,14 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
     hosts = dict(hosts or {})
     _check_hosts(plan, layout, hosts)
     args = tuple(runtime_args)
-    if (max_restarts or target == "slurm") and "--resume" not in args:
-        args = (*args, "--resume")  # (a requeued SLURM job resumes too)
+    if (max_restarts or target == "slurm" or supervise) and "--resume" not in args:
+        args = (*args, "--resume")  # (a requeued SLURM job resumes too, and a re-planned run)
+    if supervise is not None and supervise.max_replans < 0:
+        raise PlannerError("bad-option", f"--max-replans must be 0 or more (got "
+                           f"{supervise.max_replans}).")
+    if supervise is not None and not supervise.time_limit >= 0:
+        raise PlannerError("bad-option", f"--replan-time-limit must be 0 or more seconds (got "
+                           f"{supervise.time_limit:g}).")
     setup = _Setup(plan=plan, layout=layout, hosts=hosts, port=master_port,
                    max_restarts=max_restarts, runtime_args=args, python=python,
                    run_dir=run_dir, rendezvous_timeout=rendezvous_timeout)
@@ -758,9 +795,55 @@ def render_launch(plan: Plan, *, target: str, hosts: Mapping[str, HostEntry] | N
         if target == "slurm":
             scripts["launch.sbatch"] = _render_sbatch(setup, slurm)
             scripts["slurm-task.sh"] = _render_slurm_task(setup)
+    if supervise is not None:
+        scripts["supervise.sh"] = _render_supervise(setup, target, supervise)
+        files["launch.json"] = json.dumps({
+            "kind": "launch", "schema_version": 1, "target": target,
+            "hosts": {name: dataclasses.asdict(entry) for name, entry in hosts.items()},
+            "master_port": master_port, "max_restarts": max_restarts,
+            "runtime_args": list(args), "python": python, "run_dir": run_dir,
+            "sbatch": list(slurm.sbatch), "constraints": dict(slurm.constraints),
+            "gres": dict(slurm.gres), "rendezvous_timeout": rendezvous_timeout,
+            "supervise": dataclasses.asdict(supervise)}, indent=1) + "\n"
     files.update({name: _literal_note(text) for name, text in scripts.items()})
-    files["README.md"] = _readme(setup, target, [*files, "README.md"], folder)
+    files["README.md"] = _readme(setup, target, [*files, "README.md"], folder,
+                                 supervise=supervise)
     return files
+
+
+def read_launch(path: Path) -> dict[str, Any]:
+    """The keyword arguments of `render_launch` that launch.json (written with
+    `supervise`) records, for a new plan's files."""
+    try:
+        data = json.loads(path.read_text())
+        options = {key: data[key] for key in (
+            "target", "master_port", "max_restarts", "runtime_args", "python", "run_dir",
+            "sbatch", "constraints", "gres", "rendezvous_timeout")}
+        options["hosts"] = parse_hosts(data["hosts"], str(path)) if data["hosts"] else {}
+        options["supervise"] = SuperviseOptions(**data["supervise"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PlannerError("bad-launch", f"{path} cannot be read as the record `planner launch "
+                           f"--supervise` writes ({type(exc).__name__}: {exc}).",
+                           ["write the launch folder again with planner launch --supervise"]
+                           ) from None
+    return options
+
+
+def _render_supervise(setup: _Setup, target: str, supervise: SuperviseOptions) -> str:
+    """supervise.sh: the supervisor for this folder (`runtime/supervise.py`)."""
+    how = {"local": "bash run-local.sh", "torchrun": "every node's script over ssh, all at once",
+           "slurm": "sbatch --wait launch.sbatch"}[target]
+    lines = _preamble([
+        f"planner launch: the supervisor. It runs this folder's plan ({how}); when a node is "
+        "lost it re-plans on the nodes left, writes their scripts into replan-N/ here and "
+        "resumes from the newest checkpoint.",
+        f"At most {supervise.max_replans} re-plan(s), each searching for at most "
+        f"{supervise.time_limit:g} s; arguments go to python -m planner.runtime.supervise."])
+    lines += [f"PYTHON={shlex.quote(setup.python)}", 'PYTHON="${PLANNER_PYTHON:-$PYTHON}"',
+              f'exec "$PYTHON" -m planner.runtime.supervise --folder "$HERE" '
+              f'--max-replans {supervise.max_replans} --time-limit {supervise.time_limit:g} '
+              '"$@"']
+    return "\n".join(lines) + "\n"
 
 
 def check_model(plan: Plan, model: Any, source: str = "") -> None:

@@ -22,6 +22,12 @@ plan's other nodes, runs torchrun in this process, and says which rank failed fi
 3. When torchrun gives up, the node's failures go to RUN_DIR/failures/node-<rank>.json
    and the report (`failures.py`) names the rank that failed first and why.
 
+The launcher keeps a record of its node in RUN_DIR/nodes/<node>.json: its host and pid
+when it starts ("running"), how it ended when it ends ("done", "failed", "stopped" by a
+signal, or "error" with the message). A node whose record still says "running" once the
+run is over ended without a word: its launcher was killed or its host went down. The
+supervisor (`supervise.py`) takes such nodes for lost.
+
 SIGUSR1 (SLURM's --signal before a time limit) is passed on to this node's ranks, which
 checkpoint after the step in progress and end (`guard.py`); the launcher itself keeps
 running to see them out.
@@ -30,12 +36,15 @@ running to see them out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import json
 import os
 import signal
+import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +84,62 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rendezvous-timeout", type=float, default=DEFAULT_RENDEZVOUS_TIMEOUT)
     p.add_argument("runtime_args", nargs=argparse.REMAINDER)
     return p
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What a node's launcher says about its node (RUN_DIR/nodes/<node>.json)."""
+
+    node: str
+    node_rank: int
+    host: str  # the host name the launcher ran on
+    pid: int
+    started: float  # seconds since the epoch
+    status: str  # "running", "done", "failed", "stopped" or "error"
+    code: int | None = None  # the launcher's exit code, once it ended
+    ended: float | None = None
+    message: str = ""
+
+
+def records_dir(run_dir: Path) -> Path:
+    return run_dir / "nodes"
+
+
+def record_file(run_dir: Path, name: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    return records_dir(run_dir) / f"{safe}.json"
+
+
+def write_record(run_dir: Path, record: NodeRecord) -> None:
+    """Write the record whole (a temporary file renamed), so a reader never sees half."""
+    path = record_file(run_dir, record.node)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(record)) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        raise PlannerError("bad-path", f"Node {record.node} cannot write its record "
+                           f"{path} ({exc.strerror or exc}); the run directory must be "
+                           "writable, and shared by every node.",
+                           ["give a writable --run-dir (PLANNER_RUN_DIR)"]) from None
+
+
+def read_records(run_dir: Path) -> dict[str, NodeRecord]:
+    """Every node's record by node name (one that cannot be read is passed over)."""
+    out = {}
+    for path in sorted(records_dir(run_dir).glob("*.json")):
+        try:
+            record = NodeRecord(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        out[record.node] = record
+    return out
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """SIGTERM before torchrun runs (torchrun handles it after): end with the record."""
+    raise SystemExit(128 + signum)
 
 
 def _node(layout: Layout, name: str, plan: Path) -> NodeRanks:
@@ -184,18 +249,46 @@ class Forward:
 
 
 def launch_node(options: NodeOptions) -> int:
-    """Run this node of the plan; 0 when torchrun succeeded, 1 when it gave up."""
+    """Run this node of the plan; 0 when torchrun succeeded, 1 when it gave up. The node's
+    record says how it went (see the module docstring)."""
+    from planner.planfile import read_plan
+    from planner.runtime.layout import rank_layout
+
+    layout = rank_layout(read_plan(options.plan))
+    node = _node(layout, options.node, options.plan)
+    record = NodeRecord(node=node.name, node_rank=node.node_rank, host=socket.gethostname(),
+                        pid=os.getpid(), started=time.time(), status="running")
+    signal.signal(signal.SIGTERM, _stop)
+    status, code, message = "error", 1, ""
+    try:
+        write_record(options.run_dir, record)
+        code = _run_node(options, layout, node)
+        status = "done" if code == 0 else "failed" if code == 1 else "stopped"
+        return code
+    except Exception as exc:
+        message = (exc.message if isinstance(exc, PlannerError)
+                   else f"{type(exc).__name__}: {exc}")
+        raise
+    except SystemExit as exc:  # SIGTERM before torchrun ran
+        status, code = "stopped", exc.code if isinstance(exc.code, int) else 1
+        raise
+    except KeyboardInterrupt:
+        status, code = "stopped", 128 + signal.SIGINT
+        raise
+    finally:
+        with contextlib.suppress(PlannerError):  # (the error that ended it says more)
+            write_record(options.run_dir, replace(
+                record, status=status, code=code, ended=time.time(), message=message))
+
+
+def _run_node(options: NodeOptions, layout: Layout, node: NodeRanks) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    from planner.planfile import read_plan
     from planner.runtime.guard import STOP_SIGNAL
-    from planner.runtime.layout import rank_layout
 
-    layout = rank_layout(read_plan(options.plan))
-    node = _node(layout, options.node, options.plan)
     failures.node_file(options.run_dir, node.node_rank).unlink(missing_ok=True)
     store = arrive(layout, node, options)  # open until torchrun ends: node rank 0 hosts it
     os.environ.update({"PLANNER_RANKS": "plan", "PLANNER_NODE": node.name,
@@ -221,7 +314,8 @@ def launch_node(options: NodeOptions) -> int:
             f"{options.port} failed ({type(exc).__name__}: {exc}): after a failure a node "
             f"did not rejoin within {options.rendezvous_timeout:g} s, or node rank 0 ended.",
             ["see every node's output for the first failure",
-             "a node that is lost for good needs a plan without it"]) from None
+             "a node that is lost for good needs a plan without it (planner replan PLAN "
+             "--lost NODE, or planner launch --supervise)"]) from None
     del store  # (torchrun's exit barrier has every node's agent done with it)
     return 0
 
