@@ -163,10 +163,13 @@ def _publish(partial: Path, final: Path, manifest: dict[str, Any]) -> None:
 
 
 def save(run_dir: Path, step: int, root: nn.Module, optimizer: torch.optim.Optimizer,
-         who: Identity, others: frozenset[str] = frozenset()) -> Path:
+         who: Identity, others: frozenset[str] = frozenset(),
+         extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """Save this rank's state (a collective), leaving out the parameters in `others` (and
     their optimizer states), which ranks laid out differently write
-    (`parallel.written_by_others`); see the module docstring for the atomic write."""
+    (`parallel.written_by_others`); see the module docstring for the atomic write.
+    `extra`: more state by parameter name (DiLoCo's outer optimizer,
+    `sync_modes.Averaging.outer_state`), written under the key "extra"."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -179,7 +182,11 @@ def save(run_dir: Path, step: int, root: nn.Module, optimizer: torch.optim.Optim
     if rank == 0 and partial.exists():  # an earlier attempt's, cut short
         shutil.rmtree(partial)
     _from_rank0(None)  # (no rank writes before it is gone)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
+    state = {"model": model_state, "optim": optim_state}
+    if extra:
+        state["extra"] = {kind: {k: v for k, v in values.items() if k not in others}
+                          for kind, values in extra.items()}
+    dcp.save(state, checkpoint_id=str(partial))
     mine = {entry.name: _record(entry) for entry in sorted(partial.iterdir())
             if entry.name.startswith(f"__{rank}_")}
     files = {name: record for part in _gather(mine) for name, record in part.items()}
@@ -243,12 +250,14 @@ def _plan_of(folder: Path) -> str | None:
         return None
 
 
-def _load(folder: Path, root: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _load(folder: Path, root: nn.Module, optimizer: torch.optim.Optimizer,
+          extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    """Load a checkpoint into the stage, its optimizer and `extra` (in place)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(root, optimizer, options=_options())
-    state = {"model": model_state, "optim": optim_state}
+    state = {"model": model_state, "optim": optim_state} | ({"extra": extra} if extra else {})
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(root, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=_options())
@@ -270,10 +279,11 @@ def _first_problem(found: list[str | None]) -> str | None:
 
 
 def resume(run_dir: Path, root: nn.Module, optimizer: torch.optim.Optimizer,
-           who: Identity) -> Resumed | None:
+           who: Identity, extra: dict[str, dict[str, torch.Tensor]] | None = None
+           ) -> Resumed | None:
     """Load the newest intact checkpoint (a collective; every rank takes the same one),
     or None where the run directory holds none; a PlannerError where it holds some but
-    none is intact."""
+    none is intact. `extra` as `save` wrote it, loaded in place."""
     rank = _rank()
     world = dist.get_world_size() if dist.is_initialized() else 1
     steps = _from_rank0(complete_steps(run_dir) if rank == 0 else None)
@@ -283,7 +293,7 @@ def resume(run_dir: Path, root: nn.Module, optimizer: torch.optim.Optimizer,
         problem = _first_problem(_gather(_check(folder, who, rank, world)))
         if problem is None:
             try:
-                _load(folder, root, optimizer)
+                _load(folder, root, optimizer, extra)
             except Exception as exc:  # DCP's CheckpointException, a pickle error, ...
                 mine: str | None = (f"loading it failed: "
                                     f"{str(exc).strip().splitlines()[-1] or type(exc).__name__}")

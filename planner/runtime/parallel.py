@@ -51,6 +51,21 @@ is all-reduced (forward) as their input's gradient is (backward), rows of all
 experts at once (`trace.layers` prices these all-reduces).
 A user's layer may define `tensor_parallel_plan() -> {submodule: "colwise" |
 "rowwise"}`.
+
+The plan's tensor-parallel options (`stage.TensorParallelOptions`), on zoo transformers:
+  * sequence parallelism (Korthikanti et al. 2022): between blocks every tp rank holds
+    its slice of the sequence; each block's norms run on the slice (torch's
+    `SequenceParallel`), its attention and MLP all-gather their input and
+    reduce-scatter their output (row-parallel projections to a sequence slice; a
+    mixture-of-experts block slices its all-reduced output), and the residual adds and
+    dropout run on the slice. The embedding slices its output, the head gathers its
+    input (after its final norm, on the slice, where vocabulary parallelism splits it),
+    so the stages of a pipeline pass each other sequence slices, chain by chain.
+  * vocabulary parallelism (Megatron's vocabulary-parallel embedding and parallel
+    cross-entropy): the token table (the head's too, tied or not) is split by rows;
+    the lookup is all-reduced, the head's logits come out split over the vocabulary
+    (a DTensor), and the loss (`ShardedLogitsLoss`) reduces each token's maximum, sum
+    of exponentials and target logit over the ranks instead of gathering the logits.
 """
 
 from __future__ import annotations
@@ -68,7 +83,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from planner.errors import PlannerError
 from planner.runtime.follow import Following
 from planner.runtime.layout import Layout
-from planner.runtime.stage import ChunkModule, ModelInfo, stage_param_names
+from planner.runtime.stage import (
+    TP_OPTIONS,
+    ChunkModule,
+    ModelInfo,
+    TensorParallelOptions,
+    stage_param_names,
+)
 from planner.types import Plan, StagePlan
 
 StageKey = tuple[int, int]  # (pipeline, stage)
@@ -289,7 +310,15 @@ class _ShardedExperts(ParallelStyle):
         return distribute_module(module, mesh, partition, rows_in, rows_out)
 
 
-def _transformer_block(unit: nn.Module, tp: int, where: str) -> dict | None:
+def _transformer_block(unit: nn.Module, tp: int, where: str, sequence: bool = False
+                       ) -> dict | None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
     from planner.models.transformer import MLP, Attention, Block
 
     if not isinstance(unit, Block) or not isinstance(unit.attn, Attention):
@@ -321,15 +350,173 @@ def _transformer_block(unit: nn.Module, tp: int, where: str) -> dict | None:
         styles["mlp"] = _replicated_input()
     else:
         styles["mlp.experts"] = _ShardedExperts()
+    if sequence:  # (the module docstring's sequence parallelism)
+        styles.update({"attn_norm": SequenceParallel(use_local_output=True),
+                       "mlp_norm": SequenceParallel(use_local_output=True),
+                       "attn": _replicated_input(Shard(1)),
+                       "attn.o": RowwiseParallel(output_layouts=Shard(1))})
+        if isinstance(unit.mlp, MLP):
+            styles["mlp"] = _replicated_input(Shard(1))
+            styles["mlp.down"] = RowwiseParallel(output_layouts=Shard(1))
+        else:  # the experts' output comes whole: each rank keeps its slice
+            styles["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_input=True, output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),))
     return styles
 
 
-def _replicated_input() -> ParallelStyle:
+def _replicated_input(given: object = None) -> ParallelStyle:
+    """A module's input made whole on every rank (from a sequence slice `given`, an
+    all-gather), as one DTensor its branches share."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    return PrepareModuleInput(input_layouts=(Replicate(),),
+    return PrepareModuleInput(input_layouts=(given or Replicate(),),
                               desired_input_layouts=(Replicate(),))
+
+
+def _embedding(unit: nn.Module, mesh: DeviceMesh, options: TensorParallelOptions) -> bool:
+    """Vocabulary and sequence parallelism on a zoo transformer's embedding (the module
+    docstring); whether `unit` is one."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleOutput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from planner.models.transformer import Embedding
+
+    if not isinstance(unit, Embedding):
+        return False
+    if options.vocab:  # rows of the table per rank; the lookups summed (all-reduce)
+        parallelize_module(unit, mesh, {"tokens": RowwiseParallel(input_layouts=Replicate(),
+                                                                  output_layouts=Replicate())})
+        unit.tokens.weight.register_hook(_by_rows)
+    if options.sequence:  # each rank keeps its slice of the sequence
+        parallelize_module(unit, mesh, PrepareModuleOutput(output_layouts=(Replicate(),),
+                                                           desired_output_layouts=(Shard(1),)))
+    return True
+
+
+def _head(unit: nn.Module, mesh: DeviceMesh, options: TensorParallelOptions) -> bool:
+    """Vocabulary and sequence parallelism on a zoo transformer's head (the module
+    docstring); whether `unit` is one."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        parallelize_module,
+    )
+
+    from planner.models.transformer import Head
+
+    if not isinstance(unit, Head):
+        return False
+    given = Shard(1) if options.sequence else Replicate()
+    if not options.vocab:
+        if options.sequence:  # the whole sequence for the head every rank runs whole
+            parallelize_module(unit, mesh, PrepareModuleInput(
+                input_layouts=(given,), desired_input_layouts=(Replicate(),),
+                use_local_output=True))
+        return True
+    table = unit.tied[0] if unit.output is None else unit.output
+    if not isinstance(table.weight, DTensor):  # (a tied table the embedding split: as it is)
+        _split_rows(table, "weight", mesh)
+    if unit.bias is not None:
+        _split_rows(unit, "bias", mesh)
+    if options.sequence and unit.norm is not None:  # the final norm on the slice, then whole
+        parallelize_module(unit, mesh, {"norm": PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
+            use_local_output=False)})
+
+    def replicate(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for key, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                module.register_parameter(key, nn.Parameter(
+                    DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False)))
+
+    def hidden_in(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        hidden = DTensor.from_local(inputs[0], mesh, [given], run_check=False)
+        gather = options.sequence and unit.norm is None
+        return (hidden.redistribute(mesh, [Replicate()]) if gather else hidden,)
+
+    distribute_module(unit, mesh, replicate, hidden_in)
+    return True
+
+
+def _by_rows(grad: torch.Tensor) -> torch.Tensor:
+    """A token table's gradient split by rows as the table is: torch's vocabulary-parallel
+    lookup gives it whole on every rank (each rank's slice, no communication)."""
+    from torch.distributed.tensor import Shard
+
+    return grad.redistribute(grad.device_mesh, [Shard(0)])
+
+
+def _split_rows(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
+    """`module`'s parameter `name` split by rows (its vocabulary) over `mesh`."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    module.register_parameter(name, nn.Parameter(
+        distribute_tensor(getattr(module, name).detach(), mesh, [Shard(0)])))
+
+
+@dataclass(frozen=True)
+class ShardedLogitsLoss:
+    """The model's loss, or where its logits come split over the vocabulary (a DTensor
+    sharded on the last dimension: vocabulary parallelism) Megatron's parallel
+    cross-entropy: the mean over tokens (targets of -100 left out, as cross_entropy
+    does) of log(sum exp(logits)) - logit of the target, each rank reducing its slice's
+    maximum, sum of exponentials and target logit over the tensor-parallel group
+    (`_VocabParallelCrossEntropy`), no rank gathering the logits."""
+
+    model_loss: object  # (logits, targets) -> loss, the model's own
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        split = isinstance(logits, DTensor) and any(
+            isinstance(p, Shard) and p.dim in (-1, logits.ndim - 1) for p in logits.placements)
+        if not split:
+            return self.model_loss(logits, targets)
+        mesh = logits.device_mesh
+        _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
+        local = logits.to_local().flatten(0, -2).float()
+        flat = targets.reshape(-1).to(local.device)
+        losses = _VocabParallelCrossEntropy.apply(local, flat, offset[-1], mesh.get_group())
+        kept = flat != -100
+        return (losses * kept).sum() / kept.sum().clamp(min=1)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary (`ShardedLogitsLoss`):
+    forward all-reduces three numbers a token, backward none (softmax minus the target's
+    one-hot, on each rank's slice)."""
+
+    @staticmethod
+    def forward(ctx: object, logits: torch.Tensor, targets: torch.Tensor, start: int,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        peak = logits.max(dim=-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - peak.unsqueeze(-1)
+        exps = shifted.exp()
+        total = exps.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        here = (targets >= start) & (targets < start + logits.shape[-1])
+        index = (targets - start).clamp(0, logits.shape[-1] - 1)
+        target = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * here
+        dist.all_reduce(target, group=group)
+        ctx.save_for_backward(exps / total.unsqueeze(-1), index, here)
+        return total.log() - target
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple:
+        softmax, index, here = ctx.saved_tensors
+        out = softmax.clone()
+        out.scatter_add_(-1, index.unsqueeze(-1), -here.to(out.dtype).unsqueeze(-1))
+        return out * grad.unsqueeze(-1), None, None, None
 
 
 def apply_tensor_parallel(units: Iterable[tuple[str, nn.Module]], mesh: DeviceMesh
@@ -346,13 +533,17 @@ def apply_tensor_parallel(units: Iterable[tuple[str, nn.Module]], mesh: DeviceMe
     for path, unit in units:
         where = f"layer {path}"
         styles = None
+        options = getattr(unit, TP_OPTIONS, TensorParallelOptions())
         custom = getattr(unit, "tensor_parallel_plan", None)
         if callable(custom):
             styles = _styles(custom())
         elif isinstance(unit, MLPBlock):
             styles = {"linear": ColwiseParallel(output_layouts=Replicate())}
+        elif _embedding(unit, mesh, options) or _head(unit, mesh, options):
+            if options.vocab:
+                continue
         else:
-            styles = _transformer_block(unit, tp, where)
+            styles = _transformer_block(unit, tp, where, options.sequence)
         if styles is None:
             if any(True for _ in unit.parameters()):
                 notes.append(f"{where} ({type(unit).__name__}) is replicated on its {tp} "
@@ -479,23 +670,38 @@ class GradientSum:
 
     def __call__(self) -> None:
         for bucket in self.buckets:
-            for p in bucket.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [_full(p.grad) if bucket.gather else _local(p.grad)
-                     for p in bucket.params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if bucket.slices > 1:
-                flat = _sum_in_slices(flat, bucket)
-            elif bucket.group is not None:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group)
-            if bucket.gather and dist.get_world_size(bucket.tp_group) > 1:
-                dist.broadcast(flat, src=bucket.source, group=bucket.tp_group)
-            offset = 0
-            for p, g in zip(bucket.params, grads, strict=True):
-                value = flat[offset:offset + g.numel()].view_as(g)
-                _local(p.grad).copy_(_shard(value, p.grad) if bucket.gather else value)
-                offset += g.numel()
+            sum_bucket(bucket)
+
+
+def sum_bucket(bucket: _Bucket) -> None:
+    """Sum one bucket's gradients over its holders (see `_Bucket`), in place."""
+    flat, grads = flat_gradients(bucket)
+    if bucket.slices > 1:
+        flat = _sum_in_slices(flat, bucket)
+    elif bucket.group is not None:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group)
+    if bucket.gather and dist.get_world_size(bucket.tp_group) > 1:
+        dist.broadcast(flat, src=bucket.source, group=bucket.tp_group)
+    write_gradients(bucket, flat, grads)
+
+
+def flat_gradients(bucket: _Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A bucket's gradients (zeros where a parameter got none) in one flat tensor, and
+    each as summed (whole where `gather`, else this rank's part)."""
+    for p in bucket.params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [_full(p.grad) if bucket.gather else _local(p.grad) for p in bucket.params]
+    return torch.cat([g.reshape(-1) for g in grads]), grads
+
+
+def write_gradients(bucket: _Bucket, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    """Each parameter's part of a summed flat tensor back into its gradient."""
+    offset = 0
+    for p, g in zip(bucket.params, grads, strict=True):
+        value = flat[offset:offset + g.numel()].view_as(g)
+        _local(p.grad).copy_(_shard(value, p.grad) if bucket.gather else value)
+        offset += g.numel()
 
 
 def _sharded(param: nn.Parameter) -> bool:

@@ -18,7 +18,18 @@ RUN_DIR/summary.json (rank 0, at the end):
     tokens_per_s, predicted_step_time (the plan's), prediction_error
     ((measured - predicted) / predicted), ranks [{rank, node, pipeline, stage,
     tp_rank, device, params, param_bytes, peak_memory_bytes, memory_kind,
-    step_time_mean, busy_mean}], notes.
+    step_time_mean, busy_mean, sync_exposed_mean, sync_in_flight_mean, sync_sums,
+    sync_started_in_backward}], notes,
+    gradient_sync {mode, interval, overlap, exposed, in_flight, predicted_exposed,
+    predicted_whole}.
+
+Gradient sync, measured on each rank per timed step (`overlap.SyncTiming`): exposed, from
+the end of its schedule's last backward until its sums were done (what the step waits
+for); in flight, how long any of its sums was under way, hidden behind backward or not;
+their means per rank, and in `gradient_sync` the largest of any rank beside the plan's
+prediction of the step's exposed sync (`prediction.dp_comm`) and of one whole sync
+(`prediction.whole_sync`). Per rank also its all-reduces of the last timed step
+(sync_sums) and how many of them started within backward (sync_started_in_backward).
 
 Memory: CUDA's peak allocated bytes on GPUs; on the CPU the process's peak
 resident set (torch itself included, so it overstates what the stage needs).
@@ -91,6 +102,32 @@ def timing(seconds: list[float]) -> dict[str, float] | None:
         return None
     return {"mean": statistics.fmean(seconds), "median": statistics.median(seconds),
             "min": min(seconds), "max": max(seconds), "count": len(seconds)}
+
+
+def sync_means(timings: list[Any]) -> dict[str, float | None]:
+    """A rank's mean exposed and in-flight sync over its timed steps (`SyncTiming`s)."""
+    if not timings:
+        return {"sync_exposed_mean": None, "sync_in_flight_mean": None}
+    return {"sync_exposed_mean": statistics.fmean(t.exposed for t in timings),
+            "sync_in_flight_mean": statistics.fmean(t.in_flight for t in timings),
+            "sync_sums": timings[-1].sums,
+            "sync_started_in_backward": timings[-1].started_in_backward}
+
+
+def sync_summary(plan: Any, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's gradient sync: the plan's mode, measured (the largest mean of any rank)
+    beside predicted."""
+    sync, prediction = plan.training.sync, plan.prediction
+
+    def most(key: str) -> float | None:
+        values = [r[key] for r in ranks if r.get(key) is not None]
+        return max(values) if values else None
+
+    return {"mode": sync.mode, "interval": sync.interval, "overlap": sync.overlap,
+            "exposed": most("sync_exposed_mean"), "in_flight": most("sync_in_flight_mean"),
+            "predicted_exposed": prediction.dp_comm or None,
+            "predicted_whole": (prediction.dp_comm if prediction.whole_sync is None
+                                else prediction.whole_sync) or None}
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:

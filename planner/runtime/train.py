@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.data.profile import read_profile
 from planner.errors import PlannerError
 from planner.planfile import plan_json, read_plan
 from planner.runtime import checkpoint, failures
@@ -62,6 +63,15 @@ from planner.runtime.guard import (
     nonfinite_error,
 )
 from planner.runtime.layout import rank_layout
+from planner.runtime.overlap import (
+    AfterBackward,
+    Overlapped,
+    SyncTiming,
+    accumulations,
+    overlap_buckets,
+    sync_groups,
+)
+from planner.runtime.packed import PACKINGS, packed_feed
 from planner.runtime.parallel import (
     GradientSum,
     apply_fsdp,
@@ -74,7 +84,23 @@ from planner.runtime.parallel import (
 )
 from planner.runtime.schedule import PipelineRunner
 from planner.runtime.stage import apply_recompute, build_stage, inspect_model
-from planner.runtime.summary import StepLog, log, peak_memory, timing, write_summary
+from planner.runtime.summary import (
+    StepLog,
+    log,
+    peak_memory,
+    sync_means,
+    sync_summary,
+    timing,
+    write_summary,
+)
+from planner.runtime.sync_modes import (
+    Averaging,
+    check_checkpoints,
+    holder_weights,
+    loss_weight,
+    reported_loss,
+    within_pipelines,
+)
 
 FP16_SCALE = 2.0**12
 STOPPED = "stopped.json"  # written where a stop request ended the run before --steps
@@ -100,6 +126,11 @@ class RunOptions:
     warmup: int = 1  # steps left out of the timing
     timeout: float = 600.0  # seconds a collective may wait
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run, or skip the step
+    lengths: Path | None = None  # a data profile: synthetic samples of its lengths (`packed.py`)
+    packing: str = "balanced"  # variable-length samples into micro-batches: or "naive"
+    bucket_mb: float = 25.0  # overlapped gradient sums: MiB per all-reduce (`overlap.py`)
+    outer_lr: float = 0.7  # DiLoCo's outer optimizer (`sync_modes.py`)
+    outer_momentum: float = 0.9
 
     def resolved_run_dir(self) -> Path:
         return self.run_dir or Path("runs") / self.plan.stem
@@ -126,6 +157,21 @@ def check_options(options: RunOptions) -> None:
     if options.optimizer not in (None, "adamw", "sgd"):
         raise PlannerError("bad-option", f"--optimizer must be adamw or sgd (got "
                            f"{options.optimizer!r}).")
+    if not (options.bucket_mb > 0 and math.isfinite(options.bucket_mb)):
+        raise PlannerError("bad-option", f"--bucket-mb must be a positive number of MiB (got "
+                           f"{options.bucket_mb}).")
+    if not (options.outer_lr > 0 and math.isfinite(options.outer_lr)):
+        raise PlannerError("bad-option", f"--outer-lr must be a positive number (got "
+                           f"{options.outer_lr}).")
+    if not 0 <= options.outer_momentum < 1:
+        raise PlannerError("bad-option", f"--outer-momentum must be at least 0 and below 1 "
+                           f"(got {options.outer_momentum}).")
+    if options.packing not in PACKINGS:
+        raise PlannerError("bad-option", f"--packing must be balanced or naive (got "
+                           f"{options.packing!r}).")
+    if options.lengths is not None and options.data is not None:
+        raise PlannerError("bad-option", "Give --lengths (synthetic samples of a data "
+                           "profile's lengths) or --data (a data hook), not both.")
     if options.on_nonfinite not in ON_NONFINITE:
         raise PlannerError("bad-option", f"--on-nonfinite must be stop or skip (got "
                            f"{options.on_nonfinite!r}).")
@@ -266,6 +312,7 @@ def _prepare_run_dir(run_dir: Path, options: RunOptions, rank: int) -> None:
 def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Path,
            attempt: int, stop: StopRequest) -> dict[str, Any] | None:
     me, rank, device = place.slot, place.slot.rank, place.device
+    check_checkpoints(plan.training.sync, options.checkpoint_every)
     _prepare_run_dir(run_dir, options, rank)
     notes = list(place.notes)
     started = time.perf_counter()
@@ -323,28 +370,48 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
     elif stage.zero >= 1:
         notes.append(f"pipeline {me.pipeline} stage {me.stage}: ZeRO-{stage.zero} has no "
                      "replica to shard with (one copy of these layers)")
-    gradient_sum = GradientSum(built.root, topo, groups, rank, skip=managed)
+    gradient_sum, averaging = _sums(plan, topo, groups, info, built, managed, rank, options)
     others = written_by_others(topo, key)
     params = list(dict.fromkeys(built.root.parameters()))
     opt_name = options.optimizer or ("sgd" if plan.training.optimizer.name == "sgd"
                                      else "adamw")
     optimizer = _optimizer(params, opt_name, options.lr)
-    scale = (pipeline.micro_batch / plan.training.global_batch
+    scale = (pipeline.micro_batch * loss_weight(plan, me.pipeline)
              * (FP16_SCALE if dtype == "fp16" else 1.0))
     loss_of = info.loaded.loss
 
     def loss_fn(output: torch.Tensor, target: Any) -> torch.Tensor:
         return loss_of(output, target) * scale
 
+    batches = Batches(info.loaded, global_batch=plan.training.global_batch, seed=options.seed,
+                      hook=options.data, vocab=info.vocab, classes=info.classes,
+                      lengths=read_profile(options.lengths) if options.lengths else None)
+    feed = packed_feed(plan, info, batches, built.chunks, pipeline=me.pipeline, rank=rank,
+                       packing=options.packing, loss_scale=FP16_SCALE if dtype == "fp16" else 1,
+                       following=any(topo.following((p.index, s.index))
+                                     for p in plan.pipelines for s in p.stages))
+    if feed is not None and averaging is not None:
+        raise PlannerError(
+            "unsupported-plan", f"training.sync {plan.training.sync.describe()} with samples "
+            "of varying lengths: packed micro-batches weigh their losses over the global "
+            "batch's targets, not over each pipeline's own share as the sync modes that "
+            "change the optimization need.",
+            ["run it with samples of one length", "or plan it with --sync every-step"])
     runner: PipelineRunner | Follower
     if groups.follows:
         runner = Follower(built.chunks[0], groups.following)
     else:
-        runner = PipelineRunner(pipeline, stage, built.chunks, device=device, group=groups.pp,
-                                chain=groups.chain, loss_fn=loss_fn, following=groups.following)
-    who = checkpoint.identity(info.module, plan.model.describe(), opt_name, plan_json(plan))
+        runner = PipelineRunner(pipeline, stage, feed.chunks if feed else built.chunks,
+                                device=device, group=groups.pp, chain=groups.chain,
+                                loss_fn=feed.loss if feed else loss_fn,
+                                following=groups.following)
+    who = checkpoint.identity(info.module, plan.model.describe(), opt_name + (
+        " with DiLoCo's outer optimizer" if plan.training.sync.mode == "diloco" else ""),
+                              plan_json(plan))
+    outer = averaging.outer_state() if averaging else None
     first = 0
-    resumed = checkpoint.resume(run_dir, built.root, optimizer, who) if options.resume else None
+    resumed = (checkpoint.resume(run_dir, built.root, optimizer, who, outer)
+               if options.resume else None)
     if resumed is not None:
         first = resumed.step
         if rank == 0:
@@ -356,8 +423,6 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
     warning = checkpoint_warning(options.steps, options.checkpoint_every, first)
     if warning and rank == 0:
         log(rank, f"warning: {warning}")
-    batches = Batches(info.loaded, global_batch=plan.training.global_batch, seed=options.seed,
-                      hook=options.data, vocab=info.vocab, classes=info.classes)
     offset = sum(p.batch_share for p in plan.pipelines[:me.pipeline])
     share = pipeline.batch_share
     step_log = StepLog(run_dir, attempt, enabled=rank == 0, fresh=first == 0)
@@ -369,6 +434,7 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
             f"{dtype}; set up in {setup_seconds:.1f} s; steps {first + 1}-{options.steps}")
     step_seconds: list[float] = []
     busy_seconds: list[float] = []
+    sync_timings: list[SyncTiming] = []
     losses: list[dict[str, Any]] = []
     named = list(built.root.named_parameters())
     loss_scale = FP16_SCALE if dtype == "fp16" else 1.0
@@ -377,20 +443,28 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
     done, stopped = first, None
     for step in range(first, options.steps):
         begin = time.perf_counter()
+        gradient_sum.start_step()
         inputs = targets = None
-        if runner.is_first or runner.is_last:
+        if feed is not None:
+            inputs, targets = feed.prepare(step, first=runner.is_first, last=runner.is_last,
+                                           device=device)
+        elif runner.is_first or runner.is_last:
             inputs, targets = batches.get(step, offset, offset + share)
             inputs = _to_device(inputs, device) if runner.is_first else None
             targets = _to_device(targets, device) if runner.is_last else None
         mb_losses = runner.step(inputs, targets)
-        busy = time.perf_counter() - begin
-        gradient_sum()
+        if feed is not None:
+            feed.finish()
+        schedule_end = time.perf_counter()
+        busy = schedule_end - begin
+        synced = gradient_sum(schedule_end)
         if dtype == "fp16":
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(FP16_SCALE)
         bad = bad_gradients(named)
-        check = check_step(sum(float(x.detach()) for x in mb_losses) if reports_loss else 0.0,
+        check = check_step(sum(float(x.detach()) for x in mb_losses)
+                           * reported_loss(plan, me.pipeline) if reports_loss else 0.0,
                            not bad, stop.requested, device, loss_scale)
         # fp16's fixed loss scale overflows now and then: those steps are skipped, as
         # loss scaling does; any other NaN or inf is the guard's
@@ -410,10 +484,13 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
         if not (overflow or broken):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if averaging is not None and averaging.due(step + 1):
+            synced = synced.then(averaging())
         seconds = time.perf_counter() - begin
         if step - first >= options.warmup:
             step_seconds.append(seconds)
             busy_seconds.append(busy)
+            sync_timings.append(synced)
         loss = check.loss if check.loss_finite else None
         skipped = "overflow" if overflow else "non-finite" if broken else None
         losses.append({"step": step + 1, "loss": loss, "seconds": seconds}
@@ -429,31 +506,60 @@ def _train(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Pat
             break
         if options.checkpoint_every and done % options.checkpoint_every == 0 and (
                 done < options.steps or not options.final_checkpoint):
-            _save(run_dir, done, built.root, optimizer, who, others, params, device)
+            _save(run_dir, done, built.root, optimizer, who, others, params, device, outer)
             latest = done
+    if averaging is not None and done > first and not averaging.due(done):
+        averaging()  # (the run ends on one model: `sync_modes.py`)
     if (options.final_checkpoint or stopped) and done > first:
-        _save(run_dir, done, built.root, optimizer, who, others, params, device)
+        _save(run_dir, done, built.root, optimizer, who, others, params, device, outer)
     if stopped and rank == 0:
         log(rank, f"{stopped}; checkpoint {checkpoint.step_dir(run_dir, done)}")
         (run_dir / STOPPED).write_text(json.dumps({"step": done, "steps": options.steps,
                                                    "reason": stopped}) + "\n")
     return _summarize(options, plan, layout, place, run_dir, built, step_seconds,
-                      busy_seconds, losses, first, notes, attempt, who, stopped)
+                      busy_seconds, losses, first, notes, attempt, who, stopped, sync_timings)
+
+
+def _sums(plan: Any, topo: Any, groups: Any, info: Any, built: Any, managed: set[int],
+          rank: int, options: RunOptions) -> tuple[AfterBackward | Overlapped,
+                                                   Averaging | None]:
+    """The step's gradient sums (after the schedule, or started in backward where the
+    plan overlaps them: `overlap.py`) and, in the sync modes that change the
+    optimization, the holders' agreement every H steps (`sync_modes.py`). Every rank
+    creates the groups of either alike."""
+    sync, me = plan.training.sync, topo.layout.of(rank)
+    every_step = GradientSum(built.root, topo, groups, rank, skip=managed)
+    if sync.local:
+        narrowed, local = within_pipelines(topo, groups, rank)
+        weights = holder_weights(plan, topo, built.root, me.pipeline)
+        return (AfterBackward(GradientSum(built.root, narrowed, local, rank, skip=managed)),
+                Averaging(plan, every_step, built.root, weights, options.outer_lr,
+                          options.outer_momentum))
+    if not sync.overlap:
+        return AfterBackward(every_step), None
+    own = sync_groups(topo, rank)
+    stage = plan.pipelines[me.pipeline].stages[me.stage]
+    names = {id(param): name for name, param in built.root.named_parameters()}
+    positions = {name: i for i, (name, _) in enumerate(info.module.named_parameters())}
+    buckets = overlap_buckets(every_step, names, positions, own, int(options.bucket_mb * 2**20))
+    expected = accumulations(info, stage, plan.pipelines[me.pipeline].num_microbatches)
+    return Overlapped(every_step, buckets, names, expected), None
 
 
 def _save(run_dir: Path, step: int, root: torch.nn.Module, optimizer: torch.optim.Optimizer,
           who: checkpoint.Identity, others: frozenset[str], params: list,
-          device: torch.device) -> None:
-    """A checkpoint, after every rank found its parameters finite (`guard.py`)."""
+          device: torch.device, outer: dict | None) -> None:
+    """A checkpoint, after every rank found its parameters finite (`guard.py`); `outer`:
+    DiLoCo's outer state (`sync_modes.Averaging.outer_state`)."""
     check_parameters(params, step, device)
-    checkpoint.save(run_dir, step, root, optimizer, who, others)
+    checkpoint.save(run_dir, step, root, optimizer, who, others, outer)
 
 
 def _summarize(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir: Path,
                built: Any, step_seconds: list[float], busy_seconds: list[float],
                losses: list[dict], first: int, notes: list[str],
                attempt: int, who: checkpoint.Identity,
-               stopped: str | None) -> dict[str, Any] | None:
+               stopped: str | None, sync_timings: list[SyncTiming]) -> dict[str, Any] | None:
     from planner.runtime.parallel import _local
 
     me, rank = place.slot, place.slot.rank
@@ -466,7 +572,7 @@ def _summarize(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir:
             "peak_memory_bytes": memory, "memory_kind": kind,
             "step_time_mean": timing(step_seconds)["mean"] if step_seconds else None,
             "busy_mean": timing(busy_seconds)["mean"] if busy_seconds else None,
-            "notes": notes}
+            **sync_means(sync_timings), "notes": notes}
     log(rank, f"pipeline {me.pipeline} stage {me.stage} tp {me.tp_rank} on {me.node}: "
         f"mean step {mine['step_time_mean'] or 0:.3f} s, peak memory "
         f"{memory / 2**20:.0f} MiB ({kind}), {mine['params']:,} parameters")
@@ -493,6 +599,7 @@ def _summarize(options: RunOptions, plan: Any, layout: Any, place: Any, run_dir:
         "notes": sorted({n for r in gathered for n in r["notes"]}),
         "skipped_steps": [row["step"] for row in losses if row.get("skipped")],
         "stopped": stopped,
+        "gradient_sync": sync_summary(plan, gathered),
     }
     path = write_summary(run_dir, summary)
     log(rank, f"wrote {path}")

@@ -113,6 +113,11 @@ class CostBreakdown:
     fill and drain), tp_comm (tensor-parallel all-reduces), pp_comm
     (activations and gradients between stages), dp_comm (gradient
     synchronisation across pipelines), optimizer (the optimizer step).
+
+    whole_sync: seconds of one whole gradient sync (or average, `SyncSpec`), of which
+    dp_comm is what a step pays: all of it, less what the last backward hides where the
+    sync overlaps it, divided by the steps between syncs. None in plans made before it
+    was recorded (then dp_comm).
     """
 
     step_time: float
@@ -125,6 +130,14 @@ class CostBreakdown:
     samples_per_s: float
     tokens_per_s: float | None
     mfu: float  # model FLOPs per second / sum of the used devices' peak FLOP/s
+    whole_sync: float | None = None
+
+    @property
+    def sync_saved(self) -> float:
+        """Seconds per step the sync does not add: hidden behind backward or spread over
+        the steps between syncs."""
+        return max(0.0, (self.dp_comm if self.whole_sync is None else self.whole_sync)
+                   - self.dp_comm)
 
     def terms(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in

@@ -34,6 +34,46 @@ class OptimizerSpec:
     grad_bytes: float | None = None
 
 
+SYNC_MODES = ("every-step", "local-sgd", "average", "diloco")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncSpec:
+    """How the pipelines holding the same parameters keep them equal.
+
+    mode:     every-step: each step sums every parameter's gradient over its holders
+              (what data parallelism does); the others change the optimization, so they
+              are asked for: each pipeline steps on its own gradients (its loss the mean
+              over its own share) and every `interval` steps the holders average
+              (weighted by their pipelines' batch shares: work-weighted, so a pipeline
+              that ran more samples counts more) their parameters (local-sgd: local SGD,
+              each keeping its optimizer's state), their parameters and optimizer states
+              (average: periodic model averaging of the whole state), or the change since
+              the last sync, a pseudo-gradient that an outer optimizer (SGD with Nesterov
+              momentum) applies to the parameters every pipeline keeps of that sync
+              (diloco: DiLoCo, Douillard et al. 2023).
+    interval: H, optimizer steps per sync (1 for every-step).
+    overlap:  every-step only: each stage's gradient sums start, bucket by bucket, as
+              its last micro-batch's backward makes them (DDP's buckets), not after the
+              schedule.
+    """
+
+    mode: str = "every-step"
+    interval: int = 1
+    overlap: bool = False
+
+    @property
+    def local(self) -> bool:
+        """Whether pipelines step on their own gradients between syncs."""
+        return self.mode != "every-step"
+
+    def describe(self) -> str:
+        """The mode as `--sync` takes it, with overlap where asked."""
+        if self.local:
+            return f"{self.mode}:{self.interval}"
+        return "every-step, overlapping backward" if self.overlap else "every-step"
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
     """What every stage trains with.
@@ -45,6 +85,7 @@ class TrainingSpec:
     vocab_parallel:    a tensor-parallel group splits a transformer's embedding and LM
         head over the vocabulary (vocabulary-parallel embedding, parallel
         cross-entropy), where otherwise every rank runs them whole.
+    sync:              how pipelines holding the same layers keep them equal (`SyncSpec`).
     """
 
     global_batch: int
@@ -53,3 +94,4 @@ class TrainingSpec:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     sequence_parallel: bool = False
     vocab_parallel: bool = False
+    sync: SyncSpec = field(default_factory=SyncSpec)
