@@ -37,7 +37,9 @@ Schedules (the per-device order of compute ops):
   `interleave` is ignored by the other schedules (as in `pipeline_time`).
 
 `schedule` and `interleave` may also be one per pipeline (a plan's pipelines of
-one stage run plain 1F1B beside interleaved ones).
+one stage run plain 1F1B beside interleaved ones). `microbatch_timings` gives each
+micro-batch its own stage timings (micro-batches of different sizes: a step's
+variable-length samples packed, `planner.data.steps`); the stage's own are then unused.
 
 After every pipeline's last backward, every device runs the gradient sync
 (`sync` seconds) and then the optimizer step (`optimizer` seconds), as the step
@@ -60,9 +62,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.solver.step import OPTIMIZER, SYNC, StepTime
+from planner.solver.step import EVERY_STEP, OPTIMIZER, SYNC, StepTime, overlappable
 from planner.solver.timing import StageTiming
-from planner.types import Schedule
+from planner.types import Schedule, SyncSpec
 
 FWD, BWD, SEND, SEND_GRAD = "fwd", "bwd", "send", "send-grad"
 __all__ = ["BWD", "FWD", "OPTIMIZER", "SEND", "SEND_GRAD", "SYNC", "Event", "Simulation",
@@ -92,12 +94,18 @@ class Simulation:
 def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[int], *,
              schedule: Schedule | Sequence[Schedule] = Schedule.ONE_F_ONE_B,
              interleave: int | Sequence[int] = 1,
-             sync: float = 0.0, optimizer: float = 0.0) -> Simulation:
-    """Replay one training step of the pipelines, each with its number of micro-batches."""
+             sync: float = 0.0, optimizer: float = 0.0,
+             microbatch_timings: Sequence[Sequence[Sequence[StageTiming]]] | None = None,
+             policy: SyncSpec = EVERY_STEP) -> Simulation:
+    """Replay one training step of the pipelines, each with its number of micro-batches;
+    `microbatch_timings[p][i][s]`, where given, is stage s's timing for micro-batch i of
+    pipeline p; the sync of `sync` seconds is paid as `policy` says (`step.py`)."""
     schedules = ([schedule] * len(pipelines) if isinstance(schedule, Schedule)
                  else list(schedule))
     chunks = [interleave] * len(pipelines) if isinstance(interleave, int) else list(interleave)
     _check(pipelines, microbatches, schedules, chunks, sync, optimizer)
+    if microbatch_timings is not None:
+        _check_microbatches(pipelines, microbatches, microbatch_timings)
     events: list[Event] = []
     times = []
     for p, (stages, m) in enumerate(zip(pipelines, microbatches, strict=True)):
@@ -105,10 +113,12 @@ def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[
         v = chunks[p] if kind is Schedule.INTERLEAVED else 1
         if v == 1 and kind is Schedule.INTERLEAVED:
             kind = Schedule.ONE_F_ONE_B
-        pipeline_events = _run_pipeline(p, list(stages), m, kind, v)
+        own = None if microbatch_timings is None else microbatch_timings[p]
+        pipeline_events = _run_pipeline(p, list(stages), m, kind, v, own)
         events += pipeline_events
         times.append(max(e.end for e in pipeline_events if e.kind == BWD))
-    step = StepTime(pipelines=max(times), sync=sync, optimizer=optimizer)
+    step = StepTime(pipelines=max(times), sync=sync, optimizer=optimizer, policy=policy,
+                    hidden=overlappable(t.bwd for stages in pipelines for t in stages))
     for p, stages in enumerate(pipelines):
         for s in range(len(stages)):
             events += [Event(p, s, phase.kind, None, None, phase.start, phase.end)
@@ -145,6 +155,23 @@ def _check(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[in
                 raise ValueError(f"pipeline {p} stage {s}: negative time in {st}")
 
 
+def _check_microbatches(pipelines: Sequence[Sequence[StageTiming]],
+                        microbatches: Sequence[int],
+                        timings: Sequence[Sequence[Sequence[StageTiming]]]) -> None:
+    if len(timings) != len(pipelines):
+        raise ValueError(f"got {len(pipelines)} pipelines but micro-batch timings for "
+                         f"{len(timings)}")
+    for p, (stages, m, own) in enumerate(zip(pipelines, microbatches, timings, strict=True)):
+        if len(own) != m or any(len(row) != len(stages) for row in own):
+            raise ValueError(f"pipeline {p}: give a timing per stage ({len(stages)}) for each "
+                             f"of its {m} micro-batches")
+        for i, row in enumerate(own):
+            for s, st in enumerate(row):
+                if min(st.fwd, st.bwd, st.send) < 0:
+                    raise ValueError(f"pipeline {p} micro-batch {i} stage {s}: negative time "
+                                     f"in {st}")
+
+
 def _device_order(schedule: Schedule, num_stages: int, s: int, m: int, v: int
                   ) -> list[tuple[str, int, int]]:
     """The compute ops of device s in the order it runs them: (kind, micro-batch, chunk)."""
@@ -165,8 +192,8 @@ def _device_order(schedule: Schedule, num_stages: int, s: int, m: int, v: int
     return order + bwd[len(bwd) - warmup:]
 
 
-def _run_pipeline(p: int, stages: list[StageTiming], m: int, schedule: Schedule, v: int
-                  ) -> list[Event]:
+def _run_pipeline(p: int, stages: list[StageTiming], m: int, schedule: Schedule, v: int,
+                  own: Sequence[Sequence[StageTiming]] | None = None) -> list[Event]:
     """List scheduler: each device takes its next op as soon as the op's input is known.
 
     A link direction only carries the outputs of one device, produced in that
@@ -175,7 +202,8 @@ def _run_pipeline(p: int, stages: list[StageTiming], m: int, schedule: Schedule,
     """
     num = len(stages)
     last = num * v - 1  # last virtual stage
-    cost = [st.send for st in stages]
+    # each micro-batch's stage timings: the stages' own, or the micro-batch's
+    timing = [stages] * m if own is None else [list(row) for row in own]
     orders = [_device_order(schedule, num, s, m, v) for s in range(num)]
     nxt = [0] * num  # index of each device's next op
     free = [0.0] * num  # when each device is free
@@ -186,7 +214,7 @@ def _run_pipeline(p: int, stages: list[StageTiming], m: int, schedule: Schedule,
 
     def transfer(kind: str, boundary: int, i: int, chunk: int, ready: float) -> float:
         start = max(ready, link_free.get((boundary, kind), 0.0))
-        end = start + cost[boundary]
+        end = start + timing[i][boundary].send
         link_free[(boundary, kind)] = end
         events.append(Event(p, boundary, kind, i, chunk, start, end))
         return end
@@ -207,7 +235,7 @@ def _run_pipeline(p: int, stages: list[StageTiming], m: int, schedule: Schedule,
                 if ready is None or (kind == BWD and (k, i) not in fwd_end):
                     break
                 start = max(free[s], ready)
-                dur = (stages[s].fwd if kind == FWD else stages[s].bwd) / v
+                dur = (timing[i][s].fwd if kind == FWD else timing[i][s].bwd) / v
                 free[s] = start + dur
                 events.append(Event(p, s, kind, i, j, start, free[s]))
                 if kind == FWD:

@@ -25,8 +25,8 @@ from planner.solver.interleave import fold
 from planner.solver.limits import Limits
 from planner.solver.partition import class_costs
 from planner.solver.search import configs, degrees
-from planner.solver.step import step_time
-from planner.solver.structure import ClassShape, blocks, capacity, place
+from planner.solver.step import overlappable, step_time
+from planner.solver.structure import ClassShape, blocks, capacity, devices_of, place
 from planner.solver.table import POLICIES, CostTable, LayerCosts, TypeInfo
 from planner.types import LinkSpec
 from planner.types.training import Recompute
@@ -118,37 +118,55 @@ def every_structure(table: CostTable, batch: int, limits: Limits, space: Space):
 
 
 def structures(table: CostTable, batch: int, limits: Limits):
-    """(config, class shapes) of every structure of the search space."""
+    """(config, class shapes) of every structure of the search space: up to
+    `Limits.mixed_classes` mixed classes over disjoint sets of types, placed in the order
+    of their patterns (types, then degrees), then one homogeneous class per type at
+    most."""
     names = [t.name for t in table.types]
+    devices = {t.name: sum(t.node_devices) for t in table.types}
     for config in configs(table, batch, limits):
         lengths = stage_counts(limits, config, fold(table, config.interleave).num_layers)
-        mixed: list[tuple[str, ...] | None] = [None]
+        choices = degrees(table, limits) if config.tp is None else [config.tp]
+        # every class at each degree; with a degree per class, not interleaved, a
+        # mixed class's blocks at any two
+        per_block = config.tp is None and config.interleave == 1
+        mixed = []
         if limits.mixed and len(names) > 1:  # chains of 2 or more types, in every order
             for kinds in range(2, len(names) + 1):
                 for order in itertools.permutations(names, kinds):
                     for total in lengths:
-                        mixed += [sum(((k,) * c for k, c in zip(order, counts, strict=True)),
-                                      ()) for counts in _compositions(total, kinds)]
-        homogeneous = [[None] + [(k,) * s for s in lengths] for k in names]
-        for pattern in itertools.product(mixed, *homogeneous):
-            patterns = [p for p in pattern if p is not None]
-            if not patterns or not all(limits.allows(p) for p in patterns):
+                        mixed += [(p, d) for counts in _compositions(total, kinds)
+                                  for p in [sum(((k,) * c for k, c in zip(
+                                      order, counts, strict=True)), ())]
+                                  for d in _block_degrees(p, choices, per_block)]
+        mixed = sorted(pattern for pattern in mixed if limits.allows(pattern[0]))
+        together = [c for k in range(limits.mixed_classes + 1)
+                    for c in itertools.combinations(mixed, k) if _apart(c)]
+        homogeneous = [[None] + [((k,) * s, (tp,) * s) for s in lengths for tp in choices
+                                 if limits.allows((k,) * s)] for k in names]
+        for chosen, *alone in itertools.product(together, *homogeneous):
+            patterns = [*chosen, *(p for p in alone if p is not None)]
+            if not patterns:
                 continue
-            choices = degrees(table, limits) if config.tp is None else [config.tp]
-            # every class at each degree; with a degree per class, not interleaved, a
-            # mixed class's blocks at any two
-            per_block = config.tp is None and config.interleave == 1
-            for tps in itertools.product(*(_block_degrees(p, choices, per_block)
-                                           for p in patterns)):
-                maxima = [min(capacity(table, tp, k, c) for k, c, tp in blocks(p, d))
-                          for p, d in zip(patterns, tps, strict=True)]
-                for counts in itertools.product(*(range(1, m + 1) for m in maxima)):
-                    if limits.dp is not None and sum(counts) != limits.dp:
-                        continue
-                    if limits.max_dp is not None and sum(counts) > limits.max_dp:
-                        continue
-                    yield config, tuple(ClassShape(types=p, n=n, tps=d) for p, n, d in zip(
-                        patterns, counts, tps, strict=True))
+            maxima = [min(capacity(table, tp, k, c) for k, c, tp in blocks(p, d))
+                      for p, d in patterns]
+            for counts in itertools.product(*(range(1, m + 1) for m in maxima)):
+                if limits.dp is not None and sum(counts) != limits.dp:
+                    continue
+                if limits.max_dp is not None and sum(counts) > limits.max_dp:
+                    continue
+                if sum(counts) > batch // config.mb or any(  # (no plan: skipped early)
+                        sum(n * devices_of(p, d, k) for (p, d), n in zip(
+                            patterns, counts, strict=True)) > devices[k] for k in names):
+                    continue
+                yield config, tuple(ClassShape(types=p, n=n, tps=d) for (p, d), n in zip(
+                    patterns, counts, strict=True))
+
+
+def _apart(patterns: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]) -> bool:
+    """Whether these mixed classes' patterns use disjoint sets of device types."""
+    kinds = [k for types, _ in patterns for k in set(types)]
+    return len(kinds) == len(set(kinds))
 
 
 def _block_degrees(pattern: tuple[str, ...], choices: list[int], per_block: bool
@@ -213,7 +231,8 @@ def _structure(table: CostTable, config: Config, space: Space,
             if any(m % g for m, g in zip(counts, groups, strict=True)):
                 continue  # interleaved pipelines run multiples of their stage count
             times = [split.time(m) for split, m in zip(pipes, counts, strict=True)]
-            best = min(best, step_time(times, sync, opt).total)
+            hidden = overlappable(stage.bwd for split in combo for stage in split.stages)
+            best = min(best, step_time(times, sync, opt, hidden, table.sync).total)
     return best
 
 

@@ -33,7 +33,9 @@ from tests.test_solver_search import _check_subtree_bounds, assert_equals_brute_
 
 def _chain_instance(rng: random.Random):
     """Three or four types on at most 8 devices, pipelines of up to as many stages as
-    there are types (so chains of every length are in the space)."""
+    there are types (so chains of every length are in the space), one mixed class (two,
+    on four types, are `test_mixed_classes.py`'s: brute force over their pairs here takes
+    twice as long)."""
     kinds = rng.randint(3, 4)
     while True:
         types = [(f"t{i}", [rng.randint(1, 2) for _ in range(rng.randint(1, 2))])
@@ -43,7 +45,7 @@ def _chain_instance(rng: random.Random):
     table = random_table(rng.randrange(10**6), layers=rng.randint(kinds, 5), types=types,
                          memory=rng.choice([1, 2, 4, 8]) * GIB,
                          link_speed=rng.choice([0.1, 1.0, 10.0]))
-    return table, rng.choice([2, 4, 6]), Limits(max_stages=kinds)
+    return table, rng.choice([2, 4, 6]), Limits(max_stages=kinds, mixed_classes=1)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1055,13 +1055,13 @@ def test_every_split_runs_on_or_above_a_floor_pair(seed):
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10**9))
 def test_the_open_levels_catch_up_within_the_last_interval(seed):
-    """`bound._catch_up`: where the open levels (whole micro-batches of pipelines
+    """`finish.catch_up`: where the open levels (whole micro-batches of pipelines
     starting at random times, at random paces) finish the rest before the next fixed
     completion, the bound moves up to within 0.1% of the first t they do, and never
     past it."""
     import numpy as np
 
-    from planner.solver.bound import _catch_up
+    from planner.solver.finish import catch_up
 
     rng = random.Random(seed)
     rows = 6
@@ -1081,36 +1081,41 @@ def test_the_open_levels_catch_up_within_the_last_interval(seed):
         for r in range(rows)])
     times = np.array([rng.uniform(0.0, f) for f in first])
     after = first + np.array([rng.uniform(0.0, 3.0) for _ in range(rows)])
-    caught = _catch_up(times, after, np.minimum(goal - done(after), 0.0), lambda: done, goal)
+    caught = catch_up(times, after, np.minimum(goal - done(after), 0.0), done, goal)
     assert (caught >= times).all() and (caught <= first).all()
     moved = after - times > 2e-3 * after
     assert (first[moved] - caught[moved] <= 1e-3 * after[moved] + 4e-4).all()
 
 
-def _level_key(types: tuple[str, ...]) -> str | None:
-    """Which level of the search decides a class: its type, or None for mixed ones."""
-    return types[0] if len(set(types)) == 1 else None
+def _consistent(shapes, node, setup, shrinks: bool) -> bool:
+    """Whether a full structure lies in the subtree of a search node: its mixed classes
+    (in their placement order) begin with those the node chose, and are no more where
+    the node's level is past the mixed levels, and more where it is a mixed level past
+    the first; its homogeneous classes are those the node chose on the levels before
+    its own."""
+    chosen = list(zip(node.chosen, node.counts, strict=True))
 
+    def matches(shape, i: int) -> bool:
+        family, n = chosen[i]  # (a family's key: types, degrees)
+        last = i == len(chosen) - 1
+        return (shape.types, shape.tps) == family and (
+            shape.n == n or (shrinks and last and shape.n < n))
 
-def _consistent(shapes, node, levels, shrinks: bool) -> bool:
-    """Whether a full structure lies in the subtree of a search node."""
-    keys = [_level_key(lv[0].types) if lv else "empty" for lv in levels[:node.level]]
-    ours = {_level_key(s.types): s for s in shapes}
-    chosen = {_level_key(family[0]): (family, n)  # (a family's key: types, degrees)
-              for family, n in zip(node.chosen, node.counts, strict=True)}
-    if any(key not in keys for key in chosen):
+    ours = sorted((s for s in shapes if len(set(s.types)) > 1), key=lambda s: (s.types, s.tps))
+    alone = {s.types[0]: s for s in shapes if len(set(s.types)) == 1}
+    mixed = [i for i, ((types, _), _) in enumerate(chosen) if len(set(types)) > 1]
+    if len(ours) < len(mixed) or not all(matches(ours[j], i) for j, i in enumerate(mixed)):
         return False
-    for key in keys:
-        if key not in chosen:
-            if key in ours:
-                return False
-            continue
-        family, n = chosen[key]
-        shape = ours.get(key)
-        if shape is None or (shape.types, shape.tps) != family:
+    if node.level < setup.mixed:  # the homogeneous levels are all open
+        return node.level == 0 or len(ours) > len(mixed)
+    if len(ours) != len(mixed):
+        return False
+    picked = {types[0]: i for i, ((types, _), _) in enumerate(chosen) if len(set(types)) == 1}
+    for level in setup.levels[setup.mixed:node.level]:
+        kind = level[0].types[0] if level else None
+        if kind in picked and not (kind in alone and matches(alone[kind], picked[kind])):
             return False
-        last = node.chosen and family == node.chosen[-1]
-        if shape.n != n and not (shrinks and last and shape.n < n):
+        if kind not in picked and kind in alone:
             return False
     return True
 
@@ -1213,7 +1218,7 @@ def test_classes_that_leave_the_open_levels_no_room_pay_their_floor_as_at_their_
 
     checked = 0
     for run, _, node in _walk_many_nodes(seed, 400):
-        levels, bound, _ = run.state[node.config]
+        levels, bound = run.state[node.config].levels, run.state[node.config].bound
         if run.is_leaf(node) or len(node.chosen) < 2:
             continue
         fits = run.fits(node.config, run.fewest(node), range(node.level, len(levels)))
@@ -1270,7 +1275,7 @@ def test_rows_of_their_own_fewest_counts_are_bounded_as_in_a_call_of_their_own(s
     rng = random.Random(seed)
     checked = 0
     for run, _, node in _walk_many_nodes(seed, 60):
-        levels, bound, _ = run.state[node.config]
+        levels, bound = run.state[node.config].levels, run.state[node.config].bound
         if run.is_leaf(node):
             continue
         fixed, opened = run.fixed(node), range(node.level + 1, len(levels))
@@ -1296,14 +1301,15 @@ def test_a_child_of_up_to_n_pipelines_is_bounded_below_each_counts_own_bound(see
     """A child whose last class stands for 1..n pipelines is bounded by the least over
     ranges of its counts (`_Search.counts_bound`): no higher than any count's own
     bound, however many its siblings (`_RANGED`). (Each is found to within 0.1%
-    below the time the micro-batches are done, `bound._first_enough`.)"""
+    below the time the micro-batches are done, `finish.first_enough`.)"""
     rng = random.Random(seed)
     checked = 0
     with _ranged_or_filtered(rng):
         for run, _, node in _walk_many_nodes(seed, 40):
             if run.is_leaf(node):
                 continue
-            levels, bound, index = run.state[node.config]
+            levels, bound, index = (run.state[node.config].levels, run.state[node.config].bound,
+                                   run.state[node.config].index)
             for child in run.children(node):
                 if not run.shrinks(child):
                     continue
@@ -1340,7 +1346,7 @@ def test_a_bound_for_up_to_n_pipelines_is_below_each_counts_bound(seed):
         if not stack:
             break
         node = stack.pop(rng.randrange(len(stack)))
-        levels, bound, _ = run.state[node.config]
+        levels, bound = run.state[node.config].levels, run.state[node.config].bound
         families = bound._open_families(range(node.level, len(levels)))
         if run.shrinks(node) and len(families.stages):
             fixed, opened = run.fixed(node), range(node.level, len(levels))
@@ -1368,7 +1374,8 @@ def test_the_one_class_root_bound_is_the_least_over_every_class(seed):
 
     table, batch, limits = random_instance(random.Random(seed))
     run = _Search(table, batch, limits, Space(), 1, 0.0, True, [], itertools.count())
-    for levels, bound, _ in run.state.values():
+    for setup in run.state.values():
+        levels, bound = setup.levels, setup.bound
         opened = range(len(levels))
         options = []
         for f in (f for level in levels for f in level if f.min_busy < INF):
@@ -1389,23 +1396,23 @@ def _check_subtree_bounds(table, batch, limits, single, values, rng):
     for config, shapes, v in sorted(values, key=lambda value: value[2]):
         ranked.setdefault(config, []).append((shapes, v))
 
-    def least(node, levels, shrinks: bool) -> float:
+    def least(node, setup, shrinks: bool) -> float:
         """The fastest structure in the node's subtree (inf: none)."""
         return next((v for shapes, v in ranked.get(node.config, ())
-                     if _consistent(shapes, node, levels, shrinks)), float("inf"))
+                     if _consistent(shapes, node, setup, shrinks)), float("inf"))
 
     for _ in range(300):  # a random walk over the tree: it can be large
         if not stack:
             break
         node = stack.pop(rng.randrange(len(stack)))
-        levels = run.state[node.config][0]
+        setup = run.state[node.config]
         shrinks = run.shrinks(node)
-        best = least(node, levels, shrinks)
+        best = least(node, setup, shrinks)
         assert node.bound <= best * (1 + 1e-9)
         while not run.settle(node):
             pass
         assert max(node.bound, run.crossed(node)) <= best * (1 + 1e-9)
-        exact = least(node, levels, False)
+        exact = least(node, setup, False)
         if (parts := run.split(node)) is not None:  # n alone, and a sibling of 1..k
             node, sibling = parts
             assert max(node.bound, run.crossed(node)) <= exact * (1 + 1e-9)
@@ -1662,23 +1669,23 @@ def test_open_levels_count_the_pipelines_placement_fits_beside_the_fixed_classes
     mixed one on its own type's nodes: it fits no more pipelines than `place` puts on
     what the fixed classes leave (a mixed block of two stages on a node of four leaves
     two devices a block of three cannot use), fewer than the devices left hold. The
-    bound counts those (`Bound._open_done`'s `fits`), and the search still finds the
+    bound counts those (`Bound._whole_levels`'s `fits`), and the search still finds the
     brute-force optimum."""
     bound_module = importlib.import_module("planner.solver.bound")
-    open_done = bound_module.Bound._open_done
+    whole_levels = bound_module.Bound._whole_levels
     capped = []
 
-    def spy(self, open_levels, later, free, per_slot=False, fits=None):
+    def spy(self, open_levels, later, free, fits=None):
         if fits is not None:
             found = self._open_families(open_levels)
             held = np.minimum(found.n_max[None, :],
                               np.floor(free[:, found.homes] / found.size[None, :] + 1e-9))
             capped.append(bool((np.broadcast_to(fits, held.shape) < held).any()))
-        return open_done(self, open_levels, later, free, per_slot, fits)
+        return whole_levels(self, open_levels, later, free, fits)
 
     limits, space = Limits(max_stages=3), Space(zeros=(0,))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bound_module.Bound, "_open_done", spy)
+        patch.setattr(bound_module.Bound, "_whole_levels", spy)
         for seed in (3, 4, 5):
             rng = random.Random(seed)
             table = random_table(seed, layers=4, types=[

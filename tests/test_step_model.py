@@ -72,3 +72,37 @@ def test_the_tables_bytes_per_parameter_are_the_memory_models(zero, shards):
     params = sum(layer.params for layer in layers)
     assert table.bytes_per_param(zero, shards) * params == pytest.approx(
         held.weights + held.gradients + held.optimizer)
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_the_splits_activation_capacity_is_the_memory_models(policy):
+    """One rule for the activations a stage keeps (`cost_models.memory.kept_activations`):
+    the most micro-batches in flight the exact splits let a layer range hold
+    (`partition._capacity`) fit in memory as the reports price it (`stage_memory`), and
+    one more does not."""
+    from planner.solver.partition import Option, _capacity
+    from planner.types.model import zero_kept
+    from planner.types.training import Recompute
+
+    recompute = Recompute(policy)
+    graph = trace_model(model_spec("gpt2-small"), seq_len=1024, dtype="fp16")
+    cluster = load_cluster("1x1xT4")
+    training = TrainingSpec(global_batch=8, seq_len=1024, dtype="fp16")
+    table = build_table(graph.layers, cluster, training, AnalyticalCostModel(cluster),
+                        tps=(1,), micro_batches=(1, 4))
+    info = table.types[0]
+    for mb in (1, 4):
+        most = _capacity(table, info.name, 1, mb, 1, (Option(recompute, 0),))[0]
+        checked = 0
+        for a, b in [(0, 1), (1, 3), (0, table.num_layers), (2, table.num_layers - 1)]:
+            if not 1 <= most[a, b] < 10**6:
+                continue
+            layers = list(graph.layers[a:b])
+            kept = zero_kept(graph.layers, {x.index for x in layers}, 0)
+            flight = int(np.floor(most[a, b] + 1e-9))
+            totals = [stage_memory(layers, device=cluster.nodes[0].device, training=training,
+                                   recompute=recompute, micro_batch=mb, in_flight=f,
+                                   kept=kept).total for f in (flight, flight + 1)]
+            assert totals[0] <= info.memory * (1 + 1e-9) < totals[1] * (1 + 2e-9)
+            checked += 1
+        assert checked

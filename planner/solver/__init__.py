@@ -360,6 +360,9 @@ def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
            options: SolveOptions, costs: CostModel | None,
            progress: Callable[[Progress], None] | None) -> list[Plan]:
     start = time.perf_counter()  # (the report's wall time: the whole solve but baselines)
+    if training.sync.local:  # each pipeline keeps its optimizer state whole (`planner.sync`)
+        options = dataclasses.replace(options, space=dataclasses.replace(options.space,
+                                                                         zeros=(0,)))
     used = _check(model, cluster, training, options)
     options = dataclasses.replace(options, limits=_resolve_pins(options.limits, used, cluster))
     costs = costs or AnalyticalCostModel(cluster)

@@ -16,37 +16,25 @@ import numpy as np
 
 from planner.solver.evaluate import Config, Space, degree_space
 from planner.solver.families import Family, pair_staircase
+from planner.solver.finish import (
+    Finished,
+    FixedLines,
+    LevelView,
+    OpenLevels,
+    OpenValue,
+    SlotValues,
+    WholeLevels,
+    first_enough,
+    floors_after,
+    walk_whole,
+)
 from planner.solver.interleave import fold
 from planner.solver.links import boundary_links, cheapest_gather
 from planner.solver.partition import INF, ClassResult, class_costs, optimize
-from planner.solver.step import pipelines_within, synced, unsynced
+from planner.solver.step import pipelines_within, sync_beyond, synced, unsynced
 from planner.solver.structure import devices_of
 from planner.solver.sync_floor import SyncFloor
 from planner.solver.table import CostTable
-
-
-@dataclass(frozen=True)
-class LevelView:
-    """A level's families side by side, as `Bound` values them (`Bound._level`)."""
-
-    counts: np.ndarray  # [family, type]: devices of each type one pipeline takes
-    inv_size: np.ndarray  # 1 / devices one pipeline takes
-    holding: list[np.ndarray]  # per type, the families that use it
-    inv_fluid: np.ndarray  # 1 / sum_k counts_k / W_k (W_k: `device_work`)
-    home: int  # the level's own type (-1: a level of mixed patterns)
-    inv_busy: np.ndarray  # 1 / min_busy (0 for a family that cannot run)
-    total: np.ndarray  # its fill floor (infinite for a family that cannot run)
-
-
-@dataclass(frozen=True)
-class OpenLevels:
-    """The open homogeneous levels' families side by side (`Bound._homogeneous`)."""
-
-    homes: np.ndarray  # each level's type
-    starts: np.ndarray  # where each level's families start
-    inv_size: np.ndarray  # per family, as `LevelView`
-    inv_busy: np.ndarray
-    total: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -66,6 +54,19 @@ class OpenFamilies:
     size: np.ndarray  # devices one pipeline takes
     per_node: np.ndarray  # stages of its degree one node of its type holds
     runs: np.ndarray  # the most nodes one pipeline spans
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The fixed classes plus each row's candidate class, as `Bound._core` bounds them."""
+
+    free: np.ndarray  # [row, type]: devices they leave
+    counts: np.ndarray  # [row, type]: devices one of the candidate's pipelines takes
+    pipes: np.ndarray  # the candidate's pipelines (0: no class)
+    spare: np.ndarray  # pipelines the candidate may drop (`fewer`)
+    optimizer: np.ndarray  # the optimizer step's floor
+    start: np.ndarray  # no micro-batch is done before
+    dead: np.ndarray  # no plan
 
 
 def tight_result(table: CostTable, config: Config, space: Space, family: Family,
@@ -133,10 +134,11 @@ def crowded(table: CostTable, config: Config, space: Space, family: Family, n: i
     return table.cache[key]
 
 
-def best_per_slot(level: list[Family], t: float) -> Family | None:
-    """The family of a homogeneous level whose pipelines finish the most micro-batches
-    per device by time t (None for the mixed level or an empty one)."""
-    if not level or len(set(level[0].types)) > 1 or not np.isfinite(t):
+def best_per_slot(level: list[Family], t: float, mixed: bool = False) -> Family | None:
+    """The family of a homogeneous level (or with `mixed`, of any list of families)
+    whose pipelines finish the most micro-batches per device by time t (None for a mixed
+    level, or none at all)."""
+    if not level or (len(set(level[0].types)) > 1 and not mixed) or not np.isfinite(t):
         return None
     return max(level, key=lambda f: (1 + (t - f.total) / f.min_busy) / f.devices
                if t >= f.total and np.isfinite(f.min_busy) else 0.0)
@@ -161,17 +163,21 @@ class Bound:
     family's c_f / |f| on each of its types; the same raised to the fluid rate
     t / W_k scaled by the best mixed family's share of it; the homogeneous values
     scaled up until they cover the mixed families; and the homogeneous values alone,
-    with each of the one mixed class's pipelines (at most n_max) adding what its c_f
-    exceeds its slots' worth by. Where only homogeneous levels are open (below the
-    root), each adds one class on its own type's free slots, so it finishes at most
-    what its best family's whole pipelines that fit do (`_open_done`): in the devices
-    left, and as placement puts them beside the fixed classes (`fits`, from the search:
-    a block of a mixed pipeline may leave part of a node a longer block cannot use). The bound is
+    with each pipeline of each open mixed level's class (at most as many as fit in the
+    devices left) adding what its c_f exceeds its slots' worth by (`finish.SlotValues`).
+    Where only homogeneous levels are open (below the root), each adds one class on its
+    own type's free slots, so it finishes at most what its best family's whole
+    pipelines that fit do (`_whole_levels`): in the devices left, and as placement puts
+    them beside the fixed classes (`fits`, from the search: a block of a mixed pipeline
+    may leave part of a node a longer block cannot use). Where a mixed level is open
+    below the root (the node fixes a mixed class and must add another, on other
+    types: `_excluded`), the homogeneous levels of the fixed mixed classes' types are
+    valued so, and the other types' per slot (`_open_value`). The bound is
     the smallest t at which fixed and open pipelines can have finished the global
     number of micro-batches (found fluidly, then walked on to the next time a fixed
     pipeline completes one while even the open levels' count by then falls short,
     then on within that interval, where the fixed count stays put, to where the open
-    levels' count makes up the rest: `_catch_up`),
+    levels' count makes up the rest: `finish.catch_up`),
     plus the optimizer step of the fixed classes (some stage holds 1/S of the
     parameters) and, per fixed class, its sync floor (`many`).
 
@@ -210,9 +216,11 @@ class Bound:
         assert sync.kinds == self.kinds
         self.sync = sync
         self.work = np.array([work[k] for k in self.kinds])
-        self._static: dict[int, LevelView] = {}
-        self._n_maxes: dict[int, np.ndarray] = {}
-        self._bounds: dict[int, LevelView] = {}
+        # per level and types left out (see `_members`)
+        self._members_of: dict[tuple[int, frozenset[str]], list[Family]] = {}
+        self._static: dict[tuple[int, frozenset[str]], LevelView] = {}
+        self._n_maxes: dict[tuple[int, frozenset[str]], np.ndarray] = {}
+        self._bounds: dict[tuple[int, frozenset[str]], LevelView] = {}
         self._masks: dict[tuple[str, ...], np.ndarray] = {}
         self._joiners: dict[tuple[int, ...], tuple[float, np.ndarray] | None] = {}
         self._open: dict[tuple[int, ...], OpenLevels] = {}
@@ -220,11 +228,20 @@ class Bound:
         self._families: dict[tuple[int, ...], OpenFamilies] = {}
         self._owns: dict[tuple, np.ndarray] = {}  # `_open_shift`'s floors
 
-    def _level_static(self, level: int) -> LevelView:
+    def _members(self, level: int, excluded: frozenset[str] = frozenset()) -> list[Family]:
+        """The level's families that use none of the `excluded` types (a mixed level
+        past the first offers no type a mixed class before it uses: `search._Setup`)."""
+        key = (level, excluded)
+        if key not in self._members_of:
+            self._members_of[key] = [f for f in self.levels[level]
+                                     if excluded.isdisjoint(f.types)]
+        return self._members_of[key]
+
+    def _level_static(self, level: int, excluded: frozenset[str] = frozenset()) -> LevelView:
         """The part of `_level` that tightening leaves as it is (its rates empty)."""
-        static = self._static.get(level)
+        static = self._static.get((level, excluded))
         if static is None:
-            families = self.levels[level]
+            families = self._members(level, excluded)
             counts = np.array([self._counts(f) for f in families],
                               dtype=float).reshape(len(families), len(self.kinds))
             kinds = {k for f in families for k in f.types}
@@ -234,25 +251,26 @@ class Bound:
                 inv_fluid=1 / counts.dot(1 / self.work).clip(1e-300),
                 home=self.kinds.index(kinds.pop()) if len(kinds) == 1 else -1,
                 inv_busy=np.zeros(0), total=np.zeros(0))
-            self._static[level] = static
+            self._static[level, excluded] = static
         return static
 
     def _is_mixed(self, level: int) -> bool:
         return self._level_static(level).home < 0
 
-    def _level(self, level: int) -> LevelView:
-        """A level's families as `Bound` values them; the rates (`inv_busy`, `total`) are
-        dropped by `invalidate` when families were tightened."""
-        view = self._bounds.get(level)
+    def _level(self, level: int, excluded: frozenset[str] = frozenset()) -> LevelView:
+        """A level's families (`_members`) as `Bound` values them; the rates (`inv_busy`,
+        `total`) are dropped by `invalidate` when families were tightened."""
+        view = self._bounds.get((level, excluded))
         if view is None:
-            live = [np.isfinite(f.min_busy) for f in self.levels[level]]
+            members = self._members(level, excluded)
+            live = [np.isfinite(f.min_busy) for f in members]
             view = dataclasses.replace(
-                self._level_static(level),
+                self._level_static(level, excluded),
                 inv_busy=np.array([1 / f.min_busy if ok else 0.0
-                                   for f, ok in zip(self.levels[level], live, strict=True)]),
+                                   for f, ok in zip(members, live, strict=True)]),
                 total=np.array([f.total if ok else INF
-                                for f, ok in zip(self.levels[level], live, strict=True)]))
-            self._bounds[level] = view
+                                for f, ok in zip(members, live, strict=True)]))
+            self._bounds[level, excluded] = view
         return view
 
     def invalidate(self) -> None:
@@ -263,41 +281,21 @@ class Bound:
         """Devices of each type one of the family's pipelines takes."""
         return _devices_per_pipeline(self._kind_names, *(f.key if f else ((), ())))
 
-    def _slot_values(self, t: np.ndarray, open_levels: Sequence[int], whole: bool
-                     ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | float]]:
-        """Per-slot values y (one row per t) that cover every open family at time t (the
-        micro-batches its pipelines finish, whole ones if `whole`), where each is valid
-        (None: everywhere), and what the open levels finish beyond their slots' worth
-        at y; see the class. (Only the root's levels, the mixed one open and nothing
-        fixed, are valued so: no open family starts later there.)"""
-        y = np.zeros((len(t), len(self.kinds)))
-        opened = self._homogeneous(open_levels)
-        if len(opened.homes):
-            per_slot = _done(t[:, None], opened.total, opened.inv_busy, whole) * opened.inv_size
-            y[:, opened.homes] = np.maximum.reduceat(per_slot, opened.starts, axis=1)
-        mixed = next((level for level in open_levels if self._is_mixed(level)), None)
-        if mixed is None:
-            return [(y, None, 0.0)]
-        view = self._level(mixed)
-        done = _done(t[:, None], view.total, view.inv_busy, whole)
-        per_slot = done * view.inv_size
-        raised = np.maximum(y, np.stack([
-            per_slot[:, held].max(axis=1) if len(held) else np.zeros(len(t))
-            for held in view.holding], axis=1))
-        # t / W_k per slot covers every family, tightened or not (see `families`); scaled
-        # down to what the best mixed family reaches of it
-        fluid = (done * view.inv_fluid).max(axis=1)[:, None] / self.work[None, :]
-        counts = view.counts
-        covered = y.dot(counts.T)
-        live = done > 0
-        scale = np.where(live, done / covered, 0.0).max(axis=1)
-        valid = ~(live & (covered <= 0)).any(axis=1)
-        # or y left as it is: the one mixed class holds at most n_max pipelines, each
-        # finishing what its slots are worth at y plus what it exceeds that by
-        beyond = (self._n_max(mixed) * np.maximum(0.0, done - y.dot(counts.T))).max(axis=1)
-        return [(raised, None, 0.0), (np.maximum(y, fluid), None, 0.0),
-                (y * np.where(valid, np.maximum(1.0, scale), 1.0)[:, None], valid, 0.0),
-                (y, None, beyond)]
+    def _slot_values(self, open_levels: Sequence[int], room: np.ndarray | None,
+                     excluded: frozenset[str], later: np.ndarray | float) -> SlotValues:
+        """The open levels valued per slot (see the class); room: per row and mixed
+        family, the most of its pipelines that fit in the devices left (`_mixed_room`);
+        excluded: the types no open mixed family may use (`_excluded`); later: as
+        `_whole_levels` takes it, of which each homogeneous family starts its least (its
+        first rung's). (Levels are
+        valued so where a mixed one is open: at the root, and below it while more mixed
+        classes may join, where no open family starting later than the fixed classes'
+        sync makes it is counted: valid, and looser.)"""
+        mixed = [level for level in open_levels if self._is_mixed(level)]
+        return SlotValues(self._homogeneous(open_levels),
+                          later.min(axis=2) if np.ndim(later) == 3 else later,
+                          self._level(mixed[0], excluded) if mixed else None,
+                          len(mixed), room, self.work, len(self.kinds))
 
     def _homogeneous(self, open_levels: Sequence[int]) -> OpenLevels:
         """The open homogeneous levels' families side by side."""
@@ -347,44 +345,33 @@ class Bound:
                 runs=np.array([self.sync.runs(f.types, f.tps) for f in families]))
         return self._families[key]
 
-    def _open_done(self, open_levels: Sequence[int], later: np.ndarray | float,
-                   free: np.ndarray, per_slot: bool = False, fits: np.ndarray | None = None
-                   ) -> Callable[[np.ndarray, bool], tuple[np.ndarray, np.ndarray | None]]:
-        """The function of (t, whole) that gives, per open homogeneous level (a column;
-        a row per t), the most micro-batches it can finish by t on `free` slots per type
-        (a row each), and (if `per_slot`) the most per slot of its type. A level adds
-        one class, so at most the best of its families' pipelines that fit (in its
-        type's devices and, where given, as placement puts them beside the classes
-        before: `fits`, per family), an open family starting `later` [row, family,
-        rung]: a rung stands for its counts above the rung below, all paying at least
-        the sync of the smallest (more nodes never sync faster), so none finishes more
-        than the rung's most at that sync; per slot, the first rung's pace."""
+    def _whole_levels(self, open_levels: Sequence[int], later: np.ndarray | float,
+                      free: np.ndarray, fits: np.ndarray | None = None) -> WholeLevels:
+        """Per open homogeneous level, the most micro-batches it can finish on `free`
+        slots per type (a row each; `WholeLevels`). A level adds one class, so at most
+        the best of its families' pipelines that fit (in its type's devices and, where
+        given, as placement puts them beside the classes before: `fits`, per family), an
+        open family starting `later` [row, family, rung]: a rung stands for its counts
+        above the rung below, all paying at least the sync of the smallest (more nodes
+        never sync faster), so none finishes more than the rung's most at that sync; per
+        slot, the first rung's pace."""
         opened, found = self._homogeneous(open_levels), self._open_families(open_levels)
-        starts, inv_size, inv_busy, total = (opened.starts, opened.inv_size, opened.inv_busy,
-                                             opened.total)
-        homes, n_max, caps, lows, size = (found.homes, found.n_max, found.caps, found.lows,
-                                          found.size)
-        if not len(size):
-            empty = np.zeros((len(free), 0))
-            return lambda t, whole: (empty, empty if per_slot else None)
-        n = np.minimum(n_max[None, :], np.floor(
-            np.maximum(free[:, homes], 0.0) / size[None, :] + 1e-9))
+        if not len(found.size):
+            nothing = np.zeros((len(free), 0, 1))
+            return WholeLevels(nothing, nothing, nothing, opened.starts, opened.inv_size,
+                               opened.homes)
+        n = np.minimum(found.n_max[None, :], np.floor(
+            np.maximum(free[:, found.homes], 0.0) / found.size[None, :] + 1e-9))
         if fits is not None:
             n = np.minimum(n, fits)
         if np.ndim(later) < 3:  # no sync beyond the fixed classes': the most pipelines
-            pipes, begins, pace = n[:, :, None], (total + later)[..., None], inv_busy[:, None]
+            pipes = n[:, :, None]
+            begins, pace = (opened.total + later)[..., None], opened.inv_busy[:, None]
         else:
-            pipes = np.where(n[:, :, None] > lows[None], np.minimum(n[:, :, None], caps[None]),
-                             0.0)
-            begins, pace = total[None, :, None] + later, inv_busy[None, :, None]
-
-        def done_by(t: np.ndarray, whole: bool) -> tuple[np.ndarray, np.ndarray | None]:
-            ends = _done(t[:, None, None], begins, pace, whole)
-            return (np.maximum.reduceat((pipes * ends).max(axis=2), starts, axis=1),
-                    np.maximum.reduceat(ends[:, :, 0] * inv_size, starts, axis=1)
-                    if per_slot else None)
-
-        return done_by
+            pipes = np.where(n[:, :, None] > found.lows[None],
+                             np.minimum(n[:, :, None], found.caps[None]), 0.0)
+            begins, pace = opened.total[None, :, None] + later, opened.inv_busy[None, :, None]
+        return WholeLevels(pipes, begins, pace, opened.starts, opened.inv_size, opened.homes)
 
     def _open_shift(self, open_levels: Sequence[int], classes: list, terms: list,
                     live: np.ndarray, candidate: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -412,13 +399,38 @@ class Bound:
                 found.masks, found.stages, np.split(kinds, len(classes), axis=1), found.spread,
                 joined, found.lows + 1, found.runs)
         own = self._owns[key][rows.reshape(-1)]
-        return np.maximum(0.0, own - np.max(paid, axis=0)[:, None, None]), found.optimizer
+        return (sync_beyond(np.maximum(0.0, own - np.max(paid, axis=0)[:, None, None]),
+                            self.sync.policy), found.optimizer)
 
-    def _n_max(self, level: int) -> np.ndarray:
-        """The most pipelines of each family of a level."""
-        if level not in self._n_maxes:
-            self._n_maxes[level] = np.array([float(f.n_max) for f in self.levels[level]])
-        return self._n_maxes[level]
+    def _mixed_room(self, open_levels: Sequence[int], free: np.ndarray,
+                    excluded: frozenset[str]) -> np.ndarray | None:
+        """Per row of `free` devices (per type) and family of the open mixed levels (less
+        those using `excluded` types), the most of its pipelines that fit in them (None
+        where no mixed level is open)."""
+        mixed = next((level for level in open_levels if self._is_mixed(level)), None)
+        if mixed is None:
+            return None
+        counts = self._level_static(mixed, excluded).counts  # [family, type]
+        fit = np.where(counts[None] > 0, np.floor(np.maximum(free, 0.0)[:, None, :] / np.where(
+            counts > 0, counts, 1.0)[None] + 1e-9), INF).min(axis=2)
+        return np.minimum(self._n_max(mixed, excluded)[None, :], fit)
+
+    def _excluded(self, fixed: Sequence[tuple[Family, int]],
+                  candidates: Sequence[tuple[Family | None, int]]) -> list[frozenset[str]]:
+        """Per candidate, the types an open mixed level's families may not use: those of
+        the mixed classes before it, fixed or the candidate (a plan's mixed classes use
+        disjoint types: `search._Setup.mixed_after`)."""
+        used = frozenset(k for f, _ in fixed if len(set(f.types)) > 1 for k in f.types)
+        return [used | frozenset(f.types) if f and len(set(f.types)) > 1 else used
+                for f, _ in candidates]
+
+    def _n_max(self, level: int, excluded: frozenset[str] = frozenset()) -> np.ndarray:
+        """The most pipelines of each family of a level (`_members`)."""
+        key = (level, excluded)
+        if key not in self._n_maxes:
+            self._n_maxes[key] = np.array([float(f.n_max)
+                                           for f in self._members(level, excluded)])
+        return self._n_maxes[key]
 
     def many(self, fixed: Sequence[tuple[Family, int]],
              candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
@@ -431,7 +443,7 @@ class Bound:
         fewest count here to n). `at_least`: a bound and base
         already known for all of them (e.g. the parent's). `fits`: per family of the
         open homogeneous levels (`Bound.open_families`), the most pipelines placement
-        puts beside the fixed classes and any candidate (see `_open_done`).
+        puts beside the fixed classes and any candidate (see `_whole_levels`).
 
         Sync is one term of the step, so each class's floor is added on its own: the
         class pays its sync floor, or its largest stage is on ZeRO-3 and the bound
@@ -439,7 +451,19 @@ class Bound:
         the largest over the classes of the smaller of the two."""
         # families that cannot run have infinite times, and no micro-batches: (t - inf) * 0
         with np.errstate(divide="ignore", invalid="ignore"):
-            return self._many(fixed, candidates, open_levels, fewer, at_least, fits)
+            if not any(self._is_mixed(level) for level in open_levels if self.levels[level]):
+                return self._many(fixed, candidates, open_levels, fewer, at_least, fits)
+            # an open mixed level's families depend on the candidate's types: the rows
+            # bounded in groups of one such set each
+            sets = self._excluded(fixed, candidates)
+            full, base = np.zeros(len(candidates)), np.zeros(len(candidates))
+            for excluded in dict.fromkeys(sets):
+                rows = [i for i, e in enumerate(sets) if e == excluded]
+                full[rows], base[rows] = self._many(
+                    fixed, [candidates[i] for i in rows], open_levels,
+                    fewer if isinstance(fewer, bool) else [fewer[i] for i in rows], at_least,
+                    fits[rows] if fits is not None and fits.ndim == 2 else fits)
+            return full, base
 
     def _many(self, fixed: Sequence[tuple[Family, int]],
               candidates: Sequence[tuple[Family | None, int]], open_levels: Sequence[int],
@@ -508,8 +532,9 @@ class Bound:
             options, floors = [], []
             devices = np.array([float(self.devices[k]) for k in self.kinds])
             for level in open_levels:
-                if not self.levels[level]:
-                    continue
+                if not self.levels[level] or (level - 1 in open_levels and (
+                        self.levels[level] is self.levels[level - 1])):
+                    continue  # (a mixed level past the first: the same families)
                 view = self._level(level)
                 counts, inv_busy, total = view.counts, view.inv_busy, view.total
                 fit = np.where(counts > 0, np.floor(devices / np.where(counts > 0, counts, 1.0)),
@@ -559,12 +584,13 @@ class Bound:
             if c == candidate:
                 paid = np.where(live, paid, 0.0)
                 sharded = np.where(live, sharded, INF)
-            term = synced(base, paid)
+            term = synced(base, paid, self.sync.policy)
             cheaper = (sharded < paid) & (c < searched)
             if cheaper.any():
                 raised = self._raised(fixed, candidates, open_levels, fewer, at_least, c,
                                       period, cheaper, base, fits)
-                term = np.where(cheaper, np.minimum(term, synced(raised, sharded)), term)
+                term = np.where(cheaper, np.minimum(term, synced(raised, sharded,
+                                                                   self.sync.policy)), term)
             full = np.maximum(full, term)
         return full
 
@@ -606,143 +632,86 @@ class Bound:
               fewer: bool | Sequence[int], at_least: float,
               shift: tuple[np.ndarray, np.ndarray] | None = None,
               fits: np.ndarray | None = None) -> np.ndarray:
-        """`many`'s bound before sync; `shift`: per row and open homogeneous family, sync
-        it pays beyond the classes' floors, and per family its optimizer floor (see
+        """`many`'s bound before sync: the first time the fixed classes, each row's
+        candidate and the open levels finish the global batch (`finish.py`), plus the
+        optimizer step; `shift`: per row and open homogeneous family, sync it pays
+        beyond the classes' floors, and per family its optimizer floor (see
         `_open_shift`); `fits`: as `many`."""
-        dead = any(f.min_busy == INF for f, _ in fixed)
+        rows = self._rows(fixed, candidates, fewer)
+        open_levels = [level for level in open_levels if self.levels[level]]
+        # each class's `floors` that can matter: no t below `after` is asked (the
+        # search below starts at `at_least`)
+        after = pipelines_within(at_least, 0.0, float(rows.optimizer.max(initial=0.0)))
+        lines = FixedLines.of(
+            [(n, floors_after(f.floors(), after)) for f, n in fixed],
+            [(n if f else 0, floors_after(f.floors(), after) if f else ((INF, -INF),))
+             for f, n in candidates])
+        opened = None
+        if open_levels:
+            later = 0.0 if shift is None else shift[0] + np.maximum(
+                0.0, shift[1][None, :] - rows.optimizer[:, None])[:, :, None]
+            opened = self._open_value(fixed, candidates, open_levels, rows, later, fits)
+        finished = Finished(lines, opened, self.m)
+        guess = pipelines_within(at_least, 0.0, rows.optimizer)
+        if not open_levels:  # every pipeline is busy from `start` on: a line in t
+            # (on the pairs' least period and fill; then on all pairs from there)
+            times = lines.line_times(rows.start, self.m)
+            if lines.width > 1:  # (nan: a class that cannot run, a dead row)
+                times = first_enough(finished.shortfall, np.where(np.isnan(times), INF, times),
+                                     guess)
+        else:
+            start = rows.start
+            if not fixed:
+                first = min(float(self._level(level).total.min()) for level in open_levels)
+                start = np.where(rows.pipes > 0, start, first)
+            times = first_enough(finished.shortfall, np.where(np.isfinite(start), start, INF),
+                                 guess)
+        times = walk_whole(finished, np.maximum(times, after))
+        return np.where(rows.dead, INF, np.maximum(at_least, unsynced(times, rows.optimizer)))
+
+    def _rows(self, fixed: Sequence[tuple[Family, int]],
+              candidates: Sequence[tuple[Family | None, int]], fewer: bool | Sequence[int]
+              ) -> Rows:
+        """The fixed classes plus each candidate, as `_core` bounds them."""
         free = np.array([float(self.devices[k]) for k in self.kinds])
         for f, n in fixed:
             free -= n * self._counts(f)
-        pipelines = sum(n for _, n in fixed)
         counts = np.array([self._counts(f) for f, _ in candidates]).reshape(-1, len(self.kinds))
-        n_c = np.array([float(n) if f else 0.0 for f, n in candidates])
+        pipes = np.array([float(n) if f else 0.0 for f, n in candidates])
         busy = np.array([f.min_busy if f else INF for f, _ in candidates])
         total = np.array([f.total if f else -INF for f, _ in candidates])
-        dead = dead | (pipelines + n_c > self.m) | (n_c > 0) & (busy == INF)
-        free = free[None, :] - n_c[:, None] * counts
+        dead = (any(f.min_busy == INF for f, _ in fixed)
+                | (sum(n for _, n in fixed) + pipes > self.m) | (pipes > 0) & (busy == INF))
         optimizer = np.maximum(max((self.optimizer(f, n) for f, n in fixed), default=0.0),
                                [self.optimizer(f, n) if f else 0.0 for f, n in candidates])
-        start = np.maximum(max((f.total for f, _ in fixed), default=0.0), total)
-        later = 0.0 if shift is None else shift[0] + np.maximum(
-            0.0, shift[1][None, :] - optimizer[:, None])[:, :, None]
-        open_levels = [level for level in open_levels if self.levels[level]]
+        return Rows(free=free[None, :] - pipes[:, None] * counts, counts=counts, pipes=pipes,
+                    spare=pipes - fewest_counts(fewer, candidates), optimizer=optimizer,
+                    start=np.maximum(max((f.total for f, _ in fixed), default=0.0), total),
+                    dead=dead)
+
+    def _open_value(self, fixed: Sequence[tuple[Family, int]],
+                    candidates: Sequence[tuple[Family | None, int]], open_levels: list[int],
+                    rows: Rows, later: np.ndarray | float, fits: np.ndarray | None
+                    ) -> OpenValue:
+        """What the open levels add (`finish.OpenValue`): each homogeneous level whole
+        pipelines of one class on its type's free slots, where no mixed level is open;
+        where one is, the levels at per-slot values, but for the homogeneous levels of
+        the types no open mixed family may use (the rows' mixed classes', `_excluded`),
+        valued as whole pipelines on those types' slots still."""
         mixed = any(self._is_mixed(level) for level in open_levels)
-        spare = n_c - fewest_counts(fewer, candidates)  # pipelines a row's candidate may drop
-        dropping = bool(spare.any())
-        homes = self._homogeneous(open_levels).homes if dropping and not mixed else None
-        rows = len(candidates)
-
-        def stacked(values: list, last: np.ndarray) -> np.ndarray:
-            """A row per class (the fixed ones, then the candidates'), a column per
-            candidate."""
-            return np.array([np.full(rows, float(x)) for x in values] + [last])
-
-        # each class's `floors` that can matter: no t below `after` is asked (the
-        # search below starts at `at_least`); [class, row, pair], the last repeated
-        after = pipelines_within(at_least, 0.0, float(optimizer.max(initial=0.0)))
-        pairs = [_after(f.floors(), after) for f, _ in fixed] + [
-            _after(f.floors(), after) if f else ((INF, -INF),) for f, _ in candidates]
-        width = max(map(len, pairs))
-        grid = np.array([list(p) + [p[-1]] * (width - len(p)) for p in pairs])
-        grid = np.concatenate([np.broadcast_to(grid[:len(fixed), None], (
-            len(fixed), rows, width, 2)), grid[None, len(fixed):]]) if fixed else grid[None]
-        lines = (stacked([n for _, n in fixed], n_c), grid[..., 0], grid[..., 1])
-        pipes, periods, fills = lines
-        live, inv_busy = pipes > 0, 1 / periods
-
-        open_done = self._open_done(open_levels, later, free, dropping, fits) if (
-            open_levels and not mixed) else None
-
-        def done(t_fixed: np.ndarray, t_open: np.ndarray, whole: bool) -> np.ndarray:
-            """Micro-batches finished: by the fixed classes and the candidates at t_fixed
-            (whole ones or run fluidly), by the open levels at t_open."""
-            return with_open(*fixed_done(t_fixed, whole), t_open, whole)
-
-        def fixed_done(t_fixed: np.ndarray, whole: bool) -> tuple[np.ndarray, np.ndarray]:
-            """Per class and row, and per row in all, what the fixed classes and the
-            candidates finish by t_fixed."""
-            ones = np.where(live, _done(t_fixed[:, None], fills, inv_busy, whole).max(axis=2),
-                            0.0)
-            return ones, (pipes * ones).sum(axis=0)
-
-        def open_from(t_fixed: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
-            """`done(t_fixed, t, True)` as a function of t, the fixed classes counted
-            once."""
-            counted = fixed_done(t_fixed, True)
-            return lambda t: with_open(*counted, t, True)
-
-        def with_open(ones: np.ndarray, value: np.ndarray, t_open: np.ndarray, whole: bool
-                      ) -> np.ndarray:
-            if open_done is not None:
-                levels, per_slot = open_done(t_open, whole)
-                if not dropping:
-                    return value + levels.sum(axis=1)
-                # the levels of the types the last class uses, per slot at either end
-                touched = (counts[:, homes] > 0) & (spare > 0)[:, None]
-                slots = free[:, homes] * per_slot
-                freed = (counts[:, homes] * per_slot).sum(axis=1)
-                linear = np.where(touched, slots, 0.0).sum(axis=1)
-                return (value + np.where(touched, 0.0, levels).sum(axis=1) + linear
-                        + np.maximum(0.0, spare * (freed - ones[-1])))
-            best = value if not open_levels else np.full(len(t_open), INF)
-            for y, valid, beyond in self._slot_values(t_open, open_levels, whole
-                                                      ) if open_levels else ():
-                more = value + (free * y).sum(axis=1) + beyond
-                if dropping:
-                    freed = (counts * y).sum(axis=1)
-                    more = np.maximum(more, more + spare * (freed - ones[-1]))
-                best = np.minimum(best, more if valid is None else np.where(valid, more, INF))
-            return best
-
-        if not open_levels:  # every pipeline is busy from `start` on: a line in t
-            # (on the pairs' least period and fill; then on all pairs from there)
-            least, fluid = periods[..., 0], fills[..., -1]
-            rate = np.where(live, pipes / least, 0.0).sum(axis=0)
-            offset = np.where(live, pipes * (1 - fluid / least), 0.0).sum(axis=0)
-            times = np.where(rate > 0, np.maximum(start, (self.m - offset) / rate), INF)
-            if width > 1:  # (nan: a class that cannot run, a dead row)
-                times = _first_enough(lambda t: self.m - done(t, t, False),
-                                      np.where(np.isnan(times), INF, times),
-                                      pipelines_within(at_least, 0.0, optimizer))
-        else:
-            if not fixed:
-                first = min(float(self._level(level).total.min()) for level in open_levels)
-                start = np.where(n_c > 0, start, first)
-            times = _first_enough(lambda t: self.m - done(t, t, False),
-                                  np.where(np.isfinite(start), start, INF),
-                                  pipelines_within(at_least, 0.0, optimizer))
-        times = self._whole(np.maximum(times, after), lines, done,
-                            open_from if open_levels else None)
-        return np.where(dead, INF, np.maximum(at_least, unsynced(times, optimizer)))
-
-    def _whole(self, times: np.ndarray, lines: tuple[np.ndarray, ...], done: Callable,
-               open_from: Callable | None) -> np.ndarray:
-        """From `times` (where the micro-batches, run fluidly, are done) on to the next
-        time a fixed pipeline completes one while the whole micro-batches those finish,
-        plus what the open levels can add before that time, still fall short; then, if
-        levels are open (`open_from(t_fixed)`: done by t with the fixed classes' count
-        at t_fixed), on within that last interval to where they make up the rest
-        (`_catch_up`)."""
-        pipes, busy, total = lines  # ([class, row], then [class, row, pair])
-        usable = (pipes > 0)[..., None] & np.isfinite(busy)
-        goal = self.m * (1 - 1e-9)  # (per-slot values are fractions: sums round)
-        for _ in range(int(self.m) + 1):
-            now = times[:, None]
-            k = np.floor((now - total) / busy + 1e-9)
-            step = total + (k + 1) * busy
-            # far out (huge batches) rounding can put the next completion at `times`
-            step = np.where(step > now, step, step + busy)
-            after = np.where(usable, np.where(now >= total, step, total), INF).min(axis=(0, 2))
-            ahead = np.isfinite(times) & np.isfinite(after)
-            reached = done(times, np.where(ahead, after, times), True)
-            behind = ahead & (reached < goal)
-            if not behind.any():
-                break
-            times = np.where(behind, after, times)
-        if open_from is None:
-            return times
-        return _catch_up(times, np.where(ahead, after, times), goal - reached,
-                         functools.partial(open_from, times), goal)
+        kinds = np.zeros(len(self.kinds), dtype=bool)  # the types valued per slot
+        slots = None
+        if mixed:
+            excluded = frozenset.intersection(*self._excluded(fixed, candidates))
+            kinds = np.array([k not in excluded for k in self.kinds])
+            # (the most free: the candidates' dropped pipelines leave theirs)
+            room = self._mixed_room(open_levels, rows.free + rows.spare[:, None] * rows.counts,
+                                    excluded)
+            slots = self._slot_values(open_levels, room, excluded, later)
+        counted = ~kinds[self._homogeneous(open_levels).homes]
+        whole = self._whole_levels(open_levels, later, rows.free, fits) if (
+            counted.any()) else None
+        return OpenValue(whole, counted, slots, rows.free, kinds, rows.counts, rows.spare)
 
     def unsynced(self, fixed: Sequence[tuple[Family, int]], open_levels: Sequence[int],
                  fewer: bool = False, at_least: float = 0.0, fits: np.ndarray | None = None
@@ -799,96 +768,6 @@ def _devices_per_pipeline(kinds: tuple[str, ...], types: tuple[str, ...],
     """Devices of each of `kinds` a pipeline of these stage types and degrees takes
     (cached across configurations and searches: the same families recur; read only)."""
     return np.array([devices_of(types, tps, k) for k in kinds], dtype=float)
-
-
-def _catch_up(times: np.ndarray, after: np.ndarray, short_after: np.ndarray,
-              opened: Callable[[], Callable[[np.ndarray], np.ndarray]], goal: float
-              ) -> np.ndarray:
-    """Between `times` and the next fixed completion `after`, where `goal` - done is
-    `short_after` (at most 0), the fixed classes finish nothing more, so the step ends
-    no sooner than the open levels make up the rest: `times` moves up to a t they still
-    fall short at, within 0.1% of where they no longer do. opened(): micro-batches
-    done by t, the fixed ones' counted at `times` (it rises in t, in steps: secant
-    steps, and a halving after each that does not halve the bracket)."""
-    low, high = times, after
-    if not (high - low > 2e-3 * high).any():  # (no room for more than the search's gap)
-        return times
-    done = opened()
-    short_low = goal - done(low)
-    short_high = np.minimum(short_after, 0.0)
-    active = (high > low) & (short_low > 0)
-    halve = np.zeros(len(low), dtype=bool)
-    while (active := active & (high - low > 1e-3 * high)).any():
-        width = high - low
-        secant = high - short_high * width / (short_high - short_low)
-        t = np.where(halve, low + width / 2, np.clip(
-            np.where(np.isfinite(secant), secant, low), low + 0.01 * width,
-            high - 0.01 * width))
-        value = goal - done(np.where(active, t, low))
-        up, down = active & (value > 0), active & (value <= 0)
-        low, short_low = np.where(up, t, low), np.where(up, value, short_low)
-        high, short_high = np.where(down, t, high), np.where(down, value, short_high)
-        halve = high - low > width / 2
-    return np.where(short_low > 0, low, times)
-
-
-def _after(pairs: tuple[tuple[float, float], ...], t: float
-           ) -> tuple[tuple[float, float], ...]:
-    """Of a class's (period, fill) pairs, the first and those whose line (micro-batches
-    finished by a time) lies above the first's somewhere after t: the first's has the
-    shortest period, so past their crossing it finishes more."""
-    (least, fill), *rest = pairs
-    return (pairs[0], *((p, f) for p, f in rest
-                        if (f / p - fill / least) / (1 / p - 1 / least) > t))
-
-
-def _done(t: np.ndarray, total: np.ndarray, inv_busy: np.ndarray, whole: bool
-          ) -> np.ndarray:
-    """Micro-batches a pipeline whose first takes `total` and every next one at least
-    1 / inv_busy can have finished by time t (whole ones if `whole`, else run fluidly)."""
-    done = 1 + (t - total) * inv_busy  # (t - inf) * 0 where it cannot run: nan, dropped
-    return np.where(t >= total, np.floor(done + 1e-9) if whole else done, 0.0)
-
-
-def _first_enough(short: Callable[[np.ndarray], np.ndarray], start: np.ndarray,
-                  guess: np.ndarray) -> np.ndarray:
-    """Per element, a t at which `short` (non-increasing in t) is still positive,
-    within 0.1% of where it reaches 0, or the larger of start and guess if it is no
-    longer positive there (the caller knows a bound of guess already): the bracket
-    [that, beyond] shrinks by regula falsi (Illinois). Infinite where it never
-    reaches 0 or start is infinite. (Called with numpy's divide and invalid
-    warnings off, as in `Bound.many`.)"""
-    low = np.where(np.isfinite(start), np.maximum(start, guess), start)
-    short_low = short(np.where(np.isfinite(low), low, 0.0))
-    answer = np.where(~np.isfinite(low) | (short_low <= 0), low, np.nan)
-    high = np.maximum(low * 1.01, 1e-9)
-    short_high = short(np.where(np.isfinite(high), high, 0.0))
-    while True:  # widen until the bracket holds the answer
-        grow = np.isnan(answer) & (short_high > 0)
-        if not grow.any():
-            break
-        answer = np.where(grow & (high > 1e12), INF, answer)
-        grow &= high <= 1e12
-        low, short_low = np.where(grow, high, low), np.where(grow, short_high, short_low)
-        high = np.where(grow, 2 * high, high)
-        short_high = np.where(grow, short(high), short_high)
-    side = np.zeros(len(low))
-    while True:
-        active = np.isnan(answer) & (high - low > 1e-3 * high)
-        if not active.any():
-            break
-        t = high - short_high * (high - low) / (short_high - short_low)
-        width = 0.01 * (high - low)  # (nan, where nothing is active: low)
-        t = np.minimum(np.maximum(np.where(np.isnan(t), low, t), low + width), high - width)
-        value = short(np.where(active, t, low))
-        up = active & (value > 0)
-        down = active & (value <= 0)
-        short_high = np.where(up & (side == 1), short_high / 2, short_high)
-        short_low = np.where(down & (side == -1), short_low / 2, short_low)
-        low, short_low = np.where(up, t, low), np.where(up, value, short_low)
-        high, short_high = np.where(down, t, high), np.where(down, value, short_high)
-        side = np.where(up, 1, np.where(down, -1, side))
-    return np.where(np.isnan(answer), low, answer)
 
 
 def optimizer_bound(table: CostTable, params: float, space: Space

@@ -11,7 +11,6 @@ from cost_models.model import CostModel
 from planner.solver.evaluate import Evaluation
 from planner.solver.interleave import chunks
 from planner.solver.predict import predict
-from planner.solver.timing import in_flight
 from planner.types import (
     SCHEMA_VERSION,
     ClusterSpec,
@@ -26,7 +25,6 @@ from planner.types import (
     StagePlan,
     TrainingSpec,
 )
-from planner.types.model import zero_kept
 from planner.types.training import Recompute
 
 
@@ -36,14 +34,14 @@ def stage_plan(*, index: int, layers: Sequence[Layer], bounds: tuple[int, int],
                micro_batch: int, microbatches: int, stages: int, schedule: Schedule,
                interleave: int, training: TrainingSpec, cluster: ClusterSpec,
                costs: CostModel) -> StagePlan:
+    from planner.price import held_memory  # (planner.price reads the solver's predictions)
+
     chunks = chunks or (bounds,)
     held = [layer for a, b in chunks for layer in layers[a:b]]
-    device = cluster.node(node).device
-    memory = costs.memory(held, device, training, tp=tp, dp=replicas, zero=zero,
-                          recompute=recompute, micro_batch=micro_batch,
-                          in_flight=in_flight(index, stages, microbatches, schedule,
-                                              interleave),
-                          kept=zero_kept(layers, {layer.index for layer in held}, zero))
+    memory = held_memory(held, layers, cluster.node(node).device, training, costs, tp=tp,
+                         replicas=replicas, zero=zero, recompute=recompute,
+                         micro_batch=micro_batch, stage=index, stages=stages,
+                         microbatches=microbatches, schedule=schedule, interleave=interleave)
     return StagePlan(index=index, layers=bounds, chunks=chunks,
                      modules=tuple(m for layer in held for m in layer.modules),
                      device_type=device_type,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cost_models.memory import GIB, framework_reserve, optimizer_state_bytes
+from cost_models.memory import GIB, framework_reserve, optimizer_state_bytes, sync_state_bytes
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.errors import Infeasible, PlannerError
@@ -39,7 +39,7 @@ def larger_than_cluster(layers: Sequence[Layer], cluster: ClusterSpec,
     the memory of every device of the cluster together (no plan can fit); else None."""
     weight = float(dtype_bytes(training.dtype))
     per_param = weight + (training.optimizer.grad_bytes or weight) + optimizer_state_bytes(
-        training)
+        training) + sync_state_bytes(training)
     params = sum(layer.params for layer in layers)
     room = sum(n.devices * (n.device.memory - framework_reserve(n.device))
                for n in cluster.nodes)

@@ -49,10 +49,17 @@ from planner.solver.partition import (
     sharded_params,
 )
 from planner.solver.shares import grouped_shares, shares
-from planner.solver.step import StepTime, floor, pipelines_within, step_time
+from planner.solver.step import (
+    EVERY_STEP,
+    StepTime,
+    floor,
+    overlappable,
+    pipelines_within,
+    step_time,
+)
 from planner.solver.structure import ClassShape, Placement, Slot, place
 from planner.solver.table import CostTable
-from planner.types import LinkSpec, Schedule
+from planner.types import LinkSpec, Schedule, SyncSpec
 from planner.types.training import Recompute
 
 
@@ -96,11 +103,14 @@ class Evaluation:
     pipeline_times: tuple[tuple[float, ...], ...]
     sync: float
     optimizer: float
+    policy: SyncSpec = EVERY_STEP  # the solve's (`CostTable.sync`)
 
     @property
     def step(self) -> StepTime:
+        hidden = overlappable(stage.bwd for split in self.splits for stage in split.stages
+                              ) if self.policy.overlap else 0.0
         return step_time([max(times) for times in self.pipeline_times], self.sync,
-                         self.optimizer)
+                         self.optimizer, hidden, self.policy)
 
     @property
     def step_time(self) -> float:
@@ -276,7 +286,8 @@ def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
         return None
     sync, opt = sync_and_optimizer(table, config, shapes, placement, splits, groups)
     return Evaluation(config=config, shapes=shapes, placement=placement, splits=tuple(splits),
-                      microbatches=per_class, pipeline_times=times, sync=sync, optimizer=opt)
+                      microbatches=per_class, pipeline_times=times, sync=sync, optimizer=opt,
+                      policy=table.sync)
 
 
 LINE_REF = 2.0**30  # bytes; an all-reduce among fixed ranks is affine in its bytes
@@ -303,7 +314,7 @@ class Priced:
         """No plan of this structure whose pipelines take `pipelines` at least (and its
         sync `sync`, if given) is faster."""
         return floor(pipelines, self.sync if sync is None else max(self.sync, sync),
-                     self.optimizer)
+                     self.optimizer, self.upper.policy)
 
 
 def zero_space(space: Space, shapes: Sequence[ClassShape], config: Config,
@@ -362,7 +373,7 @@ def price(table: CostTable, config: Config, space: Space, shapes: tuple[ClassSha
     sync, opt = _sync_and_optimizer_floor(table, config, space, shapes, placement)
     lower = floor(max(r.lower(m) for r, m in zip(
         [r for shape, r in zip(shapes, results, strict=True) for _ in range(shape.n)],
-        counts, strict=True)), sync, opt)
+        counts, strict=True)), sync, opt, table.sync)
     return Priced(config=config, shapes=shapes, placement=placement, results=tuple(results),
                   upper=upper, lower=lower, sync=sync, optimizer=opt,
                   groups=stage_groups(table, shapes, placement))
@@ -834,8 +845,8 @@ def _gpipe_steps(table: CostTable, priced: Priced, index: int, result: ClassResu
     class's least fill and the structure's least sync."""
     shape = priced.shapes[index]
     most = max(shares([(shape.n, result.min_period, result.floor)], microbatches) or [1])
-    limit = (pipelines_within(bar, priced.sync, priced.optimizer) - result.floor) / (
-        most - 1) if most > 1 else INF
+    limit = (pipelines_within(bar, priced.sync, priced.optimizer, table.sync)
+             - result.floor) / (most - 1) if most > 1 else INF
     memo = table.cache.setdefault("gpipe fronts", {})
     known = memo.get(id(result))
     if known is None or known[1] < limit:  # (kept as long as the result: its id is valid)

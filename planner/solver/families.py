@@ -60,6 +60,11 @@ from planner.types.training import Recompute
 # chain patterns (three or more types) a configuration may have at one degree: beyond,
 # the longest chains are left out, and the search says so (`chain_limit`)
 CHAIN_FAMILIES = 4000
+# pairs of mixed families on disjoint types a configuration may have for a second mixed
+# class: beyond, it holds one (`mixed_in`), and the search says so (at 1,024 GPUs of four
+# types, 13,000 to 88,000 pairs a configuration, whose loose bounds took the search from
+# optimal in 4 s to 11 s; a cluster of four measured nodes of 4 GPUs has up to 1,238)
+MIXED_PAIRS = 2000
 # middle blocks are priced over every layer range [i, j) up to this many ranges (and
 # memory left out, their layers at their types' least time, beyond)
 _WHOLE_MIDDLES = 40_000
@@ -158,12 +163,14 @@ def device_work(table: CostTable, config: Config, tps: Sequence[int]) -> dict[st
 def families(table: CostTable, config: Config, limits: Limits, space: Space,
              microbatches: int, tps: Sequence[int], split: bool = False
              ) -> list[list[Family]]:
-    """The level of mixed patterns first (absent with `mixed` off or a single type),
-    then one level of homogeneous patterns per device type, fastest type first (the
-    fewest device-seconds per micro-batch); each level holds its patterns at every
-    tensor-parallel degree of `tps`, and with `split` (see `block_degrees`) the
-    two-type ones also at every two different degrees of their blocks. The mixed level
-    holds chains of up to `chain_limit` types."""
+    """The levels of mixed patterns first (`mixed_levels` of them, absent with `mixed`
+    off or a single type), then one level of homogeneous patterns per device type,
+    fastest type first (the fewest device-seconds per micro-batch); each level holds its
+    patterns at every tensor-parallel degree of `tps`, and with `split` (see
+    `block_degrees`) the two-type ones also at every two different degrees of their
+    blocks. A mixed level holds chains of up to `chain_limit` types in the order of
+    their keys (`Family.key`), which is the order their classes are placed in
+    (`search.placement_order`): each mixed level is one list, the same families."""
     table = fold(table, config.interleave)
     floors = FamilyFloors(table, config, limits, space, microbatches)
     kinds = [t.name for t in table.types]
@@ -179,8 +186,34 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space,
                  for f in floors.two_types(a, tp_a, b, tp_b)]
         mixed += [f for tp in tps
                   for f in floors.chains(tp, chain_limit(table, limits, config, tp))]
-        levels.insert(0, mixed)
+        mixed.sort(key=lambda f: f.key)
+        levels[:0] = [mixed] * mixed_in(mixed, mixed_levels(table, limits))
     return levels
+
+
+def mixed_in(mixed: list[Family], most: int) -> int:
+    """The mixed classes a configuration's plans may have, of `most`: one where its
+    mixed families that can run make more than `MIXED_PAIRS` pairs on disjoint types (a
+    second mixed level would take longer than the rest of the search)."""
+    if most < 2:
+        return most
+    sets: dict[frozenset[str], int] = {}
+    for f in mixed:
+        if f.min_busy < INF:
+            kinds = frozenset(f.types)
+            sets[kinds] = sets.get(kinds, 0) + 1
+    pairs = sum(sets[a] * sets[b] for a, b in itertools.combinations(sets, 2)
+                if a.isdisjoint(b))
+    return most if pairs <= MIXED_PAIRS else 1
+
+
+def mixed_levels(table: CostTable, limits: Limits) -> int:
+    """How many mixed classes a plan may have, a level of the search each: at most
+    `Limits.mixed_classes`, and as a plan's mixed classes use disjoint sets of two or
+    more types (`search._Setup.mixed_after`), at most one per two types (none with
+    `mixed` off or a single type)."""
+    kinds = len(table.types)
+    return min(limits.mixed_classes, max(1, kinds // 2)) if limits.mixed and kinds > 1 else 0
 
 
 def chain_patterns(table: CostTable, limits: Limits, config: Config, tp: int, blocks: int

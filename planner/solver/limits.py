@@ -44,6 +44,9 @@ class Limits:
     max_stages: int = 16
     max_micro_batch: int = 16
     mixed: bool = True
+    # the most mixed pipeline classes (chains of two or more types) a plan may have: each
+    # is a level of the search, and the more levels, the larger its tree (`search.py`)
+    mixed_classes: int = 2
     first_stage: str | None = None  # device type of every pipeline's first stage
     last_stage: str | None = None  # ... and of its last stage
 

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cost_models.comm import Collective, CommGroup
+from cost_models.memory import kept_activations
 from planner.solver.structure import wider_than_neighbours
 from planner.solver.table import POLICIES, CostTable
 from planner.solver.timing import (
@@ -532,12 +533,13 @@ def _capacity(table: CostTable, kind: str, tp: int, mb: int, n: int,
               options: Sequence[Option]) -> list[np.ndarray]:
     """Per option, the most micro-batches in flight that fit in memory on a device of
     type `kind` holding the layer range [a, b) (-inf: none, or not a range): states
-    sharded by ZeRO over n pipelines, activations per policy, and with full recompute
-    the largest single layer's activations (cached)."""
+    sharded by ZeRO over n pipelines, and the activations a stage keeps, linear in the
+    micro-batches in flight (`cost_models.memory.kept_activations`, the rule reports use
+    too: per policy, with full recompute the largest single layer's again; cached)."""
     key = ("capacity", kind, tp, mb, n, options)
     if key not in table.cache:
         range_params = table.range_params(tp)
-        acts, range_max, valid = _activation_ranges(table, tp, mb)
+        acts, range_max, valid = _activation_ranges(table, tp)
         info = table.type(kind)
         out = []
         for option in options:
@@ -545,10 +547,12 @@ def _capacity(table: CostTable, kind: str, tp: int, mb: int, n: int,
             per_param, sharded = table.bytes_per_param(0, 1), table.bytes_per_param(z, n)
             # tied weights the runtime keeps out of ZeRO stay whole (`CostTable.zero_kept`)
             state = range_params * sharded + table.zero_kept(z) * (per_param - sharded)
-            slack = info.memory - info.reserve - state
-            if option.recompute is Recompute.FULL:
-                slack = slack - range_max
-            act = acts[option.recompute]
+            policy = option.recompute
+            base = kept_activations(acts[policy], range_max, recompute=policy, micro_batch=mb,
+                                    in_flight=0)
+            act = kept_activations(acts[policy], range_max, recompute=policy, micro_batch=mb,
+                                   in_flight=1) - base
+            slack = info.memory - info.reserve - state - base
             with np.errstate(divide="ignore", invalid="ignore"):
                 most = np.where(act > 0, slack / act, INF)
             most[~valid | (slack < 0)] = -INF
@@ -557,17 +561,17 @@ def _capacity(table: CostTable, kind: str, tp: int, mb: int, n: int,
     return table.cache[key]
 
 
-def _activation_ranges(table: CostTable, tp: int, mb: int) -> tuple:
-    """[a, b) range matrices of activation bytes per micro-batch per policy, of the
-    largest single layer's activations, and of which (a, b) are ranges (cached)."""
-    key = ("activation ranges", tp, mb)
+def _activation_ranges(table: CostTable, tp: int) -> tuple:
+    """[a, b) range matrices of activation bytes per sample per policy, of the largest
+    single layer's activations, and of which (a, b) are ranges (cached)."""
+    key = ("activation ranges", tp)
     if key not in table.cache:
         size = table.num_layers + 1
         acts = {}
         for p in POLICIES:
-            prefix = np.concatenate([[0.0], np.cumsum(table.activations(p, tp))]) * mb
+            prefix = np.concatenate([[0.0], np.cumsum(table.activations(p, tp))])
             acts[p] = prefix[None, :] - prefix[:, None]
-        none_act = table.activations(Recompute.NONE, tp) * mb
+        none_act = table.activations(Recompute.NONE, tp)
         range_max = np.zeros((size, size))
         for a in range(size - 1):
             range_max[a, a + 1:] = np.maximum.accumulate(none_act[a:])

@@ -12,7 +12,9 @@ with the cost model, by the same rules the search uses on its cost table:
     first layer (ZeRO-3 stages reduce-scatter per micro-batch instead), all at once,
     those of a node's stages one after the other on its network card;
   * the step from the slowest pipeline (`timing.pipeline_time`), gradient sync and
-    optimizer step as `step.py` combines them.
+    optimizer step as `step.py` combines them, the sync paid as the plan's
+    `training.sync` says (after the schedule, overlapping the last backward, or every
+    H steps).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from cost_models.compute import recompute_repeats_tp
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
-from planner.solver.step import step_time
+from planner.solver.step import overlappable, step_time
 from planner.solver.structure import wider_than_neighbours
 from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
 from planner.types import (
@@ -272,7 +274,8 @@ def replay(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> Simulation:
     return simulate(stage_timings(plan, layers, costs),
                     [p.num_microbatches for p in plan.pipelines],
                     schedule=[p.schedule for p in plan.pipelines],
-                    interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt)
+                    interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt,
+                    policy=plan.training.sync)
 
 
 def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakdown:
@@ -281,14 +284,17 @@ def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakd
     times = pipeline_times(plan, timings)
     sync, opt = sync_and_optimizer(plan, layers, costs)
     slowest = max(times, key=lambda t: t.total)
-    step = step_time([t.total for t in times], sync, opt).total
+    step = step_time([t.total for t in times], sync, opt,
+                     overlappable(t.bwd for stages in timings for t in stages),
+                     plan.training.sync)
     batch = plan.training.global_batch
     flops = batch * sum(layer.flops for layer in layers)
     peak = sum(costs.cluster.node(s.devices.node).device.flops(plan.training.dtype) * s.tp
                for p in plan.pipelines for s in p.stages)
     seq = plan.training.seq_len
     return CostBreakdown(
-        step_time=step, compute=slowest.compute, bubble=slowest.bubble,
-        tp_comm=slowest.tp_comm, pp_comm=slowest.pp_comm, dp_comm=sync, optimizer=opt,
-        samples_per_s=batch / step, tokens_per_s=batch * seq / step if seq else None,
-        mfu=flops / step / peak if peak else 0.0)
+        step_time=step.total, compute=slowest.compute, bubble=slowest.bubble,
+        tp_comm=slowest.tp_comm, pp_comm=slowest.pp_comm, dp_comm=step.exposed, optimizer=opt,
+        samples_per_s=batch / step.total,
+        tokens_per_s=batch * seq / step.total if seq else None,
+        mfu=flops / step.total / peak if peak else 0.0, whole_sync=sync)

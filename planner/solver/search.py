@@ -7,18 +7,30 @@ own where neither interleaving nor ZeRO runs (`bound.block_degrees`: a stage wid
 than its neighbour's has its first rank broadcast to the others, `runtime/follow.py`,
 which `partition.class_costs` prices):
 
-  * at most one *mixed* class: n pipelines whose stages are a block of type A
-    followed by a block of type B (A before B chosen too), and
+  * up to `Limits.mixed_classes` *mixed* classes (`families.mixed_levels`): each n
+    pipelines whose stages chain blocks of two or more types in an order the search
+    chooses (A100 -> RTX 4090 -> RTX 3090 as well as any other; the longest chains
+    left out where they are too many, `families.chain_limit`), the classes on disjoint
+    sets of types (two pairs of nodes of different speeds run as two two-node
+    classes; one class where the pairs would be too many, `families.mixed_in`), and
   * for each device type, at most one *homogeneous* class: n pipelines of S
     stages of that type,
 
-placed as `structure.place` describes, every class's layer split, recompute
-and ZeRO choices optimal (`partition`), micro-batches shared optimally
-(`evaluate.shares`). The objective is `evaluate`'s step time.
+placed as `structure.place` describes (the mixed classes first, in the order of their
+patterns: `placement_order`), every class's layer split, recompute and ZeRO choices
+optimal (`partition`), micro-batches shared optimally (`evaluate.shares`). The
+objective is `evaluate`'s step time.
 
-A node of the search tree fixes the mixed class (first level), then the homogeneous
-class of one type per level, fastest type first; a node's last class stands for
-1..n pipelines (fewer are its lazy siblings). Its bound (`bound.Bound`) is the time the
+A node of the search tree fixes a mixed class per mixed level (each level's pattern
+after the level before it's, so no structure twice), then the homogeneous class of one
+type per level, fastest type first; a node that fixes a mixed class has two children
+for it where more mixed levels follow: one with the mixed levels closed, one that must
+add another mixed class (`_Setup.mixed_after`), which waits in a queue of its own
+(`_Search.deferred`) until no other node may beat the best plan: its bound, which
+values the types the next mixed class may use per slot, is looser, and most such
+nodes are pruned once the search holds the plans the others lead to. A node's last
+class stands for 1..n pipelines (fewer are its lazy siblings). Its bound
+(`bound.Bound`) is the time the
 global batch needs if the fixed classes ran at their lower bounds, in whole
 micro-batches, and the open levels' pipelines packed the devices left at the
 best per-device rates any of their families could reach (an LP dual: no assignment
@@ -53,6 +65,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import planner.solver.families as families_module
 from cost_models.comm import Collective, CommGroup
 from planner.errors import PlannerError
 from planner.solver.bound import (
@@ -82,6 +95,8 @@ from planner.solver.families import (
     device_work,
     families,
     gpipe_holds,
+    mixed_in,
+    mixed_levels,
 )
 from planner.solver.interleave import choices, fold
 from planner.solver.limits import Limits
@@ -94,10 +109,9 @@ from planner.solver.table import CostTable
 from planner.types import Schedule
 from planner.units import fmt_seconds
 
-SEARCH_SPACE = ("one optional mixed pipeline class, whose pipelines chain blocks of two or "
-                "more device types in any order, plus one homogeneous class per device "
-                "type; one tp degree (with --tp-per-class one per class, and per block of a "
-                "two-type class where it runs 1F1B or GPipe without ZeRO), micro-batch size "
+SEARCH_SPACE = ("{mixed} plus one homogeneous class per device type; one tp degree (with "
+                "--tp-per-class one per class, and per block of a two-type class where it "
+                "runs 1F1B or GPipe without ZeRO), micro-batch size "
                 "and chunk count per plan, each allowed one tried; 1F1B, GPipe over several "
                 "stages in structures of one class, or "
                 "interleaved 1F1B over several stages with the same cuts in every round and "
@@ -109,13 +123,17 @@ SEARCH_SPACE = ("one optional mixed pipeline class, whose pipelines chain blocks
                 "micro-batch shares")
 
 
-def search_space(table: CostTable, batch: int, limits: Limits) -> str:
-    """What the search covers (`SEARCH_SPACE`), and where it is cut for speed: chains of
+def search_space(table: CostTable, batch: int, limits: Limits,
+                 paired: Sequence[Config] = ()) -> str:
+    """What the search covers (`SEARCH_SPACE`, with its most mixed classes), and where it
+    is cut for speed: one mixed class in the configurations (`paired`) whose mixed
+    families would make too many pairs for a second (`families.mixed_in`), and chains of
     fewer types than the cluster has at some degree, where longer ones would be more
     than `CHAIN_FAMILIES` patterns (`families.chain_limit`)."""
     kinds = len(table.types)
+    space = SEARCH_SPACE.format(mixed=_mixed_classes(mixed_levels(table, limits), paired))
     if not limits.mixed or kinds < 3:
-        return SEARCH_SPACE
+        return space
     most: dict[int, int] = {}  # per degree, the fewest types a chain may hold
     for config in configs(table, batch, limits):
         for tp in degrees(table, limits) if config.tp is None else [config.tp]:
@@ -123,10 +141,29 @@ def search_space(table: CostTable, batch: int, limits: Limits) -> str:
                 fold(table, config.interleave), limits, config, tp))
     cuts = [f"{most[tp]} at tp {tp}" for tp in sorted(most) if most[tp] < kinds]
     if not cuts:
-        return SEARCH_SPACE
-    return (f"{SEARCH_SPACE}. Cut for speed: a pipeline chains at most "
+        return space
+    return (f"{space}. Cut for speed: a pipeline chains at most "
             f"{', '.join(cuts)} of the cluster's {kinds} device types (longer chains "
             f"would add more than {CHAIN_FAMILIES:,} pipeline patterns per configuration)")
+
+
+def _mixed_classes(most: int, paired: Sequence[Config]) -> str:
+    """The mixed classes of the search space, in words (`search_space`): `paired`, the
+    configurations cut to one (`families.mixed_in`)."""
+    chains = ("pipelines chain blocks of two or more device types in any order, a type "
+              "at most once")
+    if most == 0:
+        return "no mixed pipeline class,"
+    if most == 1:
+        return f"one optional mixed pipeline class (its {chains}),"
+    cut = ""
+    if paired:
+        at = sorted({"a degree per class" if c.tp is None else f"tp {c.tp}" for c in paired})
+        cut = (f"; cut for speed to one where a configuration's mixed patterns make more "
+               f"than {families_module.MIXED_PAIRS:,} pairs on disjoint types: at "
+               f"{', '.join(at)}")
+    return (f"up to {most} mixed pipeline classes over disjoint sets of device types (their "
+            f"{chains}{cut}),")
 
 
 # candidates a node's children bound by ranges of their counts at once; beyond, only
@@ -161,7 +198,7 @@ class SearchResult:
     explored: int
     pruned: int
     wall_time: float
-    space: str = SEARCH_SPACE  # what the search covered (`search_space`)
+    space: str = ""  # what the search covered (`search_space`)
 
 
 @dataclass(order=True)
@@ -181,6 +218,56 @@ class _Node:
 
 
 SWAPS = 64  # moves around the greedy plan that are priced (`_Search.swap`)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """A configuration's levels of families, their bound, and its families by key."""
+
+    levels: list[list[Family]]
+    bound: Bound
+    index: dict[tuple[tuple[str, ...], tuple[int, ...]], Family]
+    mixed: int  # the mixed levels, first (one list of families: `families.families`)
+    rank: dict[tuple[tuple[str, ...], tuple[int, ...]], int]  # a mixed family's place there
+    # per set of types, the place of the last mixed family that can run on none of them
+    last_apart: dict[frozenset[str], int] = field(default_factory=dict)
+    disjoint: dict[frozenset[str], list[Family]] = field(default_factory=dict)  # (`apart`)
+
+    def mixed_after(self, node: _Node) -> list[Family]:
+        """The families a node's level offers: at a mixed level past the first, those
+        after the mixed family the node chose last (a structure's mixed classes are
+        chosen in their placement order, so none twice) on device types none of its
+        mixed classes uses (a cut for speed, `search_space`)."""
+        level = self.levels[node.level]
+        if 0 < node.level < self.mixed:
+            used = _mixed_types(node.chosen)
+            return [f for f in level[self.rank[node.chosen[-1]] + 1:]
+                    if used.isdisjoint(f.types)]
+        return level
+
+    def apart(self, chosen: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]
+              ) -> list[Family]:
+        """The mixed families on none of the types these families' mixed classes use."""
+        used = _mixed_types(chosen)
+        if used not in self.disjoint:
+            self.disjoint[used] = [f for f in self.levels[0] if used.isdisjoint(f.types)]
+        return self.disjoint[used]
+
+    def may_follow(self, chosen: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]) -> bool:
+        """Whether a mixed level may add a class after these (the last of them mixed):
+        some family that can run comes after the last in placement order and uses none
+        of their types."""
+        used = _mixed_types(chosen)
+        if used not in self.last_apart:
+            self.last_apart[used] = max((i for i, f in enumerate(self.levels[0])
+                                         if f.min_busy < INF and used.isdisjoint(f.types)),
+                                        default=-1)
+        return self.rank[chosen[-1]] < self.last_apart[used]
+
+
+def _mixed_types(chosen: Sequence[tuple[tuple[str, ...], tuple[int, ...]]]) -> frozenset[str]:
+    """The types the mixed classes among these families' keys use."""
+    return frozenset(k for types, _ in chosen if len(set(types)) > 1 for k in types)
 
 
 def degrees(table: CostTable, limits: Limits) -> list[int]:
@@ -227,11 +314,17 @@ class _Search:
         bound till then `bounds.lower_bound`, which no plan beats) but for those of
         `first` (the seeds'), set up first."""
         self.table, self.batch, self.limits, self.pricing = table, batch, limits, space
+        if single:  # (one mixed level: its structures hold one class)
+            self.limits = dataclasses.replace(limits, mixed_classes=min(1, limits.mixed_classes))
         self.space = space if single else dataclasses.replace(space, zeros=(0,))
         self.top_k, self.gap, self.single, self.deadline = top_k, gap, single, deadline
         self.heap: list[_Node] = []
+        # nodes that must add another mixed class: taken once no node of `heap` may beat
+        # the best plan (`upcoming`; their bounds, from families not yet priced, are
+        # loose, and most of them rise past the best plan once priced)
+        self.deferred: list[_Node] = []
         self.counter = counter
-        self.state: dict[Config, tuple[list[list[Family]], Bound, dict]] = {}
+        self.state: dict[Config, _Setup] = {}
         self.best = best
         self.explored = self.pruned = 0
         self.given_up = float("inf")  # smallest bound pruned only because of `gap`
@@ -268,7 +361,10 @@ class _Search:
                       optimizer_bound(folded, float(table.params.sum()), space),
                       SyncFloor(folded, config, space, sorted(devices), self.gathers, tps,
                                 _least_degrees(levels)), self.single)
-        self.state[config] = (levels, bound, {f.key: f for lv in levels for f in lv})
+        mixed = mixed_in(levels[0], mixed_levels(folded, self.limits))
+        rank = {f.key: i for i, f in enumerate(levels[0])} if mixed else {}
+        self.state[config] = _Setup(levels, bound, {f.key: f for lv in levels for f in lv},
+                                    mixed, rank)
         root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
         root.bound, root.base = bound([], range(len(levels)))
         return root
@@ -300,7 +396,7 @@ class _Search:
     def fixed(self, node: _Node) -> list[tuple[Family, int]]:
         """The node's classes, each family bounded for its count (`bound.crowded`; a
         last class that stands for 1..n pipelines, for one)."""
-        index = self.state[node.config][2]
+        index = self.state[node.config].index
         counts = [*node.counts[:-1], 1] if self.shrinks(node) else node.counts
         return [(self.crowded(node.config, index[t], k), n)
                 for t, n, k in zip(node.chosen, node.counts, counts, strict=True)]
@@ -314,7 +410,7 @@ class _Search:
         family that gives that level's device slots their value in the node's bound
         (the most micro-batches per slot by then; pricing it may hand that role to
         another, priced in turn); False if anything was priced (the bound may rise)."""
-        levels, bound, _ = self.state[node.config]
+        levels, bound = self.state[node.config].levels, self.state[node.config].bound
         fixed = self.fixed(node)
         loose = [f for f, _ in fixed if not f.tight]
         microbatches = self.batch // node.config.mb
@@ -324,6 +420,12 @@ class _Search:
             while (f := best_per_slot(level, node.bound)) is not None and not f.tight:
                 tighten(self.view(node.config), node.config, self.space, f, microbatches)
                 loose.append(f)
+        if 0 < node.level < self.state[node.config].mixed:  # the mixed class to add, too
+            apart = self.state[node.config].apart(node.chosen)
+            for f in apart:
+                if not f.tight:
+                    tighten(self.view(node.config), node.config, self.space, f, microbatches)
+                    loose.append(f)
         if not loose:
             return True
         bound.invalidate()
@@ -339,49 +441,71 @@ class _Search:
         return bool(node.counts) and node.counts[-1] > 1 and node.chosen[-1] in node.fewer
 
     def children(self, node: _Node) -> list[_Node]:
-        levels, bound, _ = self.state[node.config]
-        fixed = self.fixed(node)
-        used: dict[str, int] = {}  # devices
-        for f, n in fixed:
-            for kind, tp in zip(f.types, f.tps, strict=True):
-                used[kind] = used.get(kind, 0) + n * tp
-        options: list[tuple[Family | None, int]] = [(None, 0)]
-        free = free_after(self.view(node.config), _shapes(node))  # (its children's counts)
-        if free is None:
+        """The node's children, each the node plus one class of its level (or none),
+        bounded (`counts_bound`). A child that adds a mixed class comes twice where more
+        mixed levels follow: once with the mixed levels closed (the homogeneous ones
+        open, as tightly bounded as with one mixed level) and once with the next mixed
+        level open, which must add a class (no class there is the first child)."""
+        setup = self.state[node.config]
+        levels = setup.levels
+        options = self.options(node)
+        if options is None:
             return []  # (nor does any structure that adds classes: each keeps its place)
-        for f in levels[node.level]:
-            if f.min_busy == float("inf"):
-                continue
-            # at most as many pipelines as devices and micro-batches are left; the child
-            # stands for 1..n of them (the smaller counts are its lazy siblings)
-            n = min([f.n_max, bound.m - sum(node.counts)]
-                    + [(bound.devices[k] - used.get(k, 0)) // f.devices_of(k)
-                       for k in set(f.types)]
-                    + ([most - sum(node.counts)] if (most := self.limits.most_pipelines)
-                       is not None else []))
-            if n >= 1:  # and as `place` puts beside the node's classes (the mixed
-                # one first, the others on their own types' nodes)
-                n = room(free, f.shape(n))
-            if n >= 1:
-                options.append((f, n))
-        after = self.next_level(levels, node.level + 1)
-        if after == len(levels) and not node.chosen:
+        first_free = self.next_level(levels, max(setup.mixed, node.level + 1))
+        if node.level > 0 and node.level < setup.mixed:
+            options = options[1:]  # (none here: the parent with the mixed levels closed)
+        elif first_free == len(levels) and not node.chosen:
             options = options[1:]  # a structure needs at least one class
-        groups = [(options, after)]
+        added = [o for o in options if o[0] is not None]
+        groups = [(options, first_free)]
         if self.single:  # a class ends the structure: its child is a leaf
-            groups = [([o for o in options if o[0] is None], after),
-                      ([o for o in options if o[0] is not None], len(levels))]
+            groups = [([o for o in options if o[0] is None], first_free),
+                      (added, len(levels))]
+        elif node.level + 1 < setup.mixed:
+            groups.append(([o for o in added if setup.may_follow((*node.chosen, o[0].key))],
+                           node.level + 1))
         out = []
         for group, level in groups:
             if not group:
                 continue
-            bounds, bases = self.counts_bound(node, fixed, group, range(level, len(levels)))
+            bounds, bases = self.counts_bound(node, self.fixed(node), group,
+                                              range(level, len(levels)))
             for (f, n), b, base in zip(group, bounds, bases, strict=True):
                 out.append(_Node(float(b), next(self.counter), node.config, float(base),
                                  level, node.chosen + ((f.key,) if f else ()),
                                  node.counts + ((n,) if f else ()),
                                  frozenset([f.key]) if f else frozenset()))
         return out
+
+    def options(self, node: _Node) -> list[tuple[Family | None, int]] | None:
+        """No class, then each family of the node's level that fits beside its classes,
+        with the most pipelines it may add (its child stands for 1..n of them: the
+        smaller counts are its lazy siblings); None where the node's classes do not
+        fit."""
+        setup = self.state[node.config]
+        free = free_after(self.view(node.config), _shapes(node))  # (its children's counts)
+        if free is None:
+            return None
+        used: dict[str, int] = {}  # devices
+        for f, n in self.fixed(node):
+            for kind, tp in zip(f.types, f.tps, strict=True):
+                used[kind] = used.get(kind, 0) + n * tp
+        options: list[tuple[Family | None, int]] = [(None, 0)]
+        m, devices = setup.bound.m, setup.bound.devices
+        for f in setup.mixed_after(node):
+            if f.min_busy == float("inf"):
+                continue
+            # at most as many pipelines as devices and micro-batches are left
+            n = min([f.n_max, m - sum(node.counts)]
+                    + [(devices[k] - used.get(k, 0)) // f.devices_of(k) for k in set(f.types)]
+                    + ([most - sum(node.counts)] if (most := self.limits.most_pipelines)
+                       is not None else []))
+            if n >= 1:  # and as `place` puts beside the node's classes (the mixed
+                # ones first, the others on their own types' nodes)
+                n = room(free, f.shape(n))
+            if n >= 1:
+                options.append((f, n))
+        return options
 
     def counts_bound(self, node: _Node, fixed: list[tuple[Family, int]],
                      group: list[tuple[Family | None, int]], open_levels: range
@@ -392,7 +516,7 @@ class _Search:
         below every count's: for 1..n at 4,096 GPUs, about 3% below n's, so that three
         in four such nodes were taken only for every count to be pruned. Where the
         candidates are many (`_RANGED`), only those whose bound of 1..n is promising."""
-        bound, at_least = self.state[node.config][1], (node.bound, node.base)
+        bound, at_least = self.state[node.config].bound, (node.bound, node.base)
         bounds, bases = np.zeros(len(group)), np.zeros(len(group))
         filtered = len(group) > _RANGED
         if filtered:  # (a count of one, or no class, is its own range)
@@ -431,7 +555,7 @@ class _Search:
         candidates are many mixed families)."""
         if all(f is None or len(set(f.types)) == 1 for f, _ in candidates):
             return self.fits(node.config, _shapes(node), open_levels)
-        kinds = [f.types[0] for f in self.state[node.config][1].open_families(open_levels)]
+        kinds = [f.types[0] for f in self.state[node.config].bound.open_families(open_levels)]
         columns = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in kinds}
         rows = np.zeros((len(candidates), len(kinds)))
         for r, ((f, _), least) in enumerate(zip(candidates, fewest_counts(fewer, candidates),
@@ -458,7 +582,7 @@ class _Search:
             free = free_after(self.view(config), shapes)
             self._fits[key] = None if free is None else np.array([
                 float(room(free, f.shape(f.n_max)))
-                for f in self.state[config][1].open_families(open_levels)])
+                for f in self.state[config].bound.open_families(open_levels)])
         return self._fits[key]
 
     @staticmethod
@@ -477,10 +601,10 @@ class _Search:
         (no sibling if none is left): else each would take a turn of its own."""
         if not self.shrinks(node):
             return None
-        levels, bound, _ = self.state[node.config]
+        levels, bound = self.state[node.config].levels, self.state[node.config].bound
         counted = node.counted
         if not counted:
-            family, n = self.state[node.config][2][node.chosen[-1]], node.counts[-1]
+            family, n = self.state[node.config].index[node.chosen[-1]], node.counts[-1]
             rows = [(self.crowded(node.config, family, k), k) for k in range(1, n + 1)]
             parent = dataclasses.replace(node, chosen=node.chosen[:-1], counts=node.counts[:-1])
             counted = tuple(zip(*bound.many(
@@ -514,9 +638,9 @@ class _Search:
         or nothing if none does, each structure priced with its best splits (classes
         that cut the model at different layers sync more). Cheap, and at scale far
         better than one type alone."""
-        levels = self.state[config][0]
+        levels = self.state[config].levels
         microbatches = self.batch // config.mb
-        devices = self.state[config][1].devices
+        devices = self.state[config].bound.devices
         chosen: list[ClassShape] = []
         best = float("inf")
         for level in levels:
@@ -534,7 +658,7 @@ class _Search:
                 if n < 1 or not self.limits.allows(f.types):
                     continue
                 shape = f.shape(n)
-                shapes = tuple(sorted((*chosen, shape), key=_placement_order))
+                shapes = tuple(sorted((*chosen, shape), key=placement_order))
                 table = self.view(config)
                 priced = price(table, config, self.pricing, shapes, microbatches)
                 if priced is None or priced.lower >= best:
@@ -582,12 +706,12 @@ class _Search:
         if table.cache[key] is None:
             return node.bound  # (it has no children, and is no plan)
         if not node.unsynced and not self.is_leaf(node):
-            levels, bound, _ = self.state[node.config]
+            levels, bound = self.state[node.config].levels, self.state[node.config].bound
             open_levels = range(node.level, len(levels))
             node.base = bound.unsynced(self.fixed(node), open_levels, self.shrinks(node),
                                        node.base, self.fits(node.config, shapes, open_levels))
             node.unsynced = True
-        return max(node.bound, synced(node.base, table.cache[key]))
+        return max(node.bound, synced(node.base, table.cache[key], table.sync))
 
     def fewest(self, node: _Node) -> tuple[ClassShape, ...]:
         """The node's classes as placed, a last one that stands for 1..n pipelines at one:
@@ -614,11 +738,11 @@ class _Search:
         zero3 = 3 in self.space.zeros and len(shapes) == 1 and shapes[0].n > 1
         # sync is one term of the step: added to the base, the bound before sync floors
         paid = max(synced(node.base, max(table.collective(Collective.ALL_REDUCE, grads, holders),
-                                         card_floor(table, shapes, placement, zero3))),
-                   self.crossed(node))
+                                         card_floor(table, shapes, placement, zero3)),
+                          table.sync), self.crossed(node))
         if not zero3:
             return max(node.bound, paid)  # no ZeRO-3 (`evaluate.zero_space`)
-        bound = self.state[config][1]
+        bound = self.state[config].bound
         sharded, _ = bound([(self.zero3(config, f), n) for f, n in self.fixed(node)], ())
         out = max(node.bound, min(paid, sharded))
         if config.interleave > 1:  # (the busy time bounds no interleaved period alone)
@@ -626,13 +750,13 @@ class _Search:
         # X: the most parameters a stage on ZeRO-3 shards (0: none is); per range of X
         # between thresholds, the card under the next and the busy time at the last
         floors = sharded_card_floors(table, config, shapes[0], placement[0])
-        least = synced(node.base, floors[0][0]) if floors else out
+        least = synced(node.base, floors[0][0], table.sync) if floors else out
         for i, (_, busy) in enumerate(floors):
             if least <= out or busy == INF:  # (inf: X cannot reach the threshold)
                 break
             full, base = bound([(_busier(f, busy), n) for f, n in self.fixed(node)], ())
             card = floors[i + 1][0] if i + 1 < len(floors) else 0.0
-            least = min(least, max(full, synced(max(base, node.base), card)))
+            least = min(least, max(full, synced(max(base, node.base), card, table.sync)))
         return max(out, least)
 
     def zero3(self, config: Config, family: Family) -> Family:
@@ -652,7 +776,7 @@ class _Search:
         return table.cache[key]
 
     def is_leaf(self, node: _Node) -> bool:
-        return node.level == len(self.state[node.config][0])
+        return node.level == len(self.state[node.config].levels)
 
     def dive(self, node: _Node) -> None:
         """Follow one path down the tree, pricing on the way the structure each level's
@@ -663,7 +787,7 @@ class _Search:
         time limit, only the child with the best bound, towards a first plan if there
         is none yet, and none at all once there is one (settling a node prices its
         families: at 1,024 GPUs with --tp-per-class, seconds)."""
-        levels, bound, _ = self.state[node.config]
+        levels, bound = self.state[node.config].levels, self.state[node.config].bound
         while True:
             if self.late() and self.best:
                 return
@@ -675,7 +799,10 @@ class _Search:
                 self.leaf(node)
                 return
             late = self.late()
-            children = self.children(node)
+            # (not into a node that must add another mixed class: its classes alone are
+            # its sibling's, which leaves the homogeneous levels to join them)
+            children = [c for c in self.children(node)
+                        if not 0 < c.level < self.state[node.config].mixed]
             heapq.heapify(children)
             settled = []
             for _ in range(1 if late else _DIVE_TRIES):  # (late: the first plan, soon)
@@ -708,7 +835,8 @@ class _Search:
         if not self.best or (self.single and len(self.best[0].shapes) > 1):
             return
         model = self.best[0]
-        for config, (levels, bound, index) in self.state.items():
+        for config, setup in self.state.items():
+            levels, bound, index = setup.levels, setup.bound, setup.index
             if self.late():
                 return
             keys = [(s.types, s.tps if config.tp is None else (config.tp,) * s.stages)
@@ -739,7 +867,8 @@ class _Search:
         one type leave idle."""
         if self.single or not self.best or self.best[0].config != config or self.late():
             return  # (past the deadline: its moves' bounds alone take seconds at 1,000 layers)
-        levels, bound, index = self.state[config]
+        setup = self.state[config]
+        levels, bound, index = setup.levels, setup.bound, setup.index
         keys = [(s.types, s.tps) for s in self.best[0].shapes]
         if (not levels[0] or len(set(levels[0][0].types)) < 2
                 or any(len(set(types)) > 1 for types, _ in keys)
@@ -775,37 +904,57 @@ class _Search:
             if self.promising(node.bound):
                 self.leaf(node)
 
+    def push(self, node: _Node) -> None:
+        """Queue a node: on `deferred` if it must add another mixed class."""
+        setup = self.state.get(node.config)
+        must_add = setup is not None and 0 < node.level < setup.mixed
+        heapq.heappush(self.deferred if must_add else self.heap, node)
+
+    def _queue(self) -> list[_Node]:
+        """The queue `step` takes from: `heap` while its best may beat the best plan (or
+        nothing is deferred), else `deferred`."""
+        if self.heap and (not self.deferred or self.promising(self.heap[0].bound)):
+            return self.heap
+        return self.deferred
+
+    def upcoming(self) -> tuple[bool, _Node]:
+        """The node `step` takes next, after any of another part's that is not deferred
+        (the search takes the least of these over its parts)."""
+        queue = self._queue()
+        return queue is self.deferred, queue[0]
+
     def step(self) -> bool:
-        """Expand the most promising node; False when the search is over."""
-        if not self.heap:
+        """Expand the most promising node; False when this part's search is over."""
+        if not self.heap and not self.deferred:
             return False
-        node = heapq.heappop(self.heap)
+        queue = self._queue()
+        node = heapq.heappop(queue)
         if not self.keep(node.bound):
-            for rest in self.heap:
+            for rest in queue:
                 self.keep(rest.bound)
-            self.heap.clear()
-            return False
+            queue.clear()
+            return bool(self.heap or self.deferred)
         if node.level == _WAITING:
             if self.keep((root := self.set_up(node.config)).bound):
-                heapq.heappush(self.heap, root)
+                self.push(root)
             return True
         if not self.settle(node):
             if self.keep(node.bound):
-                heapq.heappush(self.heap, node)
+                self.push(node)
             return True
         if (parts := self.split(node)) is not None:
             exact, sibling = parts
             if sibling is not None and self.keep(sibling.bound):
-                heapq.heappush(self.heap, sibling)
+                self.push(sibling)
             if exact.bound > node.bound * (1 + 1e-12):  # it may wait its turn again
                 if self.keep(exact.bound):
-                    heapq.heappush(self.heap, exact)
+                    self.push(exact)
                 return True
             node = exact
         if (raised := self.crossed(node)) > node.bound * (1 + 1e-12):
             node.bound = raised  # it may wait its turn again
             if self.keep(node.bound):
-                heapq.heappush(self.heap, node)
+                self.push(node)
             return True
         self.explored += 1
         if self.is_leaf(node):
@@ -813,7 +962,7 @@ class _Search:
             return True
         for child in self.children(node):
             if self.keep(child.bound):
-                heapq.heappush(self.heap, child)
+                self.push(child)
         return True
 
 
@@ -844,14 +993,13 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
     status, taken = "optimal", float("inf")  # taken: the bound of a node mid-step
     try:
         _start(runs, table, batch, seeds, dives, start, time_limit)
-        while live := [part for part in runs if part.heap]:
+        while live := [part for part in runs if part.heap or part.deferred]:
             if time_limit is not None and time.perf_counter() - start > time_limit and best:
                 status = "feasible"
                 break
-            part = min(live, key=lambda part: part.heap[0])
-            taken = part.heap[0].bound
-            if not part.step():
-                break
+            part = min(live, key=lambda part: part.upcoming())
+            taken = part.upcoming()[1].bound
+            part.step()
             taken = float("inf")
             if progress:
                 progress(Progress(sum(part.explored for part in runs),
@@ -874,7 +1022,9 @@ def search(table: CostTable, batch: int, *, limits: Limits | None = None,
                         explored=sum(part.explored for part in runs),
                         pruned=sum(part.pruned for part in runs),
                         wall_time=time.perf_counter() - start,
-                        space=search_space(table, batch, limits))
+                        space=search_space(table, batch, limits, [
+                            config for part in runs for config, setup in part.state.items()
+                            if setup.mixed < mixed_levels(part.view(config), part.limits)]))
 
 
 def _start(runs: list[_Search], table: CostTable, batch: int,
@@ -886,7 +1036,7 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
     run = runs[0]
     for config, shapes in seeds:
         if config in run.state:
-            node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config][0]),
+            node = _Node(0.0, next(run.counter), config, 0.0, len(run.state[config].levels),
                          tuple((s.types, s.tps) for s in shapes), tuple(s.n for s in shapes))
             run.given_up = min(run.given_up, run.price(node))
     seeded = run.best[0].config if run.best else None
@@ -912,7 +1062,8 @@ def _start(runs: list[_Search], table: CostTable, batch: int,
 def _bound(runs: list[_Search], best: list[Evaluation]) -> float:
     """No structure is faster, whether explored, pruned (up to the gap) or still queued."""
     return min([*(e.step_time for e in best[:1]), *(part.given_up for part in runs),
-                *(n.bound for part in runs for n in part.heap[:1])], default=float("inf"))
+                *(n.bound for part in runs for n in part.heap[:1] + part.deferred[:1])],
+               default=float("inf"))
 
 
 def _parts(space: Space, limits: Limits) -> list[bool]:
@@ -939,9 +1090,10 @@ def _least_degrees(levels: list[list[Family]]) -> dict[str, int]:
     return least
 
 
-def _placement_order(shape: ClassShape) -> tuple[bool, str]:
-    """Classes are placed mixed first, then the homogeneous ones by type name."""
-    return len(set(shape.types)) == 1, shape.types[0]
+def placement_order(shape: ClassShape) -> tuple[bool, tuple[str, ...], tuple[int, ...]]:
+    """Classes are placed mixed first, in the order of their families' keys (the order
+    of a mixed level, `families.families`), then the homogeneous ones by type name."""
+    return len(set(shape.types)) == 1, shape.types, shape.tps
 
 
 def _busier(family: Family, busy: float) -> Family:
@@ -953,7 +1105,7 @@ def _busier(family: Family, busy: float) -> Family:
 def _shapes(node: _Node) -> tuple[ClassShape, ...]:
     """A leaf's classes in the order they are placed."""
     return tuple(sorted((ClassShape(types=t, n=n, tps=tps) for (t, tps), n in zip(
-        node.chosen, node.counts, strict=True)), key=_placement_order))
+        node.chosen, node.counts, strict=True)), key=placement_order))
 
 
 def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Space,

@@ -6,12 +6,18 @@ predictions of plans (`predict`), the simulator (`planner.simulate`), the timeli
 
     step = slowest pipeline  +  gradient sync  +  optimizer step
 
+where the sync term is what a step pays of one whole sync (`exposed`): all of it, after
+the last backward, by default; with a sync that overlaps backward (`SyncSpec.overlap`:
+each stage's buckets start as its last micro-batch's backward makes them), what the
+least one-micro-batch backward of any stage does not hide (`overlappable`); with a sync
+every H steps (local SGD, model averaging, DiLoCo: `SyncSpec.interval`), 1/H of it.
+
 The terms come from elsewhere: a pipeline's time from `timing.pipeline_time` (its
 floor from `partition`'s staircases and `bound.Family`), the gradient sync from
 `evaluate.sync_and_optimizer` or `predict.sync_and_optimizer` (its floors from
-`sync_floor` and `evaluate.card_floor`), the optimizer step beside it. Here the
-sync starts once every pipeline's last backward has ended (the runtime all-reduces
-after the schedule), and the optimizer step after the sync.
+`sync_floor` and `evaluate.card_floor`), the optimizer step beside it. The sync starts
+once every pipeline's last backward has ended (the runtime sums after the schedule),
+or overlapping it, and the optimizer step after the sync.
 
 The search relies on two properties, which a new way of combining the terms (the
 sync overlapping the last backward, a sync every H steps) must keep: `floor` is
@@ -23,13 +29,31 @@ to a base it found once).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
+from planner.types.training import SyncSpec
+
 Seconds = TypeVar("Seconds", float, np.ndarray)
 SYNC, OPTIMIZER = "sync", "optimizer"  # the phases after the pipelines
+EVERY_STEP = SyncSpec()  # the sync after the schedule, every step
+
+
+def exposed(sync: float, hidden: float, policy: SyncSpec = EVERY_STEP) -> float:
+    """The seconds per step a whole sync of `sync` seconds adds to the step: spread over
+    the steps between syncs, less the backward it overlaps (`hidden`) where it does."""
+    per_step = sync / policy.interval
+    return max(0.0, per_step - hidden) if policy.overlap else per_step
+
+
+def overlappable(stage_backwards: Iterable[float]) -> float:
+    """The backward a sync that overlaps it hides at least: every stage's buckets start
+    within its last micro-batch's backward, so the least such backward of any stage
+    (the step's sync lasts as long as its slowest stage's or busiest card's)."""
+    return min(stage_backwards, default=0.0)
 
 
 @dataclass(frozen=True)
@@ -50,29 +74,42 @@ class StepTime:
     """A step by cause."""
 
     pipelines: float  # when the slowest pipeline's last backward ends
-    sync: float  # gradient sync
+    sync: float  # one whole gradient sync
     optimizer: float  # optimizer step
+    hidden: float = 0.0  # the backward an overlapping sync hides (`overlappable`)
+    policy: SyncSpec = EVERY_STEP
+
+    @property
+    def exposed(self) -> float:
+        """What the step pays of the sync (`exposed`)."""
+        return exposed(self.sync, self.hidden, self.policy)
 
     @property
     def total(self) -> float:
-        return floor(self.pipelines, self.sync, self.optimizer)
+        return unsynced(self.pipelines, self.optimizer) + self.exposed  # (as `floor` adds)
 
     def phases(self) -> tuple[Phase, Phase]:
-        """The sync and the optimizer step on the step's time line."""
-        return (Phase(SYNC, self.pipelines, self.sync),
-                Phase(OPTIMIZER, self.pipelines + self.sync, self.optimizer))
+        """The sync (its share of this step, started within the last backward where it
+        overlaps it) and the optimizer step on the step's time line."""
+        per_step = self.sync / self.policy.interval
+        return (Phase(SYNC, self.pipelines + self.exposed - per_step, per_step),
+                Phase(OPTIMIZER, self.pipelines + self.exposed, self.optimizer))
 
 
 def step_time(pipeline_times: list[float] | tuple[float, ...], sync: float,
-              optimizer: float) -> StepTime:
+              optimizer: float, hidden: float = 0.0, policy: SyncSpec = EVERY_STEP
+              ) -> StepTime:
     """The step of pipelines that end at these times (each its T(m))."""
-    return StepTime(pipelines=max(pipeline_times), sync=sync, optimizer=optimizer)
+    return StepTime(pipelines=max(pipeline_times), sync=sync, optimizer=optimizer,
+                    hidden=hidden, policy=policy)
 
 
-def floor(pipelines: Seconds, sync: Seconds | float, optimizer: Seconds | float) -> Seconds:
+def floor(pipelines: Seconds, sync: Seconds | float, optimizer: Seconds | float,
+          policy: SyncSpec = EVERY_STEP) -> Seconds:
     """The step of terms at these values: with floors of the terms, a floor of the step
-    (arrays: element by element)."""
-    return pipelines + sync + optimizer  # (`synced(unsynced(...))`, up to rounding)
+    (arrays: element by element); the total itself for a sync after the schedule, below
+    it where the sync overlaps backward (`synced`)."""
+    return synced(unsynced(pipelines, optimizer), sync, policy)
 
 
 def unsynced(pipelines: Seconds, optimizer: Seconds | float) -> Seconds:
@@ -80,14 +117,28 @@ def unsynced(pipelines: Seconds, optimizer: Seconds | float) -> Seconds:
     return pipelines + optimizer
 
 
-def synced(base: Seconds, sync: Seconds | float) -> Seconds:
-    """`unsynced`'s floor with the sync added."""
-    return base + sync
+def synced(base: Seconds, sync: Seconds | float, policy: SyncSpec = EVERY_STEP) -> Seconds:
+    """`unsynced`'s floor with the sync added: its share of a step (1/H of it), or where
+    it overlaps backward, the larger of the base and that share: the backward it hides
+    is part of the pipelines' time, so a step lasts at least as long as its sync,
+    whatever the backward hides (pipelines + max(0, sync - hidden) >= sync)."""
+    per_step = sync / policy.interval
+    return np.maximum(base, per_step) if policy.overlap else base + per_step
 
 
-def pipelines_within(total: Seconds, sync: Seconds | float, optimizer: Seconds | float
-                     ) -> Seconds:
+def sync_beyond(extra: Seconds, policy: SyncSpec = EVERY_STEP) -> Seconds:
+    """What `extra` seconds of sync beyond another's add to a step for certain (pipelines
+    that pay it end that much earlier within the same step): its share of a step, or
+    nothing where the sync overlaps backward (it may hide behind the pipelines'
+    backward, whatever its length: `synced`)."""
+    return extra * 0.0 if policy.overlap else extra / policy.interval
+
+
+def pipelines_within(total: Seconds, sync: Seconds | float, optimizer: Seconds | float,
+                     policy: SyncSpec = EVERY_STEP) -> Seconds:
     """The slowest pipeline's time that makes a step of `total` with these terms (the
     inverse of `floor` in its first term): a step below `total` needs pipelines below
-    it."""
-    return total - sync - optimizer
+    it (where the sync overlaps backward, whatever the sync: `synced`)."""
+    if policy.overlap:
+        return total - optimizer
+    return total - sync / policy.interval - optimizer

@@ -71,6 +71,7 @@ class SyncFloor:
         self._diagonal = np.eye(len(infos), dtype=bool)[None]
         self._copies: dict[tuple[str, ...], np.ndarray] = {}
         self._table, self._config, self._gathers = table, config, gathers
+        self.policy = table.sync  # how a step pays these floors (`step.synced`)
 
     @functools.cached_property
     def floor(self) -> np.ndarray:

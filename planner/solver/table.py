@@ -15,11 +15,11 @@ import numpy as np
 
 from cost_models.comm import Collective, CommGroup
 from cost_models.compute import recompute_repeats_tp
-from cost_models.memory import GIB, activation_bytes, optimizer_state_bytes
+from cost_models.memory import GIB, optimizer_state_bytes, sync_state_bytes
 from cost_models.model import CostModel
 from planner.dtypes import dtype_bytes
 from planner.errors import PlannerError
-from planner.types import ClusterSpec, DeviceSpec, Layer, LinkSpec, TrainingSpec
+from planner.types import ClusterSpec, DeviceSpec, Layer, LinkSpec, SyncSpec, TrainingSpec
 from planner.types.training import Recompute
 
 POLICIES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
@@ -84,6 +84,7 @@ class CostTable:
     split: np.ndarray | None = None  # per layer: whether tensor parallelism splits it (and
     # so the copy of a tied weight it reads: `types.model.params_per_rank`)
     interleave: int = 1  # folded for this many model chunks per device (`interleave.fold`)
+    sync: SyncSpec = field(default_factory=SyncSpec)  # how a step pays its sync (`step.py`)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def bytes_per_param(self, zero: int, shards: int) -> float:
@@ -233,7 +234,8 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
 
     def activations(policy: Recompute, tp: int) -> np.ndarray:
         if (policy, tp) not in act_cache:
-            act_cache[policy, tp] = np.array([activation_bytes(layer, recompute=policy, tp=tp)
+            act_cache[policy, tp] = np.array([costs.activation_bytes(layer, recompute=policy,
+                                                                     tp=tp)
                                               for layer in layers])
         return act_cache[policy, tp]
 
@@ -246,7 +248,7 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
         params=np.array([float(layer.params) for layer in layers]), activations=activations,
         boundary=np.array([layer.output_bytes for layer in layers]), weight_bytes=weight,
         grad_bytes=float(training.optimizer.grad_bytes or weight),
-        state_bytes=optimizer_state_bytes(training),
+        state_bytes=optimizer_state_bytes(training) + sync_state_bytes(training),
         link=cluster.link_between,
         collective=costs.collective_time,
         optimizer_time=functools.cache(
@@ -256,4 +258,4 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
                    for owner, params in layer.tied),
         unsharded=np.array([0.0 if layer.tp_sharded else float(layer.params)
                             for layer in layers]),
-        split=np.array([layer.tp_sharded for layer in layers]))
+        split=np.array([layer.tp_sharded for layer in layers]), sync=training.sync)

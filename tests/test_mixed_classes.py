@@ -1,0 +1,136 @@
+"""Several mixed pipeline classes (issue 53): a plan may hold up to `Limits.mixed_classes`
+mixed classes over disjoint sets of device types (two pairs of nodes of different speeds
+run as two two-node classes, not one four-node one), each a level of the search. The
+search equals brute force over that space, its bounds hold there, and it says in its
+report how many mixed classes it allows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.solver.evaluate import Space
+from planner.solver.families import mixed_levels
+from planner.solver.limits import Limits
+from planner.solver.search import search
+from tests.solver_tables import GIB, every_structure, random_table
+from tests.test_solver_search import _check_subtree_bounds, assert_equals_brute_force
+
+
+def _instance(rng: random.Random):
+    """Four or five types on at most 7 devices, pipelines of two or three stages: pairs
+    of two-type classes fit beside each other."""
+    kinds = rng.randint(4, 5)
+    while True:
+        types = [(f"t{i}", [rng.randint(1, 2) for _ in range(rng.randint(1, 2))])
+                 for i in range(kinds)]
+        if sum(sum(devices) for _, devices in types) <= 7:
+            break
+    table = random_table(rng.randrange(10**6), layers=rng.randint(3, 4), types=types,
+                         memory=rng.choice([2, 4, 8]) * GIB,
+                         link_speed=rng.choice([0.1, 1.0, 10.0]))
+    return table, rng.choice([2, 4]), Limits(max_stages=rng.choice([2, 3]))
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_equals_brute_force_over_several_mixed_classes(seed):
+    assert_equals_brute_force(*_instance(random.Random(seed)), Space(zeros=(0,)))
+
+
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_search_equals_brute_force_over_several_mixed_classes_with_zero(seed):
+    assert_equals_brute_force(*_instance(random.Random(seed)))
+
+
+def _four_single_gpus(seed: int):
+    """Four types, one device each: the classes' sync is cheap next to their work."""
+    table = random_table(seed, layers=4, types=[("a", [1]), ("b", [1]), ("c", [1]),
+                                                ("d", [1])],
+                         memory=4 * GIB, link_speed=10.0)
+    return table, 4, Space(zeros=(0,))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 7, 25, 29])
+def test_two_mixed_classes_win_on_these_instances(seed):
+    """Instances where the best plan is two two-type classes on disjoint pairs of types,
+    faster than any plan of one mixed class: the brute force above would pass without
+    them in the space on instances where none wins."""
+    table, batch, space = _four_single_gpus(seed)
+    limits = Limits(max_stages=2)
+    best = search(table, batch, limits=limits, space=space).best[0]
+    assert_equals_brute_force(table, batch, limits, space)
+    assert sum(len(set(shape.types)) > 1 for shape in best.shapes) == 2, best.shapes
+    one = search(table, batch, limits=Limits(max_stages=2, mixed_classes=1), space=space)
+    assert best.step_time < one.best[0].step_time * (1 - 1e-6)
+
+
+@pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**9))
+def test_every_node_bound_is_below_every_structure_of_its_subtree_over_mixed_classes(seed):
+    """`test_every_node_bound_is_below_every_structure_in_its_subtree` where two mixed
+    levels are open at the root and one below each node that fixes a mixed class and
+    must add another."""
+    table, batch, limits = _instance(random.Random(seed))
+    for single in (False, True):
+        space = Space() if single else Space(zeros=(0,))
+        values = [(config, shapes, v) for config, shapes, v in every_structure(
+            table, batch, limits, space) if not single or (len(shapes) == 1 and (
+                config.gpipe or len(set(shapes[0].tps)) == 1))]
+        _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
+
+
+def test_node_bounds_hold_where_two_mixed_classes_win():
+    """The same on an instance whose best plan has two mixed classes (quick)."""
+    table, batch, space = _four_single_gpus(2)
+    limits = Limits(max_stages=2)
+    values = list(every_structure(table, batch, limits, space))
+    assert any(sum(len(set(s.types)) > 1 for s in shapes) == 2 for _, shapes, _ in values)
+    _check_subtree_bounds(table, batch, limits, False, values, random.Random(2))
+
+
+@pytest.mark.parametrize(("kinds", "mixed", "most", "expected"), [
+    (1, True, 2, 0), (2, True, 2, 1), (3, True, 2, 1), (4, True, 2, 2), (5, True, 2, 2),
+    (8, True, 2, 2), (8, True, 3, 3), (6, True, 3, 3), (4, True, 1, 1), (4, False, 2, 0)])
+def test_a_plan_holds_a_mixed_class_per_two_types_up_to_the_limit(kinds, mixed, most,
+                                                                  expected):
+    table = random_table(0, layers=3, types=[(f"t{i}", [1]) for i in range(kinds)])
+    assert mixed_levels(table, Limits(mixed=mixed, mixed_classes=most)) == expected
+
+
+def test_the_search_says_how_many_mixed_classes_it_allows():
+    table, batch, space = _four_single_gpus(2)
+    found = search(table, batch, limits=Limits(max_stages=2), space=space).space
+    assert found.startswith("up to 2 mixed pipeline classes over disjoint sets of device "
+                            "types")
+    three = random_table(0, layers=3, types=[("a", [1]), ("b", [1]), ("c", [1])])
+    found = search(three, 2, limits=Limits(max_stages=2), space=space).space
+    assert found.startswith("one optional mixed pipeline class")
+    found = search(table, batch, limits=Limits(max_stages=2, mixed=False), space=space).space
+    assert found.startswith("no mixed pipeline class")
+
+
+def test_one_mixed_class_where_pairs_would_be_too_many(monkeypatch):
+    """Beyond `MIXED_PAIRS` pairs of mixed families on disjoint types, a configuration
+    holds one mixed class, and the search says where."""
+    import planner.solver.families as module
+
+    table, batch, space = _four_single_gpus(2)
+    limits = Limits(max_stages=2)
+    monkeypatch.setattr(module, "MIXED_PAIRS", 0)
+    cut = search(table, batch, limits=limits, space=space)
+    assert sum(len(set(shape.types)) > 1 for shape in cut.best[0].shapes) == 1
+    assert cut.best[0].step_time == pytest.approx(search(
+        table, batch, limits=Limits(max_stages=2, mixed_classes=1), space=space
+    ).best[0].step_time, rel=1e-12)
+    assert ("cut for speed to one where a configuration's mixed patterns make more than 0 "
+            "pairs on disjoint types: at tp 1),") in cut.space
+    monkeypatch.setattr(module, "MIXED_PAIRS", 10**6)
+    assert "pairs on disjoint types" not in search(table, batch, limits=limits,
+                                                   space=space).space
