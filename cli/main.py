@@ -113,17 +113,22 @@ def root(
 def _register() -> None:
     from cli import (
         compare_cmd,
+        data_cmd,
         devices_cmd,
         explain_cmd,
         interactive,
         launch_cmd,
         profile_cmd,
+        replan_cmd,
+        schedule_cmd,
         solve_cmd,
         trace_cmd,
+        tune_cmd,
     )
 
     for module in (trace_cmd, solve_cmd, devices_cmd, profile_cmd, explain_cmd, compare_cmd,
-                   interactive, launch_cmd):
+                   interactive, launch_cmd, replan_cmd, schedule_cmd, tune_cmd,
+                   data_cmd):
         module.register(app)
 
 

@@ -12,6 +12,7 @@ from rich.text import Text
 from cli.tables import FitPanel, FitWords, counted, fit_words
 from planner.compare import speedup
 from planner.explain import MICRO_BATCHES, MICRO_BATCHES_KEY, micro_batches
+from planner.sync import sync_note
 from planner.types import PipelinePlan, Plan
 from planner.units import fmt_bytes, fmt_seconds
 
@@ -94,6 +95,9 @@ def prediction_panel(plan: Plan) -> FitPanel:
         share = value / p.step_time if p.step_time else 0.0
         bar = "█" * round(share * width)
         lines.append(f"{name:>10} {bar:<{width}} {fmt_seconds(value):>9} {share:6.1%}")
+    note = sync_note(plan)
+    if note is not None:
+        lines.append(escape(note))
     title = (f"Prediction: {counted(len(plan.pipelines), 'pipeline')} on {plan.num_devices:,} "
              f"of {counted(plan.cluster.num_devices, 'device')}, global batch "
              f"{plan.training.global_batch}, {plan.training.dtype}")

@@ -15,7 +15,7 @@ from cli import options as opt
 from cli.tables import output_console
 
 if TYPE_CHECKING:
-    from planner.types import ClusterSpec, ModelGraph, Plan, TrainingSpec
+    from planner.types import ClusterSpec, ModelGraph, Plan, SyncSpec, TrainingSpec
 
 console = output_console()
 err_console = Console(emoji=False, stderr=True)
@@ -33,17 +33,31 @@ Output = Annotated[Path | None, typer.Option("--output", "-o", help="Write the p
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="Megatron's sequence parallelism: each tensor-parallel group "
     "splits transformer blocks' norms, dropout and residual adds (and what they keep for "
-    "backward) over the sequence, its all-reduces becoming reduce-scatters and all-gathers. "
-    "`planner launch` does not run it yet.")]
+    "backward) over the sequence, its all-reduces becoming reduce-scatters and all-gathers.")]
 VocabParallel = Annotated[bool, typer.Option(
     "--vocab-parallel", help="Split a transformer's embedding and LM head, its loss "
     "included, over the vocabulary across each tensor-parallel group, as Megatron does, "
-    "instead of running them whole on every rank. `planner launch` does not run it yet.")]
+    "instead of running them whole on every rank.")]
+
+
+Sync = Annotated[str, typer.Option(
+    "--sync", help="How pipelines holding the same layers keep them equal: every-step "
+    "(gradients summed every step), or, changing the optimization, local-sgd:H (local SGD, "
+    "parameters averaged every H steps weighted by batch share), average:H (one weight per "
+    "pipeline), diloco:H (DiLoCo: an outer Nesterov step every H steps), auto (solve only: "
+    "with --max-interval, the solver picks H).", rich_help_panel="Gradient sync")]
+OverlapSync = Annotated[bool, typer.Option(
+    "--overlap-sync", help="Every-step gradient sums start bucket by bucket as backward makes "
+    "the gradients (as DDP does), priced as what the last backward does not hide.",
+    rich_help_panel="Gradient sync")]
+MaxInterval = Annotated[int | None, typer.Option(
+    "--max-interval", help="With --sync auto: the most steps between syncs.",
+    rich_help_panel="Gradient sync", show_default=False)]
 
 
 def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dtype: str,
-           shape: dict, *, sequence_parallel: bool = False, vocab_parallel: bool = False
-           ) -> tuple[ModelGraph, ClusterSpec, TrainingSpec]:
+           shape: dict, *, sequence_parallel: bool = False, vocab_parallel: bool = False,
+           sync: SyncSpec | None = None) -> tuple[ModelGraph, ClusterSpec, TrainingSpec]:
     """The model traced, its layers as the tensor-parallel options run them
     (`tensor_parallel.as_trained`), the cluster and the training."""
     import dataclasses
@@ -69,7 +83,8 @@ def _setup(model: str, cluster: str, global_batch: int, seq_len: int | None, dty
                             spinner="dots"):
         graph = cached_trace(model_to_trace, seq_len=seq_len, dtype=dtype)
     training = TrainingSpec(global_batch=global_batch, seq_len=graph.seq_len, dtype=dtype,
-                            sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+                            sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+                            **({} if sync is None else {"sync": sync}))
     return (dataclasses.replace(graph, layers=as_trained(graph.layers, training)), spec,
             training)
 
@@ -146,6 +161,12 @@ def solve(
     schedule: opt.ScheduleChoice = None,
     sequence_parallel: SequenceParallel = False,
     vocab_parallel: VocabParallel = False,
+    sync: Sync = "every-step",
+    overlap_sync: OverlapSync = False,
+    max_interval: MaxInterval = None,
+    data_profile: Annotated[Path | None, typer.Option(
+        "--data-profile", help="Rank the best plans again by their expected step on "
+        "samples of this data profile's lengths (planner data-profile -o), packed.")] = None,
     layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
     kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
     settings: opt.Set = None,
@@ -162,19 +183,23 @@ def solve(
     from planner.files import check_writable
     from planner.solver import Limits, SolveOptions, Space, solve
     from planner.solver.limits import check_chunk_flags, parse_schedule
+    from planner.sync import AutoSync, check_zero, parse_sync, solve_auto
 
     check_chunk_flags(interleave, max_interleave, schedule)
     if top_k < 1:
         raise PlannerError("bad-option", f"--top-k must be at least 1 (got {top_k}).")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise PlannerError("bad-option", f"--zero must be 0, 1, 2 or 3 (got {zero}).")
+    asked = parse_sync(sync, overlap=overlap_sync, max_interval=max_interval)
+    check_zero(asked, zero)
     if output is not None:  # before the work, not after it
         check_writable(output, force=force)
     shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                           ffn=ffn, vocab=vocab, settings=settings)
     graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape,
                                    sequence_parallel=sequence_parallel,
-                                   vocab_parallel=vocab_parallel)
+                                   vocab_parallel=vocab_parallel,
+                                   sync=None if isinstance(asked, AutoSync) else asked)
     options = SolveOptions(
         limits=Limits(tp=tp, max_tp=max_tp, pp=pp, dp=dp, max_dp=max_dp, micro_batch=micro_batch,
                       max_stages=max_stages, mixed=mixed, tp_per_class=tp_per_class,
@@ -186,9 +211,22 @@ def solve(
         space=Space(policies=_policies(recompute),
                     zeros=(zero,) if zero is not None else (0, 1, 2, 3)),
         exclude=tuple(exclude or ()), top_k=top_k, gap=gap, time_limit=time_limit)
+    if data_profile is not None:  # (the best few, ranked again on the data: `data_cmd`)
+        import dataclasses
+
+        from cli.data_cmd import for_data
+        from planner.data.choose import CANDIDATES
+        from planner.data.profile import read_profile
+
+        profile = read_profile(data_profile)  # (before the search, not after it)
+        options = dataclasses.replace(options, top_k=max(top_k, CANDIDATES))
     with solve_progress(err_console, time_limit) as progress:
-        plans = solve(graph, spec, training, options, progress=progress)
+        plans = (solve_auto(graph, spec, training, options, asked, progress=progress)
+                 if isinstance(asked, AutoSync)
+                 else solve(graph, spec, training, options, progress=progress))
     progress.finish(plans[0])
+    if data_profile is not None:
+        plans = for_data(plans, graph, spec, profile, str(data_profile))[:top_k]
     warn_small_batch(plans[0])
     if len(plans) < top_k:  # say so, not leave the reader to count
         found = ("exist under the constraints given" if plans[0].solver.status == "optimal"
@@ -250,6 +288,8 @@ def estimate(
         "interleaved with --interleave 2 or more.", show_default=False)] = None,
     sequence_parallel: SequenceParallel = False,
     vocab_parallel: VocabParallel = False,
+    sync: Sync = "every-step",
+    overlap_sync: OverlapSync = False,
     output: Output = None,
     json_out: opt.JsonOut = False,
     force: opt.Force = False,
@@ -305,19 +345,35 @@ def estimate(
                            "which contradicts --pp 1" + (" (the default)" if pp is None else "")
                            + ".", ["give --pp 2 or more", "or drop --schedule gpipe"])
     pp = 1 if pp is None else pp
+    asked = _fixed_sync(sync, overlap_sync, zero)
     if output is not None:
         check_writable(output, force=force)
     shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                           ffn=ffn, vocab=vocab, settings=settings)
     graph, spec, training = _setup(model, cluster, global_batch, seq_len, dtype, shape,
                                    sequence_parallel=sequence_parallel,
-                                   vocab_parallel=vocab_parallel)
+                                   vocab_parallel=vocab_parallel, sync=asked)
     plan = uniform_plan(layers=graph.layers, model=graph.spec, cluster=spec,
                         training=training, costs=AnalyticalCostModel(spec), tp=tp, pp=pp,
                         dp=dp, micro_batch=micro_batch, recompute=_policies(recompute)[0],
                         zero=zero, schedule=chosen, interleave=interleave)
     _emit(plan, graph, output, force, json_out)
     _refuse_overflow(plan, graph, output)
+
+
+def _fixed_sync(text: str, overlap: bool, zero: int) -> SyncSpec:
+    """estimate's --sync and --overlap-sync (a recipe fixes its interval: no auto)."""
+    from planner.errors import PlannerError
+    from planner.sync import AUTO, check_zero, parse_sync
+
+    if text.strip().lower() == AUTO:
+        raise PlannerError("bad-option", "--sync auto lets `planner solve` pick the interval; "
+                           "estimate prices the recipe given.",
+                           ["give --sync local-sgd:H", "or plan with `planner solve --sync "
+                            "auto --max-interval H`"])
+    asked = parse_sync(text, overlap=overlap)
+    check_zero(asked, zero)
+    return asked
 
 
 def _refuse_overflow(plan: Plan, graph: ModelGraph, output: Path | None) -> None:
@@ -342,6 +398,7 @@ def _refuse_overflow(plan: Plan, graph: ModelGraph, output: Path | None) -> None
 # estimate's options that describe a recipe, which --plan does not take (the plan is one)
 _RECIPE = ("cluster", "global_batch", "seq_len", "dtype", "tp", "pp", "dp", "micro_batch",
            "recompute", "zero", "interleave", "schedule", "sequence_parallel", "vocab_parallel",
+           "sync", "overlap_sync",
            "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "settings")
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from planner.errors import PlannerError
+from planner.sync import convergence_risk
 from planner.types import Plan
 from planner.units import fmt_bytes, fmt_rate, fmt_seconds
 
@@ -198,6 +199,11 @@ FIGURES: tuple[Figure, ...] = (
     Figure("tp_comm", "tp comm", LOWER, lambda p, _: p.prediction.tp_comm, _secs),
     Figure("pp_comm", "pp comm", LOWER, lambda p, _: p.prediction.pp_comm, _secs),
     Figure("dp_comm", "dp comm", LOWER, lambda p, _: p.prediction.dp_comm, _secs),
+    Figure("sync", "gradient sync", NEUTRAL, lambda p, _: p.training.sync.describe()),
+    Figure("sync_saved", "sync saved / step", HIGHER, lambda p, _: p.prediction.sync_saved,
+           _secs),
+    Figure("convergence_risk", "convergence risk", NEUTRAL,
+           lambda p, _: convergence_risk(p)),
     Figure("optimizer", "optimizer", LOWER, lambda p, _: p.prediction.optimizer, _secs),
     Figure("memory_headroom", "min memory headroom", HIGHER,
            lambda p, _: memory_headroom(p)[0],

@@ -31,6 +31,7 @@ from planner.solver.predict import (
     plan_send_sharing,
     stage_timings,
 )
+from planner.sync import sync_note
 from planner.timeline import Timeline, build_timeline, ranges, timeline_dict
 from planner.types import CostBreakdown, Layer, ModelGraph, Plan, Recompute, StagePlan
 from planner.units import fmt_bytes, fmt_seconds
@@ -536,6 +537,8 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
         reasons.append(Reason("communication", (
             f"{TERM_WORDS[worst_comm].capitalize()} takes {comm[worst_comm]:.0%} of the step: "
             f"{link_hint} would help (try a what-if on the link bandwidth).")))
+    if (note := sync_note(plan)) is not None:
+        reasons.append(Reason("sync", note))
     card = _shared_card(plan)
     if card is not None and shares["dp_comm"] > 0:
         name, count = card

@@ -284,9 +284,11 @@ def check_plan(plan: Plan, source: str, *, written: bool = False) -> Plan:
     which the error says to correct rather than to regenerate."""
     from planner.dtypes import canonical_dtype
     from planner.runtime.layout import rank_layout
+    from planner.sync import check_sync
 
     try:
         _check_fields(plan)
+        check_sync(plan)
         _check_numbers(plan)
         _check_model(plan)
         canonical_dtype(plan.training.dtype)

@@ -26,14 +26,17 @@ from planner.solver.predict import Holders, predict
 from planner.solver.timing import in_flight
 from planner.types import (
     CostBreakdown,
+    DeviceSpec,
     Layer,
     MemoryBreakdown,
     ModelGraph,
     PipelinePlan,
     Plan,
     Recompute,
+    Schedule,
     SolverReport,
     StagePlan,
+    TrainingSpec,
 )
 from planner.types.model import zero_kept
 
@@ -94,19 +97,33 @@ def replicas(plan: Plan) -> dict[tuple, int]:
 def stage_memory(plan: Plan, pipeline: PipelinePlan, stage: StagePlan, layers: Sequence[Layer],
                  costs: CostModel, *, replicas: int, recompute: Recompute | None = None,
                  zero: int | None = None) -> MemoryBreakdown:
-    """Bytes per device of `stage` of `pipeline` (`costs.memory`, with the micro-batches
-    its schedule holds in flight at its peak), sharded over its `replicas`; `recompute`
-    or `zero` price it with another policy or ZeRO stage (explain: without a saver)."""
-    recompute = stage.recompute if recompute is None else recompute
-    zero = stage.zero if zero is None else zero
-    held = stage.held()
+    """Bytes per device of `stage` of `pipeline` (`held_memory`), sharded over its
+    `replicas`; `recompute` or `zero` price it with another policy or ZeRO stage
+    (explain: without a saver)."""
+    return held_memory(
+        [layers[i] for i in stage.held()], layers, plan.cluster.node(stage.devices.node).device,
+        plan.training, costs, tp=stage.tp, replicas=replicas,
+        zero=stage.zero if zero is None else zero,
+        recompute=stage.recompute if recompute is None else recompute,
+        micro_batch=pipeline.micro_batch, stage=stage.index, stages=len(pipeline.stages),
+        microbatches=pipeline.num_microbatches, schedule=pipeline.schedule,
+        interleave=pipeline.interleave)
+
+
+def held_memory(held: Sequence[Layer], layers: Sequence[Layer], device: DeviceSpec,
+                training: TrainingSpec, costs: CostModel, *, tp: int, replicas: int, zero: int,
+                recompute: Recompute, micro_batch: int, stage: int, stages: int,
+                microbatches: int, schedule: Schedule, interleave: int) -> MemoryBreakdown:
+    """Bytes per device of the `stage`-th of `stages` holding the layers `held` (of the
+    model's `layers`): `costs.memory` with the micro-batches its schedule holds in flight
+    at its peak, the tied weights ZeRO keeps whole, sharded over its `replicas`. The one
+    rule for plans priced as written (`stage_memory`) and the solver's
+    (`solver.build.stage_plan`)."""
     return costs.memory(
-        [layers[i] for i in held], plan.cluster.node(stage.devices.node).device, plan.training,
-        tp=stage.tp, dp=replicas, zero=zero, recompute=recompute,
-        micro_batch=pipeline.micro_batch,
-        in_flight=in_flight(stage.index, len(pipeline.stages), pipeline.num_microbatches,
-                            pipeline.schedule, pipeline.interleave),
-        kept=zero_kept(layers, set(held), zero))
+        held, device, training, tp=tp, dp=replicas, zero=zero, recompute=recompute,
+        micro_batch=micro_batch,
+        in_flight=in_flight(stage, stages, microbatches, schedule, interleave),
+        kept=zero_kept(layers, {layer.index for layer in held}, zero))
 
 
 def price_plan(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None) -> Plan:

@@ -15,6 +15,7 @@ summary.py:    step logs and the run summary
 train.py:      `run(RunOptions, env)`, the whole thing
 node.py:       `python -m planner.runtime.node`: a node's launcher (arrival, torchrun)
 failures.py:   why a run failed, and which rank failed first
+supervise.py:  `python -m planner.runtime.supervise`: a lost node re-planned around, resumed
 reference.py:  the same training in one process, for checking a run
 """
 

@@ -37,6 +37,13 @@ def parser() -> argparse.ArgumentParser:
                    help="Continue from the latest complete checkpoint in --run-dir, if any.")
     p.add_argument("--data", default=None, metavar="MODULE:FUNCTION",
                    help="A data hook (default: synthetic data); see planner/runtime/data.py.")
+    p.add_argument("--lengths", type=Path, default=None, metavar="PROFILE",
+                   help="Synthetic samples of variable length, drawn from this data profile "
+                   "(planner data-profile -o), packed into micro-batches.")
+    p.add_argument("--packing", choices=("balanced", "naive"), default="balanced",
+                   help="Variable-length samples (--lengths, or a data hook returning lists): "
+                   "balanced (each pipeline's work matches its speed, micro-batches of "
+                   "equal work) or naive (in order, the plan's shares).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the weights and the data.")
     p.add_argument("--lr", type=float, default=1e-3, help="Learning rate.")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
@@ -53,6 +60,14 @@ def parser() -> argparse.ArgumentParser:
                    help="A step with a NaN or infinite loss or gradient: stop the run before "
                    "applying it (default), or skip its update (the run still stops when several "
                    "such steps come in a row). Either way no checkpoint holds a NaN.")
+    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
+                   help="Where the plan's gradient sync overlaps backward: the most MiB of "
+                   "gradients one all-reduce sums (DDP's bucket_cap_mb).")
+    p.add_argument("--outer-lr", type=float, default=0.7,
+                   help="DiLoCo (the plan's sync diloco:H): the outer optimizer's learning "
+                   "rate on the pseudo-gradients.")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="DiLoCo: the outer optimizer's Nesterov momentum.")
     p.add_argument("--debug", action="store_true", help="Show tracebacks of errors.")
     return p
 
@@ -64,9 +79,11 @@ def options_from(args: argparse.Namespace) -> RunOptions:
     return RunOptions(
         plan=args.plan, run_dir=args.run_dir, steps=args.steps,
         checkpoint_every=args.checkpoint_every, final_checkpoint=not args.no_final_checkpoint,
-        resume=args.resume, data=args.data, seed=args.seed, lr=args.lr,
+        resume=args.resume, data=args.data, lengths=args.lengths, packing=args.packing,
+        seed=args.seed, lr=args.lr,
         optimizer=args.optimizer, cpu=args.cpu, check_device_type=not args.ignore_device_type,
-        warmup=args.warmup, timeout=args.timeout, on_nonfinite=args.on_nonfinite)
+        warmup=args.warmup, timeout=args.timeout, on_nonfinite=args.on_nonfinite,
+        bucket_mb=args.bucket_mb, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
 
 
 def main(argv: list[str] | None = None) -> int:

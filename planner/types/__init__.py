@@ -2,7 +2,7 @@
 
 model.py:    ModelSpec, Kernel, Layer, ModelGraph (what tracing produces)
 cluster.py:  LinkSpec, DeviceSpec, Measured*, NodeSpec, GroupSpec, ClusterSpec
-training.py: OptimizerSpec, Recompute, TrainingSpec
+training.py: OptimizerSpec, Recompute, SyncSpec, TrainingSpec
 plan.py:     Plan, PipelinePlan, StagePlan, DeviceGroup, MemoryBreakdown, CostBreakdown,
              SolverReport, Baseline, Schedule
 """
@@ -15,6 +15,7 @@ from planner.types.cluster import (
     LinkSpec,
     MeasuredDevice,
     NodeSpec,
+    OptimizerTiming,
 )
 from planner.types.model import (
     SCHEMA_VERSION,
@@ -36,12 +37,12 @@ from planner.types.plan import (
     SolverReport,
     StagePlan,
 )
-from planner.types.training import OptimizerSpec, Recompute, TrainingSpec
+from planner.types.training import OptimizerSpec, Recompute, SyncSpec, TrainingSpec
 
 __all__ = [
     "SCHEMA_VERSION", "Baseline", "ClusterSpec", "CostBreakdown", "DeviceGroup", "DeviceSpec",
     "GroupSpec", "Kernel", "Layer", "LayerKind", "LayerTiming", "LinkSpec", "MeasuredDevice",
     "MemoryBreakdown", "ModelGraph", "ModelSpec", "NodeSpec", "OpClass", "OptimizerSpec",
-    "PipelinePlan", "Plan", "Recompute", "Schedule", "SolverReport", "StagePlan",
-    "TrainingSpec",
+    "OptimizerTiming", "PipelinePlan", "Plan", "Recompute", "Schedule", "SolverReport",
+    "StagePlan", "SyncSpec", "TrainingSpec",
 ]
