@@ -29,30 +29,71 @@ def _names(paths: list[Path]) -> list[str]:
 
 
 def compare(
-    plans: Annotated[list[Path], typer.Argument(
-        metavar="PLAN...", help="Two or more plan files; the first is the reference.")],
+    plans: Annotated[list[Path] | None, typer.Argument(
+        metavar="PLAN...", help="Two or more plan files; the first is the reference.",
+        show_default=False)] = None,
     json_out: opt.JsonOut = False,
     price: Price = None,
     only_differences: Annotated[bool, typer.Option(
         "--only-differences", "-d", help="Show only the rows where the plans differ.")] = False,
+    strategies: Annotated[str | None, typer.Option(
+        "--strategies", metavar="MODEL", show_default=False, rich_help_panel="Strategies",
+        help="Instead of plan files: DDP, FSDP ZeRO-2/3, local SGD, DiLoCo and the solver's "
+        "hybrid plan for MODEL on --cluster, side by side, with their scaling curve.")] = None,
+    cluster: Annotated[str, typer.Option(
+        "--cluster", "-c", rich_help_panel="Strategies",
+        help="With --strategies: a cluster YAML file, a built-in example or inline.")
+    ] = "a100-v100-lab",
+    global_batch: Annotated[int, typer.Option(
+        "--global-batch", "-B", rich_help_panel="Strategies",
+        help="With --strategies: samples per step.")] = 512,
+    seq_len: opt.SeqLen = None,
+    interval: Annotated[int, typer.Option(
+        "--interval", metavar="H", rich_help_panel="Strategies",
+        help="With --strategies: steps between syncs of local SGD and DiLoCo.")] = 8,
+    time_limit: opt.TimeLimit = 60.0,
+    svg: Annotated[Path | None, typer.Option(
+        "--svg", rich_help_panel="Strategies",
+        help="With --strategies: write the scaling curve as a self-contained SVG.")] = None,
+    force: opt.Force = False,
 ) -> None:
-    """Compare plans side by side, the differences from the first highlighted.
+    """Compare plans side by side, the differences from the first highlighted; or with
+    --strategies, the usual ways to train a model beside the solver's plan.
 
     Rows: structure (devices, pipelines, stages, tp, micro-batches, recompute, ZeRO),
     predicted step time and throughput, the step time by cause (communication
     included), memory headroom and cost (device-hours; dollars with --price).
     Green is better than the first plan, red worse, yellow a changed structure.
 
+    --strategies MODEL: DDP, FSDP ZeRO-2 and ZeRO-3, local SGD and DiLoCo every H steps
+    and the solver's best hybrid plan, each priced by the solver's step model at 1, 2,
+    4, ... replicas and on every device: throughput, peak memory per device,
+    communication per step, convergence risk, the scaling curve (--svg draws it).
+
     Examples:
       planner compare plan.json what-if.json
       planner compare a.json b.json c.json --price A100-80G-SXM=2.5 --price V100-32G=0.9
       planner compare a.json b.json --json | jq '.rows[] | select(.key=="step_time")'
+      planner compare --strategies gpt2-small -c a100-v100-lab -B 64 --svg scaling.svg
     """
     from planner.compare import compare as compare_plans
     from planner.compare import parse_prices, rows_json
     from planner.errors import PlannerError
     from planner.planfile import read_plan
 
+    if strategies is not None:
+        from cli.strategies_cmd import show_strategies
+
+        if plans or price or only_differences:
+            raise PlannerError("bad-option", "--strategies prices a model's strategies; it "
+                               "takes no plan files, --price or --only-differences.",
+                               ["planner compare --strategies MODEL -c CLUSTER",
+                                "or planner compare PLAN PLAN ..."])
+        show_strategies(strategies, cluster=cluster, global_batch=global_batch,
+                        seq_len=seq_len, interval=interval, time_limit=time_limit, svg=svg,
+                        force=force, json_out=json_out)
+        return
+    plans = plans or []
     if len(plans) < 2:
         raise PlannerError("bad-option", f"Give at least two plan files to compare (got "
                            f"{len(plans)}).", ["planner explain PLAN shows a single plan"])
