@@ -30,6 +30,13 @@ class PlannerError(Exception):
         fixes = "  ".join(f"{i}) {r}" for i, r in enumerate(self.remedies, 1))
         return f"{self.message}\nTry: {fixes}"
 
+    def report(self) -> str:
+        """The error as the processes without the CLI's console print it on stderr: the
+        paragraph, then the remedies numbered a line each."""
+        lines = [f"error: {self.message}"]
+        lines += [f"  {i}) {remedy}" for i, remedy in enumerate(self.remedies, 1)]
+        return "\n".join(lines)
+
 
 class Infeasible(PlannerError):
     """No plan exists (kind "infeasible"), and why, for callers that explain it:

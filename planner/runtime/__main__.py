@@ -95,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except PlannerError as exc:
         if args.debug:
             raise
-        print(f"error: {exc.message}", file=sys.stderr)
-        for i, remedy in enumerate(exc.remedies, 1):
-            print(f"  {i}) {remedy}", file=sys.stderr)
+        print(exc.report(), file=sys.stderr)
         return 1
     return 0
 

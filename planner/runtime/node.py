@@ -331,9 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return launch_node(options)
     except PlannerError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        for i, remedy in enumerate(exc.remedies, 1):
-            print(f"  {i}) {remedy}", file=sys.stderr)
+        print(exc.report(), file=sys.stderr)
         return 1
 
 

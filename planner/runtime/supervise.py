@@ -327,9 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         return supervise(args.folder, max_replans=args.max_replans,
                          time_limit=args.time_limit)
     except PlannerError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        for i, remedy in enumerate(exc.remedies, 1):
-            print(f"  {i}) {remedy}", file=sys.stderr)
+        print(exc.report(), file=sys.stderr)
         return 1
 
 
