@@ -28,7 +28,12 @@ def _names(paths: list[Path]) -> list[str]:
     return [str(p) if stems.count(p.stem) > 1 else p.stem for p in paths]
 
 
+_STRATEGY_OPTIONS = ("cluster", "global_batch", "seq_len", "interval", "time_limit", "svg",
+                     "force")  # what only --strategies takes
+
+
 def compare(
+    ctx: typer.Context,
     plans: Annotated[list[Path] | None, typer.Argument(
         metavar="PLAN...", help="Two or more plan files; the first is the reference.",
         show_default=False)] = None,
@@ -47,15 +52,21 @@ def compare(
     global_batch: Annotated[int, typer.Option(
         "--global-batch", "-B", rich_help_panel="Strategies",
         help="With --strategies: samples per step.")] = 512,
-    seq_len: opt.SeqLen = None,
+    seq_len: Annotated[int | None, typer.Option(
+        "--seq-len", "-s", rich_help_panel="Strategies", show_default=False,
+        help="With --strategies: sequence length (default: the model's).")] = None,
     interval: Annotated[int, typer.Option(
         "--interval", metavar="H", rich_help_panel="Strategies",
         help="With --strategies: steps between syncs of local SGD and DiLoCo.")] = 8,
-    time_limit: opt.TimeLimit = 60.0,
+    time_limit: Annotated[float, typer.Option(
+        "--time-limit", rich_help_panel="Strategies",
+        help="With --strategies: seconds for the hybrid plan's search.")] = 60.0,
     svg: Annotated[Path | None, typer.Option(
         "--svg", rich_help_panel="Strategies",
         help="With --strategies: write the scaling curve as a self-contained SVG.")] = None,
-    force: opt.Force = False,
+    force: Annotated[bool, typer.Option(
+        "--force", rich_help_panel="Strategies",
+        help="With --strategies: overwrite the --svg file.")] = False,
 ) -> None:
     """Compare plans side by side, the differences from the first highlighted; or with
     --strategies, the usual ways to train a model beside the solver's plan.
@@ -93,6 +104,14 @@ def compare(
                         seq_len=seq_len, interval=interval, time_limit=time_limit, svg=svg,
                         force=force, json_out=json_out)
         return
+    # (typer ships its own click: its ParameterSource is told by name)
+    given = [param.opts[0] for param in ctx.command.params if param.name in _STRATEGY_OPTIONS
+             and getattr(ctx.get_parameter_source(param.name), "name", "DEFAULT") != "DEFAULT"]
+    if given:
+        raise PlannerError("bad-option", f"{', '.join(given)}: only with --strategies MODEL "
+                           "(plan files hold their own cluster, batch and layout).",
+                           ["planner compare --strategies MODEL -c CLUSTER ...",
+                            "or drop " + ", ".join(given)])
     plans = plans or []
     if len(plans) < 2:
         raise PlannerError("bad-option", f"Give at least two plan files to compare (got "

@@ -29,7 +29,9 @@ A strategy is priced at 1, 2, 4, ... replicas and on every device (the scaling c
 at each count it takes the fastest micro-batch size with the cheapest recompute policy
 that fits (`MICRO_BATCHES`, `Recompute` order), and its row is its fastest point. Where
 no layout fits a device's memory, the point keeps the one that overflows least, and
-says which device needs how much. The hybrid's curve keeps the solver's plan's first
+says which device needs how much. ZeRO over replicas of several device types has no
+point (the runtime shards among the replicas of one type, so it would be DDP under
+another name). The hybrid's curve keeps the solver's plan's first
 1, 2, 4, ... pipelines (largest shares first), the global batch shared among them again.
 """
 

@@ -192,6 +192,8 @@ def test_strategies_refuse_what_they_cannot_take(tmp_path):
         (["--strategies", "gpt2-small", "--interval", "0"], "--interval must be between 1"),
         (["--strategies", "gpt2-small", "--svg", svg], "already exists"),
         ([], "at least two plan files"),
+        (["a.json", "b.json", "-c", "consumer-rtx", "--svg", "x.svg"],
+         "--cluster, --svg: only with --strategies MODEL"),
     ]
     for args, needle in cases:
         result = run("compare", *args)
