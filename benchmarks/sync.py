@@ -3,6 +3,7 @@ against every-step sync, measured on this machine's CPU with the real runtime.
 
     python benchmarks/sync.py            # writes the "sync-*" sections of RESULTS.md
     python benchmarks/sync.py --quick    # fewer steps, no RESULTS.md
+    python benchmarks/sync.py --section strategies   # section 3 alone (no run: predicted)
 
 1. sync-overlap. Two workers, one thread each, pinned to cores 0 and 1, joined by a
    slow link: the loopback device of a network namespace of the benchmark's own
@@ -22,6 +23,12 @@ against every-step sync, measured on this machine's CPU with the real runtime.
    (1x2xcpu, 16 samples a step, SGD): every-step sync against local SGD averaging
    every 4 steps, the two loss curves at equal samples. Target: local SGD ends within
    5% of every-step's loss (mean of the last 8 steps), as tests/test_sync.py checks.
+
+3. sync-strategies. `planner compare --strategies` on three cases: DDP, FSDP ZeRO-2/3,
+   local SGD and DiLoCo every 8 steps and the solver's hybrid plan, each at its fastest
+   replica count, predicted (no run): throughput, peak memory per device, communication
+   per step, convergence risk, and the fastest strategy that keeps every-step sync
+   against the hybrid. No target: it shows where each strategy pays.
 
 Like benchmarks/launch_e2e.py, the timings hold only while nothing else runs on the
 two cores; each run's workers are compared with their profile and a run computing more
@@ -232,17 +239,64 @@ def local_sgd_section(work: Path, settings: Settings) -> str:
             "(`planner estimate --sync local-sgd:4`).\n")
 
 
+# (model, cluster, global batch, sequence length): a small model on 10 Gb/s consumer
+# cards, a 7B model that fits them only as a pipeline, a 1.3B model on the A100/V100 lab
+STRATEGY_CASES = (("gpt2-small", "consumer-rtx", 64, 1024), ("llama2-7b", "consumer-rtx", 32, 1024),
+                  ("gpt3-1.3b", "a100-v100-lab", 512, 2048))
+STRATEGY_TIME_LIMIT = 60  # seconds for each hybrid plan's search
+
+
+def _strategy_cell(row: dict) -> list[str]:
+    """A strategy's figures as table cells; where it fits nowhere, says so."""
+    found = row["figures"]
+    if found is None:
+        return ["-", "-", "-", "-", f"no plan: {row['reason']}"]
+    memory = f"{found['peak_memory'] / 2**30:.1f} of {found['capacity'] / 2**30:.0f} GiB"
+    if not row["fits"]:
+        return ["-", "-", memory, "-", "does not fit at any replica count"]
+    return [str(row["replicas"]), f"{found['samples_per_s']:,.0f}", memory,
+            f"{found['comm_bytes'] / 2**20:,.0f} MiB, {found['comm_seconds'] * 1e3:.1f} ms",
+            found["risk"]]
+
+
+def strategies_section() -> str:
+    """The strategy report of each of STRATEGY_CASES, as one table, and the hybrid
+    against the fastest every-step strategy."""
+    rows, notes = [], []
+    for model, cluster, batch, seq in STRATEGY_CASES:
+        report = json.loads(planner("compare", "--strategies", model, "-c", cluster,
+                                    "-B", str(batch), "-s", str(seq),
+                                    "--time-limit", str(STRATEGY_TIME_LIMIT), "--json"))
+        case = f"{model} on {cluster}, B {batch}, seq {seq}"
+        for row in report["rows"]:
+            rows.append(f"| {case} | {row['name']} | " + " | ".join(_strategy_cell(row)) + " |")
+        every_step = [r for r in report["rows"][:3] if r["fits"] and r["figures"]]
+        hybrid = report["rows"][-1]
+        if hybrid["figures"] and every_step:
+            best = max(every_step, key=lambda r: r["figures"]["samples_per_s"])
+            ratio = hybrid["figures"]["samples_per_s"] / best["figures"]["samples_per_s"]
+            notes.append(f"- {case}: the hybrid plan {ratio:.2f}x {best['name']}'s throughput.")
+        elif hybrid["figures"]:
+            notes.append(f"- {case}: only the hybrid plan fits "
+                         f"({hybrid['figures']['samples_per_s']:,.0f} samples/s).")
+    return (table(["case", "strategy", "replicas", "samples/s", "peak memory per device",
+                   "communication per step", "convergence risk"], rows)
+            + "\n" + "\n".join(notes) + "\n")
+
+
 def main() -> None:
     options = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     options.add_argument("--quick", action="store_true", help="fewer steps; no RESULTS.md")
     options.add_argument("--work", type=Path, default=None, help="Keep the files here.")
-    options.add_argument("--section", choices=("overlap", "local-sgd"), default=None,
+    options.add_argument("--section", choices=("overlap", "local-sgd", "strategies"),
+                         default=None,
                          help="Run one section only.")
     args = options.parse_args()
     settings = QUICK if args.quick else FULL
     work = args.work or Path(tempfile.mkdtemp(prefix="planner-sync-"))
     work.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/sync.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/sync.py" + (" --quick" if args.quick else "") + (
+        f" --section {args.section}" if args.section else "")
     if os.environ.get(INSIDE):  # (the namespace's half: section 1, to a file)
         (work / "overlap.md").write_text(overlap_section(work, settings))
         return
@@ -260,6 +314,11 @@ def main() -> None:
         print(body)
         if not args.quick:
             write_section("sync-local-sgd", command, body)
+    if args.section in (None, "strategies"):
+        body = strategies_section()
+        print(body)
+        if not args.quick:
+            write_section("sync-strategies", command, body)
 
 
 if __name__ == "__main__":
