@@ -374,3 +374,42 @@ def test_one_cost_model_prices_a_layer_and_its_sequence_parallel_form_apart(tiny
             < costs.memory([block], device, training, **kw).activations)
     assert stage_memory([sp], device=device, training=training, tp=4, micro_batch=4) == (
         costs.memory([sp], device, training, **kw))
+
+
+def test_megatrons_blocking_exchanges_cost_their_stated_formula():
+    """benchmarks/fidelity.py's `megatron_exchanges`: m x 2v x (B / N + all-gather of B)
+    per step, B a micro-batch's fp16 hidden states sent 1/t per GPU over the node's
+    N = 8 x 200 Gb/s (scatter/gather) and all-gathered over NVLink 3 (a ring of t);
+    under sequence parallelism each GPU's slice goes as it is; no pipeline, no
+    exchanges."""
+    from benchmarks import fidelity
+
+    row = fidelity.Published(
+        name="test", hidden=4096, layers=8, heads=32, gpus=64, tp=8, pp=4, batch=32,
+        micro_batch=2, recompute=Recompute.FULL, sequence_parallel=False, interleave=2,
+        seconds=1.0, stack="Megatron-LM", source="test")
+    assert (row.dp, row.microbatches) == (2, 8)
+    hidden = fidelity.SEQ * 2 * 4096 * 2
+    nic = 5e-6 + hidden / 200e9  # 1600 Gb/s a node, its link's 5 us
+    gather = 7 / 8 * hidden / 300e9 + 7 * 2e-6  # NVLink 3: 300 GB/s a GPU, 2 us a step
+    assert fidelity.megatron_exchanges(row) == pytest.approx(8 * 2 * 2 * (nic + gather))
+    sliced = dataclasses.replace(row, sequence_parallel=True)
+    assert fidelity.megatron_exchanges(sliced) == pytest.approx(8 * 2 * 2 * nic)
+    assert fidelity.megatron_exchanges(dataclasses.replace(row, pp=1, gpus=16)) == 0.0
+
+
+def test_fidelity_rows_sync_gradients_as_megatron_ran_them():
+    """run_table_1.sh's DDP column: PyTorch's DDP (the four smallest rows) all-reduces
+    buckets as the last micro-batch's backward makes them, so an 18B step's sync hides
+    behind its 1.7 s backward; Megatron's own DDP (the others) all-reduces after the
+    schedule, all of it in the step."""
+    from benchmarks import fidelity
+
+    assert [r.name for r in fidelity.ROWS if r.overlap_sync] == [
+        "1.7B (2021)", "3.6B (2021)", "7.5B (2021)", "18B (2021)"]
+    row = next(r for r in fidelity.ROWS if r.name == "18B (2021)")
+    efficiency = fidelity.attention(0.12)
+    ran = fidelity.price(row, efficiency)
+    after = fidelity.price(dataclasses.replace(row, overlap_sync=False), efficiency)
+    assert ran.dp_comm == 0.0 < after.dp_comm
+    assert ran.seconds == pytest.approx(after.seconds - after.dp_comm)
