@@ -3,6 +3,7 @@ the step time and the time devices wait, in the simulator and on the CPU runtime
 
     python benchmarks/data_balance.py                    # both parts, writes "data-balance"
     python benchmarks/data_balance.py --simulator-only --no-write   # a quick look
+    python benchmarks/data_balance.py --loading          # writes "data-loading"
 
 Data: a synthetic lognormal length distribution (median an eighth of the sequence length,
 sigma 1, clipped to [16, seq]; on the CPU runtime median 48 tokens, sigma 1.2, up to 512),
@@ -19,11 +20,17 @@ gpt-tiny widened (hidden 256, 4 blocks, sequence 512), each rank one thread; the
 packers alternate, the median step time of each run, the median over runs.
 
 Target (issue 51): balanced at least 1.3x faster than naive in both.
+
+Loading (`--loading`, issue 51 item 4): per scenario, the solver's plan on the cluster as
+given, then the data loaders of the node it reads most on slowed to half the rate it
+reads there (`data_loading`): what that plan would take there (waiting for its input, as `predict`
+prices it), and the plan the solver finds for the slowed cluster.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -40,14 +47,18 @@ from results import table, write_section
 
 from cost_models.cluster import load_cluster
 from cost_models.model import AnalyticalCostModel
+from planner.data.loading import plan_feeds
 from planner.data.packing import balanced, naive
 from planner.data.profile import Sample, lognormal_lengths, profile_json, summarize
 from planner.data.steps import plan_rates, replay
+from planner.explain import structure
 from planner.models import load_model, model_spec
 from planner.planfile import write_plan
 from planner.solver import SolveOptions, solve
+from planner.solver.predict import predict
 from planner.trace import trace_loaded, trace_model
 from planner.types import TrainingSpec
+from planner.types.cluster import DataRate
 
 SCENARIOS = [
     ("llama2-7b", "1x8xA100-40G,1x8xV100-32G@100Gbps", 128, 4096, "fp16",
@@ -107,6 +118,59 @@ def simulated(scenario: tuple) -> tuple[str, float]:
            f"{1000 * statistics.median(packing_seconds):.1f} ms |")
     print(row, flush=True)
     return row, speedup
+
+
+LOADING_SCENARIOS = [  # (model, shape options, cluster, batch, seq, dtype, label)
+    ("opt-125m", {"layers": 4}, "2x2xA100-40G", 64, 512, "fp16",
+     "OPT-125M (4 layers), 2 nodes of 2x A100-40GB"),
+    ("gpt3-1.3b", {}, "a100-v100-lab", 512, 2048, "fp16",
+     "GPT-3 1.3B, a100-v100-lab (16 A100, 32 V100, 2 RTX 4090)"),
+]
+
+
+def loading_row(scenario: tuple) -> str:
+    name, options, spec, batch, seq, dtype, label = scenario
+    cluster = load_cluster(spec)
+    graph = trace_model(model_spec(name, options), seq_len=seq, dtype=dtype)
+    training = TrainingSpec(global_batch=batch, seq_len=seq, dtype=dtype)
+    solve_options = SolveOptions(time_limit=60.0, with_baselines=False)
+    began = time.perf_counter()
+    free = solve(graph, cluster, training, solve_options)[0]
+    free_seconds = time.perf_counter() - began
+    reads: dict[str, float] = {}
+    for feed in plan_feeds(free):
+        reads[feed.node] = reads.get(feed.node, 0.0) + feed.samples
+    node = max(sorted(reads), key=reads.__getitem__)  # where the plan reads most
+    read = reads[node]
+    rate = read / free.prediction.step_time / 2  # half what the free plan reads there
+    slowed = dataclasses.replace(cluster, nodes=tuple(
+        dataclasses.replace(n, data_loading=DataRate(per_second=rate, unit="samples"))
+        if n.name == node else n for n in cluster.nodes))
+    waiting = predict(dataclasses.replace(free, cluster=slowed), graph.layers,
+                      AnalyticalCostModel(slowed)).step_time
+    began = time.perf_counter()
+    plan = solve(graph, slowed, training, solve_options)[0]
+    slowed_seconds = time.perf_counter() - began
+    step = plan.prediction.step_time
+    row = (f"| {label} | {batch} x {seq} | {structure(free)} | "
+           f"{free.prediction.step_time * 1000:.1f} ms | {node}: {read:.0f} samples at "
+           f"{rate:.0f} samples/s | {waiting * 1000:.1f} ms | {structure(plan)} | "
+           f"{step * 1000:.1f} ms | **{waiting / step:.2f}x** | "
+           f"{free_seconds:.1f} s / {slowed_seconds:.1f} s |")
+    print(row, flush=True)
+    return row
+
+
+def loading_section() -> str:
+    rows = [loading_row(scenario) for scenario in LOADING_SCENARIOS]
+    return ("Data loading as a floor of the step: the solver's plan on the cluster as given; "
+            "the loaders of the node it reads most on slowed to half the rate it reads there; "
+            "that plan "
+            "there (its pipelines waiting for their input) and the solver's plan for the "
+            "slowed cluster.\n\n"
+            + table(["scenario", "batch x seq", "plan", "step", "slowed loaders",
+                     "that plan there", "plan for the slowed cluster", "step",
+                     "faster than waiting", "solve, given / slowed"], rows))
 
 
 def runtime_plan(folder: Path, pipelines: int, stages: int, micro_batch: int) -> Path:
@@ -173,7 +237,15 @@ def main() -> None:
     parser.add_argument("--simulator-only", action="store_true")
     parser.add_argument("--runtime-only", action="store_true")
     parser.add_argument("--no-write", action="store_true", help="Print only.")
+    parser.add_argument("--loading", action="store_true",
+                        help="Only the data-loading part (its own section).")
     args = parser.parse_args()
+    if args.loading:
+        body = loading_section()
+        print(body)
+        if not args.no_write:
+            write_section("data-loading", "python benchmarks/data_balance.py --loading", body)
+        return
     began = time.perf_counter()
     parts, speedups = [], []
     if not args.runtime_only:

@@ -17,6 +17,7 @@ File format (schema_version 1), human units everywhere:
         intra_link: nvlink3   # optional: a catalog link or {bandwidth, latency}
         nic: 25Gbps           # optional: caps this node's network traffic
         group: rack-1         # optional: the innermost group it is in
+        data_loading: 4000 samples/s  # optional: what its data loaders produce (or tokens/s)
 
 Intra-node links are per device (what one device sends); network, group and
 NIC bandwidths are per node (what one node sends).
@@ -47,6 +48,7 @@ from planner.types import (
     NodeSpec,
     OptimizerTiming,
 )
+from planner.types.cluster import DataRate
 from planner.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
 
 SCHEMA_VERSION = 1
@@ -59,6 +61,11 @@ MAX_NODES = 4096
 # devices per node: NVLink domains reach 72 (GB200 NVL72); far more is a typo, and the
 # search's set-up grows with it before any time limit can stop it
 MAX_NODE_DEVICES = 1024
+# a data rate: "4000 samples/s", "1.5M tokens/s" (prefixes k, M, G in any case)
+_DATA_RATE = re.compile(r"^\s*(?P<sign>-?)(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
+                        r"(?P<prefix>(?i:[kmg])?)\s*(?P<unit>(?i:samples?|tokens?))\s*/\s*"
+                        r"(?i:s|sec|second)\s*$")
+_RATE_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
 _INLINE_ITEM = re.compile(r"^\s*(?:(\d+)\s*[xX]\s*)?(\d+)\s*[xX]\s*([A-Za-z][\w.\-]*)\s*$")
 
 
@@ -243,6 +250,27 @@ def _measured(fields: Fields) -> MeasuredDevice:
     return measured
 
 
+def parse_data_rate(fields: Fields, key: str, node_name: str) -> DataRate | None:
+    """An input rate (`data_loading`, `input_rate`): samples or tokens per second, above
+    zero; None when absent. Its errors name the field and the node."""
+    value = fields.get(key)
+    if value is None:
+        return None
+    match = _DATA_RATE.match(str(value)) if isinstance(value, str) else None
+    examples = ["e.g. 4000 samples/s, or 2M tokens/s (tokens count at the training's "
+                "sequence length per sample)"]
+    if match is None:
+        raise fields.error(f"must be a rate in samples/s or tokens/s for node {node_name!r} "
+                           f"(got {value!r})", key, examples)
+    rate = float(match["num"]) * _RATE_PREFIX[match["prefix"].lower()]
+    if match["sign"] or not 0 < rate < math.inf:
+        raise fields.error(f"must be a finite rate above zero for node {node_name!r} (got "
+                           f"{value!r}); leave the field out where nothing limits it", key,
+                           examples)
+    unit = "tokens" if match["unit"].lower().startswith("token") else "samples"
+    return DataRate(per_second=rate, unit=unit)
+
+
 def _positive_count(value: Any) -> float:
     """A count of parameters: a positive number (1.3e9; YAML reads that as text)."""
     try:
@@ -288,6 +316,8 @@ def _device(fields: Fields, node_name: str) -> DeviceSpec:
         units = (sub.positive_int("compute_units", inherited)
                  if "compute_units" in sub.data or inherited else None)
         gemm = sub.get("gemm_efficiency", device.gemm_efficiency if device else None)
+        input_rate = parse_data_rate(sub, "input_rate", node_name) or (
+            device.input_rate if device else None)
         if gemm is not None and (isinstance(gemm, bool) or not isinstance(gemm, int | float)
                                  or not 0 < gemm <= 1):
             raise sub.error(f"must be a share of the peak in (0, 1] (got {gemm!r})",
@@ -300,7 +330,8 @@ def _device(fields: Fields, node_name: str) -> DeviceSpec:
             peak_flops=peak,
             intra_link=_link(sub, "intra_link", default_link, per="per device"),
             sources={**(device.sources if device else {}), "custom": "given in the cluster spec"},
-            compute_units=units, gemm_efficiency=None if gemm is None else float(gemm))
+            compute_units=units, gemm_efficiency=None if gemm is None else float(gemm),
+            input_rate=input_rate)
         sub.check_unknown()
         reserve = framework_reserve(device)
         if memory <= reserve:
@@ -374,7 +405,7 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
     for i, item in enumerate(items):
         f = top.sub("nodes", item, i)
         f.check_unknown("name", "count", "hosts", "device", "devices", "intra_link", "nic",
-                        "group", "measured")
+                        "group", "measured", "data_loading")
         hosts = f.get("hosts")
         if hosts is not None and (not isinstance(hosts, list) or not hosts):
             raise f.error("must be a non-empty list of host names", "hosts")
@@ -410,7 +441,8 @@ def parse_cluster(data: Any, source: str) -> ClusterSpec:
             nodes.append(NodeSpec(
                 name=name, host=host, device=device, devices=devices,
                 intra_link=_link(f, "intra_link", device.intra_link, per="per device"),
-                nic=nic, groups=_chain(groups, group)))
+                nic=nic, groups=_chain(groups, group),
+                data_loading=parse_data_rate(f, "data_loading", name)))
     names = [n.name for n in nodes]
     duplicates = sorted(n for n, times in Counter(names).items() if times > 1)
     if duplicates:
@@ -450,6 +482,10 @@ _TIME = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
 _FLOPS = (("PFLOPS", 1e15), ("TFLOPS", 1e12), ("GFLOPS", 1e9), ("MFLOPS", 1e6), ("FLOPS", 1.0))
 
 
+def _data_rate_text(rate: DataRate) -> str:
+    return f"{rate.per_second:.12g} {rate.unit}/s"
+
+
 def _link_dict(link: LinkSpec) -> str | dict[str, Any]:
     for key, known in catalog.load_catalog().links.items():
         if known == link:
@@ -469,6 +505,8 @@ def _device_dict(device: DeviceSpec) -> str | dict[str, Any]:
         return base.name
     gemm = {key: getattr(device, key) for key in ("compute_units", "gemm_efficiency")
             if getattr(device, key) is not None}
+    if device.input_rate is not None:
+        gemm["input_rate"] = _data_rate_text(device.input_rate)
     return {"name": base_name, "vendor": device.vendor,
             "memory": _human(device.memory, _BYTES),
             "memory_bandwidth": _human(device.memory_bandwidth, _RATE),
@@ -518,6 +556,8 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
             entry["nic"] = _link_dict(n.nic)
         if n.groups:
             entry["group"] = n.groups[-1]
+        if n.data_loading is not None:
+            entry["data_loading"] = _data_rate_text(n.data_loading)
         if n.device.measured is not None:
             shared = n.device.name.partition("@")[2]
             entry["measured"] = _measured_dict(n.device.measured,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from cost_models.comm import Collective, CommGroup, group_links, shared_by
 from cost_models.model import AnalyticalCostModel, CostModel
+from planner.data.loading import plan_loading
 from planner.dtypes import dtype_bytes
 from planner.price import check_layers, replicas, stage_memory
 from planner.solver.predict import (
@@ -515,6 +516,22 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
         reasons.append(Reason("memory", text))
     # what the step time is made of
     shares = {t: getattr(pred, t) / step for t in TERMS}
+    # the pipelines wait for their input where loading is the longer (`step.fed`): the
+    # wait is in the bubble term, and it is what binds
+    loading = plan_loading(plan)
+    starved = loading if loading is not None and loading.seconds > times[slow].total else None
+    loading_binding = ""
+    if starved is not None:
+        shares["bubble"] -= (starved.seconds - times[slow].total) / step
+        loading_binding = (f"data loading on {starved.where} limits the step to "
+                           f"{fmt_seconds(starved.seconds)}")
+        reasons.append(Reason("loading", (
+            f"Data loading on {starved.where} limits the step: it takes in "
+            f"{starved.samples:,.0f} samples per step at {starved.rate:,.0f} samples/s "
+            f"({fmt_seconds(starved.seconds)}), longer than the slowest pipeline "
+            f"({fmt_seconds(times[slow].total)}), so the pipelines wait for their input. "
+            "Faster loading (`data_loading` of the node, `input_rate` of its devices in the "
+            "cluster spec: docs/clusters.md) or fewer samples read there would shorten it.")))
     top = max(shares, key=shares.__getitem__)
     node = plan.cluster.node(stage.devices.node)
     if top == "compute":
@@ -589,7 +606,7 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
             f"Solver: {r.status}; no plan in the search space beats "
             f"{fmt_seconds(r.best_bound)} (gap {r.gap:.1%}), and no plan of any shape beats "
             f"{fmt_seconds(r.lower_bound)} (compute alone, perfectly balanced).")))
-    binding = memory_binding
+    binding = memory_binding or loading_binding
     if not binding:
         comm_share = max(shares["pp_comm"], shares["dp_comm"], shares["tp_comm"])
         if constraints:
@@ -624,8 +641,9 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
             why=why_slower(pred, base.prediction)))
     headline = (f"{structure(plan)}: {fmt_seconds(pred.step_time)} per step, "
                 f"{pred.samples_per_s:,.1f} samples/s; "
-                + ("compute-bound" if top == "compute" else f"{TERM_WORDS[top]}-bound")
-                + f" on stage {b} of pipeline {slow} ({stage.device_type}).")
+                + (f"data-loading-bound on {starved.where}." if starved is not None else
+                   ("compute-bound" if top == "compute" else f"{TERM_WORDS[top]}-bound")
+                   + f" on stage {b} of pipeline {slow} ({stage.device_type})."))
     return Explanation(headline=headline, binding=binding, structure=structure(plan),
                        bottleneck=bottleneck,
                        reasons=tuple(reasons), alternatives=tuple(alternatives))

@@ -4,5 +4,6 @@
 data-profile`); `packing.py`: a step's variable-length samples packed into each
 pipeline's micro-batches so that every pipeline's work matches its speed;
 `shards.py`: per-rank index files proportional to capacity that keep the class
-balance (`planner partition`).
+balance (`planner partition`); `loading.py`: the cluster's data-loading and input
+rates as a floor of the step (`solver.step.fed`).
 """

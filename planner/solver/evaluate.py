@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cost_models.comm import Collective, CommGroup, busiest_card, send_sharing, shared_by
+from planner.data.loading import Feed, loading_seconds
 from planner.solver.interleave import fold
 from planner.solver.partition import (
     INF,
@@ -104,13 +105,14 @@ class Evaluation:
     sync: float
     optimizer: float
     policy: SyncSpec = EVERY_STEP  # the solve's (`CostTable.sync`)
+    loading: float = 0.0  # the step's data loading (`step.fed`)
 
     @property
     def step(self) -> StepTime:
         hidden = overlappable(stage.bwd for split in self.splits for stage in split.stages
                               ) if self.policy.overlap else 0.0
         return step_time([max(times) for times in self.pipeline_times], self.sync,
-                         self.optimizer, hidden, self.policy)
+                         self.optimizer, hidden, self.policy, self.loading)
 
     @property
     def step_time(self) -> float:
@@ -285,9 +287,12 @@ def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
     if floor(max(map(max, times)), 0.0, 0.0) >= beat:  # (the sync and optimizer only add)
         return None
     sync, opt = sync_and_optimizer(table, config, shapes, placement, splits, groups)
+    feeds = (Feed(node=slots[0].node, device_type=shape.types[0], samples=m * config.mb)
+             for shape, pipelines, ms in zip(shapes, placement, per_class, strict=True)
+             for slots, m in zip(pipelines, ms, strict=True))  # (read only where rates are)
     return Evaluation(config=config, shapes=shapes, placement=placement, splits=tuple(splits),
                       microbatches=per_class, pipeline_times=times, sync=sync, optimizer=opt,
-                      policy=table.sync)
+                      policy=table.sync, loading=loading_seconds(table.inputs, feeds))
 
 
 LINE_REF = 2.0**30  # bytes; an all-reduce among fixed ranks is affine in its bytes

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from cost_models.comm import Collective, CommGroup, busiest_card, send_sharing, shared_by
 from cost_models.compute import recompute_repeats_tp
 from cost_models.model import CostModel
+from planner.data.loading import input_rates, loading_seconds, plan_feeds
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
 from planner.solver.step import overlappable, step_time
@@ -286,14 +287,17 @@ def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakd
     slowest = max(times, key=lambda t: t.total)
     step = step_time([t.total for t in times], sync, opt,
                      overlappable(t.bwd for stages in timings for t in stages),
-                     plan.training.sync)
+                     plan.training.sync,
+                     loading_seconds(input_rates(costs.cluster, plan.training), plan_feeds(plan)))
     batch = plan.training.global_batch
     flops = batch * sum(layer.flops for layer in layers)
     peak = sum(costs.cluster.node(s.devices.node).device.flops(plan.training.dtype) * s.tp
                for p in plan.pipelines for s in p.stages)
     seq = plan.training.seq_len
     return CostBreakdown(
-        step_time=step.total, compute=slowest.compute, bubble=slowest.bubble,
+        # pipelines waiting for their input (`step.fed`) idle as in a bubble
+        step_time=step.total, compute=slowest.compute,
+        bubble=slowest.bubble + (step.pipelines - slowest.total),
         tp_comm=slowest.tp_comm, pp_comm=slowest.pp_comm, dp_comm=step.exposed, optimizer=opt,
         samples_per_s=batch / step.total,
         tokens_per_s=batch * seq / step.total if seq else None,

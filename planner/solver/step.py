@@ -11,6 +11,9 @@ the last backward, by default; with a sync that overlaps backward (`SyncSpec.ove
 each stage's buckets start as its last micro-batch's backward makes them), what the
 least one-micro-batch backward of any stage does not hide (`overlappable`); with a sync
 every H steps (local SGD, model averaging, DiLoCo: `SyncSpec.interval`), 1/H of it.
+The slowest pipeline's time is at least the step's data loading (`fed`): its input's
+samples over what the nodes' loaders and the devices' inputs take in per second
+(`planner.data.loading`), 0 where the cluster sets no such rates.
 
 The terms come from elsewhere: a pipeline's time from `timing.pipeline_time` (its
 floor from `partition`'s staircases and `bound.Family`), the gradient sync from
@@ -49,6 +52,13 @@ def exposed(sync: float, hidden: float, policy: SyncSpec = EVERY_STEP) -> float:
     return max(0.0, per_step - hidden) if policy.overlap else per_step
 
 
+def fed(pipelines: Seconds, loading: Seconds | float) -> Seconds:
+    """The pipelines' time once they wait for their input: loaders prefetch while the
+    pipelines run, so loading (`planner.data.loading`) adds nothing until it is the
+    longer; a floor of either term stays a floor (monotone in both)."""
+    return np.maximum(pipelines, loading)
+
+
 def overlappable(stage_backwards: Iterable[float]) -> float:
     """The backward a sync that overlaps it hides at least: every stage's buckets start
     within its last micro-batch's backward, so the least such backward of any stage
@@ -73,11 +83,12 @@ class Phase:
 class StepTime:
     """A step by cause."""
 
-    pipelines: float  # when the slowest pipeline's last backward ends
+    pipelines: float  # when the slowest pipeline's last backward ends, its input loaded
     sync: float  # one whole gradient sync
     optimizer: float  # optimizer step
     hidden: float = 0.0  # the backward an overlapping sync hides (`overlappable`)
     policy: SyncSpec = EVERY_STEP
+    loading: float = 0.0  # the step's data loading (`fed`), in `pipelines` already
 
     @property
     def exposed(self) -> float:
@@ -97,11 +108,12 @@ class StepTime:
 
 
 def step_time(pipeline_times: list[float] | tuple[float, ...], sync: float,
-              optimizer: float, hidden: float = 0.0, policy: SyncSpec = EVERY_STEP
-              ) -> StepTime:
-    """The step of pipelines that end at these times (each its T(m))."""
-    return StepTime(pipelines=max(pipeline_times), sync=sync, optimizer=optimizer,
-                    hidden=hidden, policy=policy)
+              optimizer: float, hidden: float = 0.0, policy: SyncSpec = EVERY_STEP,
+              loading: float = 0.0) -> StepTime:
+    """The step of pipelines that end at these times (each its T(m)), fed by data
+    loading of `loading` seconds."""
+    return StepTime(pipelines=float(fed(max(pipeline_times), loading)), sync=sync,
+                    optimizer=optimizer, hidden=hidden, policy=policy, loading=loading)
 
 
 def floor(pipelines: Seconds, sync: Seconds | float, optimizer: Seconds | float,

@@ -17,6 +17,7 @@ from cost_models.comm import Collective, CommGroup
 from cost_models.compute import recompute_repeats_tp
 from cost_models.memory import GIB, optimizer_state_bytes, sync_state_bytes
 from cost_models.model import CostModel
+from planner.data.loading import InputRates, faster_loaders_first, input_rates
 from planner.dtypes import dtype_bytes
 from planner.errors import PlannerError
 from planner.types import ClusterSpec, DeviceSpec, Layer, LinkSpec, SyncSpec, TrainingSpec
@@ -85,6 +86,7 @@ class CostTable:
     # so the copy of a tied weight it reads: `types.model.params_per_rank`)
     interleave: int = 1  # folded for this many model chunks per device (`interleave.fold`)
     sync: SyncSpec = field(default_factory=SyncSpec)  # how a step pays its sync (`step.py`)
+    inputs: InputRates | None = None  # the cluster's data-loading limits (`step.fed`)
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def bytes_per_param(self, zero: int, shards: int) -> float:
@@ -189,11 +191,14 @@ def check_tp_divides(layers: Sequence[Layer], tp: int, choices: Sequence[int]) -
             "them evenly.", [f"use one of --tp {', '.join(map(str, fits))}"])
 
 
-def device_types(cluster: ClusterSpec, exclude: Sequence[str] = ()) -> list[tuple[DeviceSpec,
-                                                                                 list[str]]]:
-    """Device types with their usable nodes, canonical order (by type, then node name)."""
+def device_types(cluster: ClusterSpec, exclude: Sequence[str] = (),
+                 inputs: InputRates | None = None) -> list[tuple[DeviceSpec, list[str]]]:
+    """Device types with their usable nodes, canonical order (by type, then node name;
+    with `inputs`, the nodes whose loaders are faster first: placement fills them
+    first, so first stages read where loading is fastest)."""
     by_type: dict[str, tuple[DeviceSpec, list[str]]] = {}
-    for node in sorted(cluster.nodes, key=lambda n: n.name):
+    for node in sorted(cluster.nodes, key=lambda n: (faster_loaders_first(inputs, n.name),
+                                                     n.name)):
         if node.name in exclude:
             continue
         by_type.setdefault(node.device.name, (node.device, []))[1].append(node.name)
@@ -206,7 +211,8 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
     """Price every layer for every device type, tp degree and micro-batch size."""
     types = []
     devices: dict[str, DeviceSpec] = {}
-    for device, nodes in device_types(cluster, exclude):
+    inputs = input_rates(cluster, training)
+    for device, nodes in device_types(cluster, exclude, inputs):
         devices[device.name] = device
         types.append(TypeInfo(
             name=device.name, nodes=tuple(nodes),
@@ -258,4 +264,5 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
                    for owner, params in layer.tied),
         unsharded=np.array([0.0 if layer.tp_sharded else float(layer.params)
                             for layer in layers]),
-        split=np.array([layer.tp_sharded for layer in layers]), sync=training.sync)
+        split=np.array([layer.tp_sharded for layer in layers]), sync=training.sync,
+        inputs=inputs)

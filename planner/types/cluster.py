@@ -32,6 +32,16 @@ class LinkSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataRate:
+    """A rate of training input: `per_second` samples, or tokens, per second (`unit`).
+    Tokens count at the training's sequence length per sample
+    (`planner.data.loading.samples_per_second`)."""
+
+    per_second: float
+    unit: str  # "samples" or "tokens"
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerTiming:
     """A measured forward and backward time of one traced layer on one device type.
 
@@ -84,6 +94,8 @@ class DeviceSpec:
                      shared among in waves (`cost_models.compute.gemm_efficiency`).
     gemm_efficiency: the share of the dense peak the best large, aligned GEMM reaches
                      (measured maximum achievable matmul FLOP/s over the peak).
+    input_rate:      the most input one device takes in (a stream's rate, its host
+                     link); None: no limit.
     """
 
     name: str
@@ -96,6 +108,7 @@ class DeviceSpec:
     measured: MeasuredDevice | None = None
     compute_units: int | None = None
     gemm_efficiency: float | None = None
+    input_rate: DataRate | None = None
 
     @property
     def is_cpu(self) -> bool:
@@ -118,6 +131,8 @@ class NodeSpec:
     nic:    this node's network interface, capping its traffic to other nodes
             (None: only the network or group link applies).
     groups: names of the groups (rack, zone, site...) it is in, outermost first.
+    data_loading: the input this node's data loaders (its CPU cores) produce, for all
+            the pipelines whose first stage it holds; None: no limit.
     """
 
     name: str
@@ -127,6 +142,7 @@ class NodeSpec:
     intra_link: LinkSpec
     nic: LinkSpec | None = None
     groups: tuple[str, ...] = ()
+    data_loading: DataRate | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
