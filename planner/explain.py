@@ -536,7 +536,8 @@ def explain(plan: Plan, layers: Sequence[Layer], costs: CostModel | None = None,
     node = plan.cluster.node(stage.devices.node)
     if top == "compute":
         reasons.append(Reason("compute", (
-            f"The step is {shares['compute']:.0%} compute: the plan is compute-bound. Its "
+            f"The step is {shares['compute']:.0%} compute"
+            + ("" if starved else ": the plan is compute-bound") + ". Its "
             f"bottleneck is stage {b} of pipeline {slow} ({stage.device_type} on {node.name}, "
             f"layers {bottleneck.layers}), busy {fmt_seconds(busy[b])} per micro-batch, "
             f"{busy[b] / bottleneck.mean_busy:.2f}x its pipeline's mean stage.")))

@@ -209,6 +209,7 @@ def test_explain_names_the_loading_that_binds(opt):
     assert told.headline.endswith("data-loading-bound on node a100-40g-sxm-0.")
     why = [r.text for r in told.reasons if r.kind == "loading"]
     assert len(why) == 1 and "64 samples per step at 200 samples/s (320 ms)" in why[0]
+    assert not any("compute-bound" in r.text for r in told.reasons)
     # where the loaders keep up, explain says nothing of them
     quick = solve(graph, with_loading(one, "a100-40g-sxm-0", 1e6), training,
                   SolveOptions(gap=0.0))[0]
