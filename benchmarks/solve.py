@@ -17,6 +17,10 @@
                                                     # CP-SAT assignment loop
                                                     # (`planner/solver/assign.py`) on
                                                     # one space: "solve-cpsat"
+    python benchmarks/solve.py --ab OLD_CHECKOUT    # the scenarios solved by another
+                                                    # checkout's code and by this one,
+                                                    # back to back, the old plans priced
+                                                    # by this cost model: "solve-ab"
 
 Targets: search at most 1 s up to 64 GPUs, 10 s at 1,024 and 60 s at 4,096, each
 with a reported gap of at most 1%, and never slower than a baseline; the simulator
@@ -26,9 +30,12 @@ within 2% of the closed form.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,8 +44,11 @@ from measured import HANDWRITTEN, SCENARIO, handwritten_plan, price_handwritten,
 from results import table, write_section
 
 from cost_models.cluster import load_cluster
+from cost_models.memory import GIB
 from cost_models.model import AnalyticalCostModel
 from planner.models import model_spec
+from planner.planfile import to_jsonable
+from planner.price import price_file
 from planner.solver import Limits, SolveOptions, solve
 from planner.solver.assign import assign_search
 from planner.solver.evaluate import Space
@@ -80,15 +90,21 @@ def dtype_for(cluster) -> str:
     return "bf16" if all("bf16" in d.peak_flops for d in kinds) else "fp16"
 
 
+def time_limit(cluster) -> float | None:
+    """The targets as time limits for the big clusters (the gap says what they left
+    open): 10 s above 64 GPUs, 60 s above 1,024; none up to 64."""
+    if cluster.num_devices > 1024:
+        return 60.0
+    return 10.0 if cluster.num_devices > 64 else None
+
+
 def run(scenario: tuple, max_interleave: int = 1, tp_per_class: bool = False) -> str:
     name, spec, batch, seq, label = scenario
     cluster = load_cluster(spec)
     dtype = dtype_for(cluster)
     graph = trace_model(model_spec(name), seq_len=seq, dtype=dtype)
     training = TrainingSpec(global_batch=batch, seq_len=seq, dtype=dtype)
-    # the targets as time limits for the big clusters: the gap says what they left open
-    limit = 10.0 if cluster.num_devices > 64 else None
-    limit = 60.0 if cluster.num_devices > 1024 else limit
+    limit = time_limit(cluster)
     searches, totals = [], []
     for _ in range(REPEATS if limit is None else 1):  # this machine is shared and noisy
         start = time.perf_counter()
@@ -185,6 +201,117 @@ def run_measured() -> str:
             + "\nSearch space: " + report.search_space + ".")
 
 
+# One scenario solved in another checkout (`solve_in`): run there by `python -c`, so that
+# the checkout's own planner is imported; it writes the plan file and prints the solve's
+# times, status and gap as JSON. Only what every checkout since issue 45 has is used.
+_SOLVE_THERE = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, str(Path.cwd()))
+from cost_models.cluster import load_cluster
+from planner.models import model_spec
+from planner.planfile import write_plan
+from planner.solver import SolveOptions, solve
+from planner.trace import trace_model
+from planner.types import TrainingSpec
+name, spec, batch, seq, dtype, limit, repeats, out = json.loads(sys.argv[1])
+cluster = load_cluster(spec)
+graph = trace_model(model_spec(name), seq_len=seq, dtype=dtype)
+training = TrainingSpec(global_batch=batch, seq_len=seq, dtype=dtype)
+walls, cpus = [], []
+for _ in range(repeats):
+    start = time.process_time()
+    plan = solve(graph, cluster, training, SolveOptions(time_limit=limit))[0]
+    cpus.append(time.process_time() - start)
+    walls.append(plan.solver.wall_time)
+write_plan(plan, Path(out), force=True)
+print(json.dumps(dict(wall=min(walls), cpu=min(cpus), status=plan.solver.status,
+                      gap=plan.solver.gap, step=plan.prediction.step_time)))
+"""
+
+
+@dataclass(frozen=True)
+class Solved:
+    """A scenario's solve in one checkout (`solve_in`)."""
+
+    wall: float  # the search (`SolverReport.wall_time`), the fastest of the repeats
+    cpu: float  # CPU seconds of the whole solve() call, the fastest of the repeats
+    status: str
+    gap: float
+    step: float  # the plan's step, priced by that checkout's cost model
+    plan: Path  # the plan file it wrote
+
+    def describe(self) -> str:
+        return (f"{self.wall:.2f} s ({self.cpu:.2f} s CPU), {self.status}, "
+                f"gap {self.gap:.2%}")
+
+
+def solve_in(checkout: Path, scenario: tuple, out: Path) -> Solved:
+    """`scenario` solved by the code of `checkout`, as `run` solves it (its time limit,
+    the fastest of `REPEATS` up to 64 GPUs), in a process of its own."""
+    name, spec, batch, seq, _ = scenario
+    cluster = load_cluster(spec)
+    limit = time_limit(cluster)
+    given = [name, spec, batch, seq, dtype_for(cluster), limit,
+             REPEATS if limit is None else 1, str(out)]
+    done = subprocess.run([sys.executable, "-c", _SOLVE_THERE, json.dumps(given)],
+                          cwd=checkout, capture_output=True, text=True, check=True)
+    return Solved(**json.loads(done.stdout.splitlines()[-1]), plan=out)
+
+
+def price_now(path: Path, cluster) -> tuple[float, list[str]]:
+    """A plan file another checkout wrote, priced as written by this checkout's cost model
+    (`planner estimate --plan`), on `cluster` as this checkout's catalog describes it (a
+    plan file holds the device specs of the catalog that wrote it), and the stages that
+    would not fit their devices' memory under this cost model."""
+    written = json.loads(path.read_text())
+    written["cluster"] = to_jsonable(cluster)
+    for figures in ("prediction", "solver", "baselines"):  # (pricing gives them again)
+        written.pop(figures, None)
+    now = path.with_name(f"{path.stem}-now.json")
+    now.write_text(json.dumps(written))
+    plan = price_file(now).plan
+    unfit = []
+    for p in plan.pipelines:
+        for s in p.stages:
+            capacity = cluster.node(s.devices.node).device.memory
+            if s.memory.total > capacity:
+                unfit.append(f"{s.device_type} stage {s.index} of pipeline {p.index}: "
+                             f"{s.memory.total / GIB:.1f} of {capacity / GIB:.0f} GiB")
+    return plan.prediction.step_time, unfit
+
+
+def run_ab(old: Path, scenario: tuple) -> str:
+    """A scenario solved by the code of checkout `old` and by this one, back to back on
+    this machine, and the old plan priced by this checkout's cost model: a row."""
+    cluster = load_cluster(scenario[1])
+    folder = Path(tempfile.mkdtemp(prefix="solve-ab-"))
+    before = solve_in(old, scenario, folder / "old.json")
+    after = solve_in(Path(__file__).resolve().parent.parent, scenario, folder / "new.json")
+    old_step, unfit = price_now(before.plan, cluster)
+    priced = f"{old_step:.4g} s ({old_step / after.step:.3f}x the new plan's)"
+    if unfit:
+        priced += f"; does not fit: {unfit[0]}" + (
+            f" and {len(unfit) - 1} more stages" if len(unfit) > 1 else "")
+    row = (f"| {scenario[4]} | {before.describe()} | {after.describe()} | "
+           f"{after.wall / before.wall:.2f}x | {priced} | {after.step:.4g} s |")
+    print(row, flush=True)
+    return row
+
+
+_AB_NOTE = (
+    "Both checkouts solve each scenario in a process of their own, the old first, back "
+    "to back on this machine, as `python benchmarks/solve.py` does (the fastest of "
+    f"{REPEATS} runs up to 64 GPUs, the targets as time limits above: 10 s, 60 s). Search: "
+    "the report's wall time; CPU: the whole solve() call's CPU seconds (the machine is "
+    "shared, so wall times at the limits say less than CPU times). The old plan, priced "
+    "now: its plan file priced as written by this checkout's cost model (`planner "
+    "estimate --plan`) on the cluster as this catalog describes it; a stage that does not "
+    "fit is named (the cost model's recompute and memory changed between the two: its "
+    "plan is then no plan of this model's space). A ratio above 1: the new plan is that "
+    "much faster.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", type=int, nargs="*")
@@ -193,7 +320,21 @@ def main() -> None:
     parser.add_argument("--small-batch", action="store_true")
     parser.add_argument("--measured", action="store_true")
     parser.add_argument("--cpsat", action="store_true")
+    parser.add_argument("--ab", type=Path, metavar="OLD_CHECKOUT")
     args = parser.parse_args()
+    if args.ab:
+        indices = args.only if args.only is not None else range(len(SCENARIOS))
+        rows = [run_ab(args.ab, SCENARIOS[i]) for i in indices]
+        if args.only is None:
+            commit = subprocess.run(["git", "-C", str(args.ab), "log", "-1",
+                                     "--format=%h (%ad)", "--date=short"],
+                                    capture_output=True, text=True, check=True).stdout.strip()
+            write_section("solve-ab", f"python benchmarks/solve.py --ab {args.ab}",
+                          f"Old: {args.ab} holds the code of commit {commit}; new: this "
+                          "checkout.\n\n"
+                          + table(["scenario", "old search", "new search", "new / old search",
+                                   "old plan, priced now", "new plan"], rows) + "\n" + _AB_NOTE)
+        return
     if args.cpsat:
         rows = [run_cpsat(name, load_cluster(spec), batch, seq, label)
                 for name, spec, batch, seq, label in SCENARIOS[:5]]

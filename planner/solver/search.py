@@ -162,8 +162,8 @@ def _mixed_classes(most: int, paired: Sequence[Config]) -> str:
         cut = (f"; cut for speed to one where a configuration's mixed patterns make more "
                f"than {families_module.MIXED_PAIRS:,} pairs on disjoint types: at "
                f"{', '.join(at)}")
-    return (f"up to {most} mixed pipeline classes over disjoint sets of device types (their "
-            f"{chains}{cut}),")
+    return (f"up to {most} mixed pipeline classes over disjoint sets of device types (a cut "
+            f"for speed: two that share a type are left out; their {chains}{cut}),")
 
 
 # candidates a node's children bound by ranges of their counts at once; beyond, only
