@@ -43,7 +43,9 @@ variable-length samples packed, `planner.data.steps`); the stage's own are then 
 
 After every pipeline's last backward, every device runs the gradient sync
 (`sync` seconds) and then the optimizer step (`optimizer` seconds), as the step
-model has them (`planner.solver.step`).
+model has them (`planner.solver.step`); where the step's input takes `loading`
+seconds to load (`planner.data.loading`), the pipelines wait for it first
+(`step.fed`: the sync starts once both are done).
 
 Event kinds:
 
@@ -62,7 +64,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.solver.step import EVERY_STEP, OPTIMIZER, SYNC, StepTime, overlappable
+from planner.solver.step import EVERY_STEP, OPTIMIZER, SYNC, overlappable, step_time
 from planner.solver.timing import StageTiming
 from planner.types import Schedule, SyncSpec
 
@@ -88,6 +90,7 @@ class Event:
 class Simulation:
     step_time: float
     pipeline_times: tuple[float, ...]  # when each pipeline's last backward ends
+    pipelines: float  # when the pipelines are done, their input loaded (`step.fed`)
     events: tuple[Event, ...]  # every compute and communication interval, sorted by start
 
 
@@ -96,14 +99,15 @@ def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[
              interleave: int | Sequence[int] = 1,
              sync: float = 0.0, optimizer: float = 0.0,
              microbatch_timings: Sequence[Sequence[Sequence[StageTiming]]] | None = None,
-             policy: SyncSpec = EVERY_STEP) -> Simulation:
+             policy: SyncSpec = EVERY_STEP, loading: float = 0.0) -> Simulation:
     """Replay one training step of the pipelines, each with its number of micro-batches;
     `microbatch_timings[p][i][s]`, where given, is stage s's timing for micro-batch i of
-    pipeline p; the sync of `sync` seconds is paid as `policy` says (`step.py`)."""
+    pipeline p; the sync of `sync` seconds is paid as `policy` says (`step.py`), once the
+    pipelines are done and the step's input, `loading` seconds of it, is loaded."""
     schedules = ([schedule] * len(pipelines) if isinstance(schedule, Schedule)
                  else list(schedule))
     chunks = [interleave] * len(pipelines) if isinstance(interleave, int) else list(interleave)
-    _check(pipelines, microbatches, schedules, chunks, sync, optimizer)
+    _check(pipelines, microbatches, schedules, chunks, sync, optimizer, loading)
     if microbatch_timings is not None:
         _check_microbatches(pipelines, microbatches, microbatch_timings)
     events: list[Event] = []
@@ -117,19 +121,20 @@ def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[
         pipeline_events = _run_pipeline(p, list(stages), m, kind, v, own)
         events += pipeline_events
         times.append(max(e.end for e in pipeline_events if e.kind == BWD))
-    step = StepTime(pipelines=max(times), sync=sync, optimizer=optimizer, policy=policy,
-                    hidden=overlappable(t.bwd for stages in pipelines for t in stages))
+    step = step_time(times, sync, optimizer, policy=policy, loading=loading,
+                     hidden=overlappable(t.bwd for stages in pipelines for t in stages))
     for p, stages in enumerate(pipelines):
         for s in range(len(stages)):
             events += [Event(p, s, phase.kind, None, None, phase.start, phase.end)
                        for phase in step.phases()]
     events.sort(key=lambda e: (e.start, e.end, e.pipeline, e.stage))
-    return Simulation(step_time=step.total, pipeline_times=tuple(times), events=tuple(events))
+    return Simulation(step_time=step.total, pipeline_times=tuple(times),
+                      pipelines=step.pipelines, events=tuple(events))
 
 
 def _check(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[int],
            schedules: Sequence[Schedule], chunks: Sequence[int], sync: float,
-           optimizer: float) -> None:
+           optimizer: float, loading: float) -> None:
     if not pipelines:
         raise ValueError("simulate needs at least one pipeline")
     for what, values in (("micro-batch counts", microbatches), ("schedules", schedules),
@@ -139,8 +144,9 @@ def _check(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[in
                              "give one per pipeline")
     if min(chunks) < 1:
         raise ValueError(f"interleave must be >= 1, got {min(chunks)}")
-    if sync < 0 or optimizer < 0:
-        raise ValueError(f"sync and optimizer times must be >= 0, got {sync} and {optimizer}")
+    if min(sync, optimizer, loading) < 0:
+        raise ValueError(f"sync, optimizer and loading times must be >= 0, got {sync}, "
+                         f"{optimizer} and {loading}")
     for p, (stages, m) in enumerate(zip(pipelines, microbatches, strict=True)):
         if not stages:
             raise ValueError(f"pipeline {p} has no stages")

@@ -14,6 +14,7 @@ from cost_models.tokens import (
     token_budget,
     token_factor,
 )
+from planner.data.loading import Feed
 from planner.data.packing import (
     PipelineSlots,
     Work,
@@ -219,7 +220,9 @@ def _rates(*, pipelines: int = 2, stages: int = 2, micro_batches: int = 4,
     one = PipelineRates(stages=(stage,) * stages, quadratic=(0.2,) * stages,
                         micro_batch=micro_batch, micro_batches=micro_batches,
                         batch_share=micro_batch * micro_batches,
-                        schedule=Schedule.ONE_F_ONE_B, interleave=1)
+                        schedule=Schedule.ONE_F_ONE_B, interleave=1,
+                        feed=Feed(node="n", device_type="gpu",
+                                  samples=micro_batch * micro_batches))
     return PlanRates(seq_len=1024, pipelines=(one,) * pipelines, sync=0.3, optimizer=0.1)
 
 

@@ -3,6 +3,7 @@ device type's input rate in the cluster spec, the step's loading floor (`step.fe
 the solver avoiding plans it slows, `explain` naming it, and bad values refused."""
 
 import dataclasses
+import random
 import textwrap
 
 import pytest
@@ -12,13 +13,18 @@ from typer.testing import CliRunner
 from cli.main import app
 from cost_models.cluster import cluster_to_dict, load_cluster, parse_cluster
 from cost_models.model import AnalyticalCostModel
+from planner.data.choose import on_data
 from planner.data.loading import Feed, InputRates, input_rates, loading, plan_loading
+from planner.data.profile import Sample, lognormal_lengths, summarize
 from planner.errors import PlannerError
 from planner.explain import explain
 from planner.models import model_spec
+from planner.simulate import OPTIMIZER, SYNC, simulate
+from planner.small_batch import small_batch
 from planner.solver import SolveOptions, solve
-from planner.solver.predict import pipeline_times, predict, stage_timings
+from planner.solver.predict import pipeline_times, predict, replay, stage_timings
 from planner.solver.step import floor, step_time
+from planner.solver.timing import StageTiming
 from planner.trace import trace_model
 from planner.types import TrainingSpec
 from planner.types.cluster import DataRate
@@ -215,3 +221,68 @@ def test_explain_names_the_loading_that_binds(opt):
                   SolveOptions(gap=0.0))[0]
     quiet = explain(quick, graph.layers)
     assert "loading" not in quiet.binding and all(r.kind != "loading" for r in quiet.reasons)
+
+
+# ---------------------------------------------------------------- the simulator and the data
+
+def loading_bound(opt):
+    """The solver's plan where one node's loaders (200 samples/s) read all 64 samples of
+    a step: 320 ms of loading, longer than its pipelines."""
+    graph, training = opt
+    cluster = with_loading(load_cluster("1x2xA100-40G"), "a100-40g-sxm-0", 200.0)
+    plan = solve(graph, cluster, training, SolveOptions(gap=0.0))[0]
+    assert plan_loading(plan).seconds == pytest.approx(0.32)
+    return graph, cluster, plan
+
+
+def test_the_simulator_waits_for_the_input_as_predict_does(opt):
+    graph, cluster, plan = loading_bound(opt)
+    simulation = replay(plan, graph.layers, AnalyticalCostModel(cluster))
+    assert max(simulation.pipeline_times) < 0.32 == simulation.pipelines
+    assert simulation.step_time == pytest.approx(plan.prediction.step_time)
+    # the sync and the optimizer step start once the input is loaded
+    after = [e for e in simulation.events if e.kind in (SYNC, OPTIMIZER)]
+    assert after and min(e.start for e in after) >= 0.32
+    # loading shorter than the pipelines changes nothing
+    stages = [[StageTiming(fwd=1.0, bwd=2.0, send=0.1)] * 2]
+    plain = simulate(stages, [4], sync=0.5, optimizer=0.1)
+    assert simulate(stages, [4], sync=0.5, optimizer=0.1, loading=1.0) == plain
+    waited = simulate(stages, [4], sync=0.5, optimizer=0.1, loading=20.0)
+    assert waited.step_time == pytest.approx(20.6) and waited.pipelines == 20.0
+    with pytest.raises(ValueError, match="loading times must be >= 0"):
+        simulate(stages, [4], loading=-1.0)
+
+
+def test_a_data_profile_prices_the_wait_for_the_input(opt):
+    graph, cluster, plan = loading_bound(opt)
+    costs = AnalyticalCostModel(cluster)
+    lengths = lognormal_lengths(2000, median=64, sigma=1.0, low=1, high=512,
+                                rng=random.Random(5))
+    profile = summarize([Sample(tokens=n) for n in lengths], "t")
+    free = on_data(plan, graph.layers, AnalyticalCostModel(load_cluster("1x2xA100-40G")),
+                   profile, draws=4)
+    assert free.slowest < 0.32  # short samples: the pipelines alone are quicker still
+    fed = on_data(plan, graph.layers, costs, profile, draws=4)
+    # every drawn step waits for its 64 samples, as the plan's prediction does
+    assert fed.expected == pytest.approx(plan.prediction.step_time)
+    assert fed.slowest == pytest.approx(fed.expected) == pytest.approx(fed.mean_step)
+    assert fed.idle > free.idle
+
+
+def test_a_loading_bound_plan_is_not_told_to_grow_its_batch(opt):
+    *_, plan = loading_bound(opt)
+    prediction = plan.prediction
+    # the pipelines' wait for the input is in the bubble: most of the step
+    assert prediction.bubble > 0.5 * prediction.step_time
+    assert small_batch(plan) is None  # it grows with the batch: no batch hides it
+    # the same terms with a bubble of the pipelines' own: the warning, as before
+    unfed = small_batch(dataclasses.replace(plan, cluster=load_cluster("1x2xA100-40G")))
+    assert unfed is not None and "bubble" in unfed.fixed_terms
+    # where the sync outweighs the loading, the warning names the sync alone
+    step = prediction.step_time
+    synced = dataclasses.replace(plan, prediction=dataclasses.replace(
+        prediction, dp_comm=prediction.dp_comm + 3 * step, step_time=4 * step))
+    found = small_batch(synced)
+    assert found is not None and found.fixed_terms == ("dp_comm", "optimizer")
+    fixed = synced.prediction.dp_comm + synced.prediction.optimizer
+    assert found.fixed_share == pytest.approx(fixed / (4 * step))

@@ -8,7 +8,19 @@ gradient sync and the optimizer, and says nothing of what a step's longest sampl
 A step's time is its slowest pipeline's, so what a plan is worth on the data is the
 expected bottleneck over its steps, E[max over pipelines], which the replay of drawn
 steps estimates; a step of mean-length samples (`mean_step`, shown beside it) is the
-max of expectations, which is below it.
+max of expectations, which is below it. The replay waits for each step's input as the
+step model does (`loading.py`: each pipeline's first stage reads the samples packed
+into it).
+
+Its limits: the search itself still prices full-length samples, so the distribution
+only ranks the plans it found best so (the best CANDIDATES, or `--top-k` if more): a
+plan whose shape suits the data better but is not among them is never seen, and each
+plan keeps its micro-batch counts and shares. The expectation is the mean of DRAWS
+steps, their lengths drawn independently from the profile's quantile table (seed 0,
+the same steps for every plan) and cut to the sequence length: an estimate, without an
+error bar, of steps whose samples are independent of each other. A loading rate in
+tokens/s counts each sample at the sequence length (`loading.samples_per_second`),
+more than a short sample holds, so where loading binds the estimate errs slow.
 """
 
 from __future__ import annotations

@@ -6,11 +6,14 @@ plan's sequence length. A packed micro-batch of r rows padded to L tokens scales
 stage's compute by `cost_models.tokens.token_factor` (its attention cores' share of
 the stage's time growing with L squared, the rest with L), and its tensor-parallel
 collectives and pipeline sends by the tokens it moves (`linear_factor`); the gradient
-sync and the optimizer step do not change with the data.
+sync and the optimizer step do not change with the data. The pipelines wait for their
+input where the cluster's loaders or devices' inputs are the slower (`loading.py`, the
+step model's `fed`): each pipeline's first stage reads the samples packed into it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +25,7 @@ from cost_models.tokens import (
     token_budget,
     token_factor,
 )
+from planner.data.loading import Feed, InputRates, input_rates, loading_seconds, plan_feeds
 from planner.data.packing import Packing, PipelineSlots, Work
 from planner.simulate import BWD, FWD, Simulation, simulate
 from planner.solver.predict import stage_timings, sync_and_optimizer
@@ -41,6 +45,7 @@ class PipelineRates:
     batch_share: int
     schedule: Schedule
     interleave: int
+    feed: Feed  # its input at the plan's share, read by its first stage
 
     def time(self) -> float:
         """The pipeline's time for the plan's micro-batches of full-length samples."""
@@ -57,6 +62,7 @@ class PlanRates:
     pipelines: tuple[PipelineRates, ...]
     sync: float
     optimizer: float
+    inputs: InputRates | None = None  # the cluster's input limits (`loading.input_rates`)
 
     def slots(self) -> list[PipelineSlots]:
         """The packer's view of the pipelines: speed in planned samples per second of the
@@ -83,7 +89,7 @@ def plan_rates(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> PlanRat
     timings = stage_timings(plan, layers, costs)
     sync, optimizer = sync_and_optimizer(plan, layers, costs)
     pipelines = []
-    for pipeline, stages in zip(plan.pipelines, timings, strict=True):
+    for pipeline, stages, feed in zip(plan.pipelines, timings, plan_feeds(plan), strict=True):
         shares = tuple(
             quadratic_share([layers[i] for i in stage.held()],
                             costs.cluster.node(stage.devices.node).device, tp=stage.tp,
@@ -92,9 +98,9 @@ def plan_rates(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> PlanRat
         pipelines.append(PipelineRates(
             stages=tuple(stages), quadratic=shares, micro_batch=pipeline.micro_batch,
             micro_batches=pipeline.num_microbatches, batch_share=pipeline.batch_share,
-            schedule=pipeline.schedule, interleave=pipeline.interleave))
+            schedule=pipeline.schedule, interleave=pipeline.interleave, feed=feed))
     return PlanRates(seq_len=plan.training.seq_len, pipelines=tuple(pipelines), sync=sync,
-                     optimizer=optimizer)
+                     optimizer=optimizer, inputs=input_rates(costs.cluster, plan.training))
 
 
 def scaled(timing: StageTiming, quadratic: float, shape: TokenShape, *, micro_batch: int,
@@ -113,7 +119,8 @@ def scaled(timing: StageTiming, quadratic: float, shape: TokenShape, *, micro_ba
 @dataclass(frozen=True, kw_only=True)
 class DataStep:
     """One packed step replayed: its time, when the pipelines end, and the device time
-    they idle before then (the pipeline bubble and the wait for the slowest pipeline)."""
+    they idle before then (the pipeline bubble, the wait for the slowest pipeline and
+    for the step's input)."""
 
     simulation: Simulation
     busy: float  # device seconds of compute before the sync, all pipelines' devices
@@ -125,7 +132,7 @@ class DataStep:
 
     @property
     def pipelines_end(self) -> float:
-        return max(self.simulation.pipeline_times)
+        return self.simulation.pipelines
 
     @property
     def idle(self) -> float:
@@ -134,7 +141,8 @@ class DataStep:
 
 
 def replay(rates: PlanRates, packing: Packing) -> DataStep:
-    """One step of the plan with each pipeline's micro-batches as packed."""
+    """One step of the plan with each pipeline's micro-batches as packed, each fed the
+    samples packed into it."""
     own = []
     for p, (pipeline, batches) in enumerate(zip(rates.pipelines, packing.pipelines,
                                                 strict=True)):
@@ -149,7 +157,10 @@ def replay(rates: PlanRates, packing: Packing) -> DataStep:
                           [p.micro_batches for p in rates.pipelines],
                           schedule=[p.schedule for p in rates.pipelines],
                           interleave=[p.interleave for p in rates.pipelines],
-                          sync=rates.sync, optimizer=rates.optimizer, microbatch_timings=own)
+                          sync=rates.sync, optimizer=rates.optimizer, microbatch_timings=own,
+                          loading=loading_seconds(rates.inputs, [
+                              dataclasses.replace(p.feed, samples=float(len(packing.samples(i))))
+                              for i, p in enumerate(rates.pipelines)]))
     busy = sum(e.end - e.start for e in simulation.events if e.kind in (FWD, BWD))
     devices = sum(len(p.stages) for p in rates.pipelines)
     return DataStep(simulation=simulation, busy=busy, devices=devices)
