@@ -5,7 +5,9 @@ and n ranks, algbw = S / time predicts time, and busbw = algbw * factor
 compares with a link's peak (all-reduce 2(n-1)/n, all-gather and
 reduce-scatter (n-1)/n, broadcast and point-to-point 1).
 
-Algorithms (the faster one is used, as NCCL picks per size):
+Algorithms (the faster one is used, as NCCL picks per size; `collective_choice` names
+it, and a plan records it for each stage's gradient sync, `StagePlan.grad_sync`, which
+the runtime runs):
 
     ring          over all n ranks; every step crosses the slowest link in the
                   group: intra-node links between devices of a node, the
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from planner.errors import PlannerError
-from planner.types import ClusterSpec, LinkSpec
+from planner.types import ClusterSpec, LinkSpec, SyncAlgorithm
 
 
 class Collective(str, Enum):
@@ -117,13 +119,29 @@ def collective_time(kind: Collective, nbytes: float, group: CommGroup,
 def collective_over(kind: Collective, nbytes: float, group: CommGroup,
                     intra: LinkSpec | None, inter: LinkSpec | None) -> float:
     """`collective_time` given the group's links (`group_links`)."""
+    return collective_choice(kind, nbytes, group, intra, inter).seconds
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A collective's seconds and the algorithm that takes them (the faster of the two,
+    see the module docstring; a ring where they tie or there is no choice)."""
+
+    algorithm: SyncAlgorithm
+    seconds: float
+
+
+def collective_choice(kind: Collective, nbytes: float, group: CommGroup,
+                      intra: LinkSpec | None, inter: LinkSpec | None) -> Priced:
+    """The faster algorithm for a collective among `group` given its links
+    (`group_links`), and its seconds: what every price of a collective is."""
     if nbytes < 0:
         raise PlannerError("bad-value", f"A collective cannot move {nbytes} bytes.")
     n = group.size
     if n <= 1 or nbytes == 0:
-        return 0.0
+        return Priced(SyncAlgorithm.RING, 0.0)
     if inter is None:
-        return _ring(kind, nbytes, n, intra)
+        return Priced(SyncAlgorithm.RING, _ring(kind, nbytes, n, intra))
     nodes = len(group.members)
     per_node = max(count for _, count in group.members)
     if kind is Collective.ALL_TO_ALL:
@@ -131,17 +149,17 @@ def collective_over(kind: Collective, nbytes: float, group: CommGroup,
         # per_node * nbytes goes through its network link
         cross = per_node * nbytes * (n - per_node) / n / inter.bandwidth
         local = nbytes * (per_node - 1) / n / intra.bandwidth if intra else 0.0
-        return max(cross, local) + (n - 1) * inter.latency
+        return Priced(SyncAlgorithm.RING, max(cross, local) + (n - 1) * inter.latency)
     bottleneck = inter.slowest(intra)
     flat = _ring(kind, nbytes, n, bottleneck)
     if per_node == 1:
-        return flat
-    inner = _ring(kind, nbytes, per_node, intra)
-    if kind is Collective.BROADCAST:
-        return min(flat, inner + _ring(kind, nbytes, nodes, inter))
-    # the inter-node ring carries nbytes/g per device over bandwidth/g each: nbytes/B_n
-    outer = _ring(kind, nbytes, nodes, inter)
-    return min(flat, inner + outer)
+        return Priced(SyncAlgorithm.RING, flat)
+    # inside each node, then (all-reduce and the like) the inter-node ring carries
+    # nbytes/g per device over bandwidth/g each: nbytes/B_n
+    nested = _ring(kind, nbytes, per_node, intra) + _ring(kind, nbytes, nodes, inter)
+    if nested < flat:
+        return Priced(SyncAlgorithm.HIERARCHICAL, nested)
+    return Priced(SyncAlgorithm.RING, flat)
 
 
 def send_sharing(boundaries: Iterable[tuple[str, str, int]]) -> dict[str, int]:

@@ -19,7 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cost_models.comm import Collective, CommGroup, collective_over, group_links, p2p_time
+from cost_models.comm import (
+    Collective,
+    CommGroup,
+    Priced,
+    collective_choice,
+    group_links,
+    p2p_time,
+)
 from cost_models.compute import (
     DEFAULT_EFFICIENCY,
     Efficiency,
@@ -47,6 +54,9 @@ class CostModel(Protocol):
                        dtype: str, policy: Recompute) -> float: ...
 
     def collective_time(self, kind: Collective, nbytes: float, group: CommGroup) -> float: ...
+
+    def collective_choice(self, kind: Collective, nbytes: float, group: CommGroup
+                          ) -> Priced: ...
 
     def tp_comm_time(self, layer: Layer, micro_batch: int, group: CommGroup) -> float: ...
 
@@ -103,6 +113,11 @@ class AnalyticalCostModel:
         return self.memo[key]
 
     def collective_time(self, kind: Collective, nbytes: float, group: CommGroup) -> float:
+        return self.collective_choice(kind, nbytes, group).seconds
+
+    def collective_choice(self, kind: Collective, nbytes: float, group: CommGroup
+                          ) -> Priced:
+        """The collective's seconds and the algorithm that takes them."""
         memo = self.collectives
         key = (kind, nbytes, group)
         if key not in memo:
@@ -111,7 +126,7 @@ class AnalyticalCostModel:
             links = ("links", group)  # a group's links, whatever it moves
             if links not in memo:
                 memo[links] = group_links(self.cluster, group)
-            memo[key] = collective_over(kind, nbytes, group, *memo[links])
+            memo[key] = collective_choice(kind, nbytes, group, *memo[links])
         return memo[key]
 
     def tp_comm_time(self, layer: Layer, micro_batch: int, group: CommGroup) -> float:

@@ -34,7 +34,15 @@ from planner.solver.predict import (
 )
 from planner.sync import sync_note
 from planner.timeline import Timeline, build_timeline, ranges, timeline_dict
-from planner.types import CostBreakdown, Layer, ModelGraph, Plan, Recompute, StagePlan
+from planner.types import (
+    CostBreakdown,
+    Layer,
+    ModelGraph,
+    Plan,
+    Recompute,
+    StagePlan,
+    SyncAlgorithm,
+)
 from planner.units import fmt_bytes, fmt_seconds
 
 TERMS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
@@ -322,9 +330,11 @@ def traffic(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> list[Traff
             if n > 1:
                 intra, inter = group_links(cluster, group)
                 link = inter.slowest(intra) if inter else intra
+                # (the plan's choice, `StagePlan.grad_sync`, where it is not the ring)
+                how = ", hierarchical" if s.grad_sync is SyncAlgorithm.HIERARCHICAL else ""
                 rows.append(TrafficRow(
                     kind="dp all-reduce", where=f"{layer_text}, {n} replicas on "
-                    f"{len(group.members)} node(s)", link=link.name if link else "-",
+                    f"{len(group.members)} node(s){how}", link=link.name if link else "-",
                     bandwidth=link.bandwidth if link else 0.0,
                     bytes_per_step=params * grad * 2 * (n - 1) / n,
                     seconds=costs.collective_time(Collective.ALL_REDUCE, params * grad, group)))

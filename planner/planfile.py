@@ -31,6 +31,7 @@ from planner.types import (
     MemoryBreakdown,
     Plan,
     SolverReport,
+    SyncAlgorithm,
 )
 
 
@@ -348,9 +349,9 @@ def _check_numbers(plan: Plan) -> None:
 
 def _check_fields(plan: Plan) -> None:
     """An error naming the first field out of range: a count below 1, a ZeRO stage
-    other than 0-3, an index out of order, a stage's layer span that is not its chunks',
-    a cluster, node or device name or a host with a line break (cluster files refuse
-    those too)."""
+    other than 0-3 (or with a hierarchical gradient sync), an index out of order, a
+    stage's layer span that is not its chunks', a cluster, node or device name or a host
+    with a line break (cluster files refuse those too)."""
     def bad(message: str) -> PlannerError:
         return PlannerError("bad-plan", message, [_REGENERATE])
 
@@ -363,6 +364,13 @@ def _check_fields(plan: Plan) -> None:
         counts += [(f"pipelines[{i}].{name}", getattr(p, name))
                    for name in ("batch_share", "micro_batch", "num_microbatches", "interleave")]
         counts += [(f"pipelines[{i}].stages[{j}].tp", s.tp) for j, s in enumerate(p.stages)]
+    if plan.constraints is not None:  # (what a re-plan gives the solver)
+        given = plan.constraints
+        counts += [(f"constraints.{name}", getattr(given, name)) for name in (
+            "tp", "max_tp", "pp", "dp", "max_dp", "micro_batch", "max_stages", "interleave",
+            "max_interleave") if getattr(given, name) is not None]
+        if any(stage not in (0, 1, 2, 3) for stage in given.zero or ()):
+            raise bad(f"constraints.zero must list ZeRO stages 0-3 (got {list(given.zero)}).")
     for field, value in counts:
         if value < 1:
             raise bad(f"{field} must be positive (got {value}).")
@@ -410,6 +418,10 @@ def _check_fields(plan: Plan) -> None:
                           "order.")
             if s.zero not in (0, 1, 2, 3):
                 raise bad(f"{at}.zero must be 0, 1, 2 or 3 (got {s.zero}).")
+            if s.zero and s.grad_sync is SyncAlgorithm.HIERARCHICAL:
+                raise bad(f"{at}.grad_sync is hierarchical with zero {s.zero}: FSDP sums a "
+                          "ZeRO stage's gradients with its own reductions, so the runtime "
+                          "would not run it; make it \"ring\" or the stage's zero 0.")
             if not s.chunks:
                 raise bad(f"{at}.chunks is empty: the stage holds no layers.")
             span = (min(a for a, _ in s.chunks), max(b for _, b in s.chunks))

@@ -20,8 +20,9 @@ backward has made its last gradient:
   * after the schedule, the buckets that have not started start (a parameter the
     step gave no gradient leaves its bucket waiting), every sum is waited for and
     written back, and the other buckets (holders of mixed degrees, parameters each tp
-    rank holds whole: their sums use the tp group, which backward uses too) are summed
-    as without overlap.
+    rank holds whole: their sums use the tp group, which backward uses too; sums a plan
+    written by hand makes hierarchical, `StagePlan.grad_sync`: the solver picks rings
+    where sums overlap) are summed as without overlap.
 
 FSDP2 stages keep FSDP's own reduce-scatters, which overlap backward already. An
 accumulation after its bucket started would leave the sum stale: the step stops with
@@ -104,8 +105,10 @@ def accumulations(info: ModelInfo, stage: StagePlan, microbatches: int) -> Count
 
 
 def _plain(bucket: _Bucket) -> bool:
-    """Whether a bucket's sum is one all-reduce among its holders (no tp group)."""
-    return not bucket.gather and bucket.slices == 1 and bucket.group is not None
+    """Whether a bucket's sum is one all-reduce among its holders (no tp group, not
+    hierarchical: a `Hierarchy`'s three steps run after the schedule)."""
+    return (not bucket.gather and bucket.slices == 1
+            and isinstance(bucket.group, dist.ProcessGroup))
 
 
 def _nbytes(param: nn.Parameter) -> int:

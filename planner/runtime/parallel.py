@@ -15,7 +15,12 @@ order (torch requires all ranks to take part in creating each group):
     embedding shares its weight with the first stage, so these sets need not form
     a mesh): one per tensor-parallel index where the stages share a tp degree,
     else one of their first ranks (`GradientSum`). A pipeline's stages may differ
-    in degree (GPipe or 1F1B; an interleaved schedule needs one degree).
+    in degree (GPipe or 1F1B; an interleaved schedule needs one degree). Where the
+    stages' plan says their gradient sync is hierarchical (`StagePlan.grad_sync`, the
+    faster priced where replicas share nodes and a slow network joins the nodes), each
+    sum also gets a group of its ranks on each node and one of the nodes' first ranks:
+    it reduces inside each node, all-reduces across the nodes, broadcasts back inside
+    each node (`Hierarchy`).
 
 Gradients. Each pipeline's loss for a micro-batch is the model's (mean) loss
 times micro_batch / global_batch, so the losses of all micro-batches of all
@@ -90,7 +95,7 @@ from planner.runtime.stage import (
     TensorParallelOptions,
     stage_param_names,
 )
-from planner.types import Plan, StagePlan
+from planner.types import Plan, StagePlan, SyncAlgorithm
 
 StageKey = tuple[int, int]  # (pipeline, stage)
 
@@ -141,6 +146,75 @@ class Topology:
         tps = {self.stage(k).tp for k in keys}
         indices = range(next(iter(tps))) if len(tps) == 1 else range(1)
         return [tuple(sorted(self.ranks(k)[t] for k in keys)) for t in indices]
+
+    def hierarchical(self, keys: Sequence[StageKey]) -> bool:
+        """Whether these stages sum their gradients hierarchically: where every one of
+        them says so (`StagePlan.grad_sync`; a stage's sum is its replicas', and a tie's
+        takes the ring unless both ends say otherwise)."""
+        return all(self.stage(k).grad_sync is SyncAlgorithm.HIERARCHICAL for k in keys)
+
+    def by_node(self, ranks: Sequence[int]) -> list[tuple[int, ...]]:
+        """The ranks of a sum grouped by node, each node's ascending, nodes in order of
+        their first rank: a hierarchical sum's first level; the first rank of each
+        node sums across the nodes."""
+        nodes: dict[str, list[int]] = {}
+        for rank in sorted(ranks):
+            nodes.setdefault(self.layout.of(rank).node, []).append(rank)
+        return [tuple(found) for found in nodes.values()]
+
+    def sum_ranks(self, keys: Sequence[StageKey]) -> list[tuple[int, ...]]:
+        """Every group summing these stages' gradients needs: `sum_groups`, and for a
+        hierarchical sum each node's ranks and the nodes' first ranks (`Hierarchy`)."""
+        out = []
+        for ranks in self.sum_groups(keys):
+            out.append(ranks)
+            if self.hierarchical(keys):
+                nodes = self.by_node(ranks)
+                out += [node for node in nodes if len(node) > 1]
+                if len(nodes) > 1:
+                    out.append(tuple(node[0] for node in nodes))
+        return out
+
+    def sum_group(self, keys: Sequence[StageKey], ranks: tuple[int, ...], rank: int,
+                  by_ranks: dict[tuple[int, ...], dist.ProcessGroup]
+                  ) -> dist.ProcessGroup | Hierarchy:
+        """What sums these stages' gradients over `ranks` on `rank` (one of them), from
+        the groups `sum_ranks` made: their group, or their `Hierarchy`."""
+        if not self.hierarchical(keys):
+            return by_ranks[ranks]
+        nodes = self.by_node(ranks)
+        mine = next(node for node in nodes if rank in node)
+        across = tuple(node[0] for node in nodes)
+        return Hierarchy(leader=mine[0], local=by_ranks[mine] if len(mine) > 1 else None,
+                         across=by_ranks[across] if rank in across and len(nodes) > 1
+                         else None)
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """A gradient sum over ranks on several nodes in three steps (`StagePlan.grad_sync`
+    hierarchical, `all_reduce_sum`): reduced inside each node to its first rank
+    (`leader`) over `local` (this rank's node's ranks of the sum; None where it is alone
+    there), all-reduced among the nodes' first ranks over `across` (None on the other
+    ranks), broadcast back inside each node. Exactly the ring's sum, up to the order
+    of the additions."""
+
+    leader: int
+    local: dist.ProcessGroup | None
+    across: dist.ProcessGroup | None
+
+
+def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup | Hierarchy) -> None:
+    """Sum `flat` over `group` in place: one all-reduce, or a `Hierarchy`'s three steps."""
+    if not isinstance(group, Hierarchy):
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        return
+    if group.local is not None:
+        dist.reduce(flat, dst=group.leader, op=dist.ReduceOp.SUM, group=group.local)
+    if group.across is not None:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group.across)
+    if group.local is not None:
+        dist.broadcast(flat, src=group.leader, group=group.local)
 
 
 def check_degrees(plan: Plan) -> None:
@@ -238,7 +312,7 @@ def build_groups(topo: Topology, rank: int, device_type: str) -> Groups:
             wanted.append(tuple(topo.ranks(k)[t] for k in stages))
     holder_sets = sorted({tuple(sorted(keys)) for keys in topo.holders.values()})
     for keys in holder_sets:  # gradient sums
-        wanted.extend(topo.sum_groups(keys))
+        wanted.extend(topo.sum_ranks(keys))
     by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
     created: set[tuple[int, ...]] = set()  # on every rank alike, member or not: new_group
     for ranks in wanted:                   # is collective, its calls must match
@@ -624,7 +698,7 @@ class _Bucket:
     tp group's rank of each index), so the stage moves them once, not once per rank."""
 
     params: list[nn.Parameter]
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup | Hierarchy | None
     gather: bool = False
     tp_group: dist.ProcessGroup | None = None
     source: int = 0
@@ -655,10 +729,13 @@ class GradientSum:
         for keys, params in sorted(held.items()):
             found = topo.sum_groups(keys)
             if len({topo.stage(k).tp for k in keys}) > 1:  # (one group: the first ranks)
-                self.buckets.append(_Bucket(params, groups.by_ranks.get(found[0]),
-                                            gather=True, tp_group=tp_group, source=mine[0]))
+                first = (topo.sum_group(keys, found[0], rank, groups.by_ranks)
+                         if rank in found[0] else None)
+                self.buckets.append(_Bucket(params, first, gather=True, tp_group=tp_group,
+                                            source=mine[0]))
                 continue
-            group = groups.by_ranks[next(r for r in found if rank in r)]
+            group = topo.sum_group(keys, next(r for r in found if rank in r), rank,
+                                   groups.by_ranks)
             sharded = [p for p in params if len(mine) == 1 or _sharded(p)]
             if sharded:
                 self.buckets.append(_Bucket(sharded, group))
@@ -679,7 +756,7 @@ def sum_bucket(bucket: _Bucket) -> None:
     if bucket.slices > 1:
         flat = _sum_in_slices(flat, bucket)
     elif bucket.group is not None:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group)
+        all_reduce_sum(flat, bucket.group)
     if bucket.gather and dist.get_world_size(bucket.tp_group) > 1:
         dist.broadcast(flat, src=bucket.source, group=bucket.tp_group)
     write_gradients(bucket, flat, grads)
@@ -717,7 +794,7 @@ def _sum_in_slices(flat: torch.Tensor, bucket: _Bucket) -> torch.Tensor:
     size = -(-flat.numel() // bucket.slices)
     padded = torch.nn.functional.pad(flat, (0, size * bucket.slices - flat.numel()))
     part = padded.view(bucket.slices, size)[bucket.index].clone()
-    dist.all_reduce(part, op=dist.ReduceOp.SUM, group=bucket.group)
+    all_reduce_sum(part, bucket.group)
     parts = [torch.empty_like(part) for _ in range(bucket.slices)]
     dist.all_gather(parts, part, group=bucket.tp_group)
     return torch.cat([parts[i] for i in bucket.order])[:flat.numel()]

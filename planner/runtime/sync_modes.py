@@ -28,8 +28,8 @@ take about as long and its local work follows its capacity) or 1 (`average`):
     is checkpointed (`outer_state`).
 
 The sums use `parallel.GradientSum`'s buckets over every holder (those every-step sync
-sums gradients with): the weighted values are put where the gradients go, summed, and
-taken back.
+sums gradients with, hierarchical where the plan's stages say so): the weighted values
+are put where the gradients go, summed, and taken back.
 
 Checkpoints hold one copy of each parameter, so they are written right after a sync:
 --checkpoint-every must be a multiple of the interval, and the final checkpoint (or a
@@ -86,7 +86,7 @@ def within_pipelines(topo: Topology, groups: Groups, rank: int) -> tuple[Topolog
         for keys in sorted({tuple(sorted(k for k in keys if k[0] == p))
                             for keys in topo.holders.values()}):
             if len(keys) > 1:
-                wanted.update(dict.fromkeys(topo.sum_groups(keys)))
+                wanted.update(dict.fromkeys(topo.sum_ranks(keys)))
     mine = {}
     for ranks in wanted:
         group = dist.new_group(list(ranks))

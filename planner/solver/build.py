@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from cost_models.model import CostModel
 from planner.solver.evaluate import Evaluation
 from planner.solver.interleave import chunks
-from planner.solver.predict import predict
+from planner.solver.predict import grad_syncs, predict
 from planner.types import (
     SCHEMA_VERSION,
     ClusterSpec,
@@ -58,10 +58,11 @@ FIXED = SolverReport(status="fixed", objective=0.0, best_bound=0.0, gap=0.0, wal
 def assemble(*, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
              pipelines: Sequence[PipelinePlan], layers: Sequence[Layer], costs: CostModel,
              solver: SolverReport = PENDING) -> Plan:
-    """A Plan with its predictions computed by `predict`."""
-    draft = Plan(schema_version=SCHEMA_VERSION, model=model, training=training,
-                 cluster=cluster, pipelines=tuple(pipelines),
-                 prediction=_EMPTY, solver=solver)
+    """A Plan with its stages' gradient syncs chosen (`grad_syncs`) and its predictions
+    computed by `predict`."""
+    draft = grad_syncs(Plan(schema_version=SCHEMA_VERSION, model=model, training=training,
+                            cluster=cluster, pipelines=tuple(pipelines),
+                            prediction=_EMPTY, solver=solver), layers, costs)
     return dataclasses.replace(draft, prediction=predict(draft, layers, costs))
 
 

@@ -19,6 +19,7 @@ with the cost model, by the same rules the search uses on its cost table:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ from planner.types import (
     Plan,
     Schedule,
     StagePlan,
+    SyncAlgorithm,
 )
 from planner.types.model import params_per_rank, zero_kept
 
@@ -213,12 +215,53 @@ def plan_weight_bytes(plan: Plan) -> float:
     return float(dtype_bytes(plan.training.dtype))
 
 
-def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
-                       ) -> tuple[float, float]:
-    grad = plan.training.optimizer.grad_bytes or plan_weight_bytes(plan)
+def own_sync(stage: StagePlan, layers: Sequence[Layer], groups: Holders,
+             ties: Sequence[tuple[int, tuple[int, ...], int, CommGroup]], grad: float
+             ) -> tuple[float, CommGroup] | None:
+    """The bytes of a stage's all-reduce of its own gradients (its parameters but the
+    split ties' it owns: they have theirs) and its group, every stage holding its first
+    layer; None where ZeRO-3 shards them within one class (each shard is summed across
+    classes only)."""
+    shard = len(groups.of(stage)) if stage.zero >= 1 else 1
+    holders = groups.holders(stage.layers[0])
+    if stage.zero == 3 and len(holders) <= shard:
+        return None
+    params = sum(layers[i].params for i in stage.held()) - sum(
+        weights for owner, _, weights, _ in ties if stage.holds(owner))
+    return params * grad / (shard if stage.zero == 3 else 1), CommGroup.of(holders)
+
+
+def _sync_inputs(plan: Plan, layers: Sequence[Layer]
+                 ) -> tuple[float, Holders, list[tuple[int, tuple[int, ...], int, CommGroup]]]:
+    """(gradient bytes per parameter, the holders, the split ties with their groups)."""
     groups = Holders(plan)
     ties = [(owner, readers, weights, CommGroup.of(holders))
             for owner, readers, weights, holders in _split_ties(layers, groups)]
+    return plan.training.optimizer.grad_bytes or plan_weight_bytes(plan), groups, ties
+
+
+def grad_syncs(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> Plan:
+    """`plan` with each stage's `grad_sync`: the algorithm of the all-reduce of its own
+    gradients as priced (`sync_and_optimizer`), where the runtime sums them itself (no
+    ZeRO: FSDP's reductions are its own) and without overlap (the overlapped sums start
+    as rings, `runtime/overlap.py`); ring elsewhere."""
+    grad, groups, ties = _sync_inputs(plan, layers)
+
+    def chosen(stage: StagePlan) -> SyncAlgorithm:
+        own = own_sync(stage, layers, groups, ties, grad)
+        if own is None or stage.zero or plan.training.sync.overlap:
+            return SyncAlgorithm.RING
+        return costs.collective_choice(Collective.ALL_REDUCE, *own).algorithm
+
+    return dataclasses.replace(plan, pipelines=tuple(
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(s, grad_sync=chosen(s))
+                                             for s in p.stages))
+        for p in plan.pipelines))
+
+
+def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
+                       ) -> tuple[float, float]:
+    grad, groups, ties = _sync_inputs(plan, layers)
     # each distinct all-reduce: its group and time (`evaluate.sync_and_optimizer`)
     synced: dict[tuple, tuple[CommGroup, float]] = {
         ("tie", i): (group, costs.collective_time(Collective.ALL_REDUCE, weights * grad, group))
@@ -232,18 +275,13 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
             if key in seen:  # a replica on the same node costs the same
                 continue
             seen.add(key)
-            params = sum(layers[i].params for i in stage.held())
             shard = len(groups.of(stage)) if stage.zero >= 1 else 1
-            holders = groups.holders(stage.layers[0])
-            mine = []  # the stage's all-reduces: split ties', then its own
-            for i, (owner, readers, weights, _) in enumerate(ties):
-                if any(stage.holds(j) for j in (owner, *readers)):
-                    params -= weights if stage.holds(owner) else 0
-                    mine.append(("tie", i))
-            if stage.zero < 3 or len(holders) > shard:  # ZeRO-3: each shard across classes
-                volume = params * grad / (shard if stage.zero == 3 else 1)
+            # the stage's all-reduces: split ties', then its own
+            mine: list[tuple] = [("tie", i) for i, (owner, readers, _, _) in enumerate(ties)
+                                 if any(stage.holds(j) for j in (owner, *readers))]
+            if (own := own_sync(stage, layers, groups, ties, grad)) is not None:
+                volume, group = own
                 if (stage.layers[0], volume) not in synced:  # the same group on every node
-                    group = CommGroup.of(holders)
                     synced[stage.layers[0], volume] = (group, costs.collective_time(
                         Collective.ALL_REDUCE, volume, group))
                 mine.append((stage.layers[0], volume))
@@ -276,7 +314,13 @@ def replay(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> Simulation:
                     [p.num_microbatches for p in plan.pipelines],
                     schedule=[p.schedule for p in plan.pipelines],
                     interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt,
-                    policy=plan.training.sync)
+                    policy=plan.training.sync, loading=loading_time(plan, costs))
+
+
+def loading_time(plan: Plan, costs: CostModel) -> float:
+    """The seconds `plan`'s step takes to load its input on the cost model's cluster
+    (`planner.data.loading`; 0 where it sets no rates)."""
+    return loading_seconds(input_rates(costs.cluster, plan.training), plan_feeds(plan))
 
 
 def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakdown:
@@ -287,8 +331,7 @@ def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakd
     slowest = max(times, key=lambda t: t.total)
     step = step_time([t.total for t in times], sync, opt,
                      overlappable(t.bwd for stages in timings for t in stages),
-                     plan.training.sync,
-                     loading_seconds(input_rates(costs.cluster, plan.training), plan_feeds(plan)))
+                     plan.training.sync, loading_time(plan, costs))
     batch = plan.training.global_batch
     flops = batch * sum(layer.flops for layer in layers)
     peak = sum(costs.cluster.node(s.devices.node).device.flops(plan.training.dtype) * s.tp

@@ -4,7 +4,7 @@ model.py:    ModelSpec, Kernel, Layer, ModelGraph (what tracing produces)
 cluster.py:  LinkSpec, DeviceSpec, Measured*, NodeSpec, GroupSpec, ClusterSpec
 training.py: OptimizerSpec, Recompute, SyncSpec, TrainingSpec
 plan.py:     Plan, PipelinePlan, StagePlan, DeviceGroup, MemoryBreakdown, CostBreakdown,
-             SolverReport, Baseline, Schedule
+             SolverReport, Baseline, Schedule, SyncAlgorithm
 """
 
 from planner.types.cluster import (
@@ -36,6 +36,7 @@ from planner.types.plan import (
     Schedule,
     SolverReport,
     StagePlan,
+    SyncAlgorithm,
 )
 from planner.types.training import OptimizerSpec, Recompute, SyncSpec, TrainingSpec
 
@@ -44,5 +45,5 @@ __all__ = [
     "GroupSpec", "Kernel", "Layer", "LayerKind", "LayerTiming", "LinkSpec", "MeasuredDevice",
     "MemoryBreakdown", "ModelGraph", "ModelSpec", "NodeSpec", "OpClass", "OptimizerSpec",
     "OptimizerTiming", "PipelinePlan", "Plan", "Recompute", "Schedule", "SolverReport",
-    "StagePlan", "SyncSpec", "TrainingSpec",
+    "StagePlan", "SyncAlgorithm", "SyncSpec", "TrainingSpec",
 ]

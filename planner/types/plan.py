@@ -24,6 +24,15 @@ class Schedule(str, Enum):
     INTERLEAVED = "interleaved-1f1b"
 
 
+class SyncAlgorithm(str, Enum):
+    """How a collective runs among ranks on several nodes (`cost_models.comm`): a ring
+    over all of them, or hierarchical: inside each node, then across the nodes among one
+    rank (or one share) per node, then inside each node again."""
+
+    RING = "ring"
+    HIERARCHICAL = "hierarchical"
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown:
     """Bytes per device by term."""
@@ -65,6 +74,9 @@ class StagePlan:
              holds several chunks, listed in `chunks` (layers is then the span).
     modules: module names of the layers, for building the stage at run time.
     memory:  predicted bytes per device.
+    grad_sync: how the stage's replicas sum its gradients where they span several nodes
+             (the faster priced, `predict.grad_syncs`); the runtime runs it. Stages that
+             FSDP shards (zero >= 1) keep FSDP's own reductions: ring.
     """
 
     index: int
@@ -77,6 +89,7 @@ class StagePlan:
     recompute: Recompute
     zero: int
     memory: MemoryBreakdown
+    grad_sync: SyncAlgorithm = SyncAlgorithm.RING
 
     def holds(self, layer: int) -> bool:
         """Whether one of the stage's chunks holds the layer (the span may not)."""
@@ -183,6 +196,35 @@ class Baseline:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SolveConstraints:
+    """What the solve that made a plan was told to keep to, as `planner solve`'s
+    constraint options give it (None or empty: free; `planner.constraints` converts to
+    and from the solver's options), recorded so that a re-plan after a node's loss
+    (`planner.replan`) keeps to it too: a user who fixed --tp 2 for memory headroom or
+    --schedule 1f1b for what the runtime runs keeps it. The gradient sync is the
+    training's (`TrainingSpec.sync`), kept with it. Plans made before it was recorded,
+    and those no solve made (estimate, written by hand), have none."""
+
+    tp: int | None = None
+    max_tp: int | None = None
+    tp_per_class: bool = False
+    pp: int | None = None
+    dp: int | None = None
+    max_dp: int | None = None
+    micro_batch: int | None = None
+    max_stages: int | None = None  # (None: the solver's default)
+    recompute: tuple[Recompute, ...] | None = None  # the policies allowed (None: any)
+    zero: tuple[int, ...] | None = None  # the ZeRO stages allowed (None: any)
+    exclude: tuple[str, ...] = ()  # node names
+    first_stage: str | None = None
+    last_stage: str | None = None
+    mixed: bool = True
+    interleave: int | None = None
+    max_interleave: int | None = None  # (None: the solver's default)
+    schedule: Schedule | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     schema_version: int
     model: ModelSpec
@@ -192,6 +234,7 @@ class Plan:
     prediction: CostBreakdown
     solver: SolverReport
     baselines: tuple[Baseline, ...] = ()
+    constraints: SolveConstraints | None = None  # the solve's (None: not recorded)
 
     @property
     def num_devices(self) -> int:
