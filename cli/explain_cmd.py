@@ -118,6 +118,10 @@ def explain(
     from cli.render_explain import render_analysis
 
     render_analysis(console, analysis, width=width)
+    from planner.constraints import solved_with
+
+    if plan.constraints is not None and solved_with(plan):  # (what a re-plan keeps to)
+        console.print(f"solved with: {solved_with(plan)}", markup=False, highlight=False)
     for path, what in ((html, "HTML report"), (svg, "SVG timeline")):
         if path is not None:
             console.print(f"Wrote the {what} to {path}", soft_wrap=True, highlight=False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -14,6 +14,9 @@ from rich.markup import escape
 from cli import options as opt
 from cli.solve_cmd import Output, warn_small_batch
 from cli.tables import output_console
+
+if TYPE_CHECKING:
+    from planner.replan import Replan
 
 console = output_console()
 err_console = Console(emoji=False, stderr=True)
@@ -38,6 +41,10 @@ def replan(
     time_limit: Annotated[float, typer.Option(
         "--time-limit", help="Seconds for the search after the warm start (the old plan's "
         "surviving pipelines, rebalanced).")] = 10.0,
+    ignore_constraints: Annotated[bool, typer.Option(
+        "--ignore-constraints", help="Search free of the constraints the plan was solved "
+        "with (--tp, --max-stages, --recompute, ...; kept by default, less an --exclude of "
+        "a lost node).")] = False,
     output: Output = None,
     json_out: opt.JsonOut = False,
     force: opt.Force = False,
@@ -47,9 +54,11 @@ def replan(
     Warm start: the old plan's pipelines that no lost node touches, their stages as they
     were and the global batch shared among them again, are the plan to beat; the solver
     then searches what is left within --time-limit and its plan is kept where faster.
-    The global batch is kept unless -B gives another. A run's checkpoint resumes under
-    the new plan (`planner launch NEW --run-dir RUN --runtime-arg --resume`); the
-    supervisor of `planner launch --supervise` does all this by itself.
+    The search keeps to the constraints the plan was solved with (`planner solve --tp 2
+    ...`; --ignore-constraints drops them). The global batch is kept unless -B gives
+    another. A run's checkpoint resumes under the new plan (`planner launch NEW --run-dir
+    RUN --runtime-arg --resume`); the supervisor of `planner launch --supervise` does all
+    this by itself.
 
     Examples:
       planner replan plan.json --lost v100-32g-1 -o after.json
@@ -74,7 +83,7 @@ def replan(
     with err_console.status(f"Re-planning {escape(plan.model.describe())}...", spinner="dots"):
         result = replan_plan(plan, lost=list(lost or []), add=list(add or []),
                              global_batch=global_batch, time_limit=time_limit, spare=spare,
-                             graph=graph)
+                             graph=graph, keep_constraints=not ignore_constraints)
     new = result.new
     warn_small_batch(new)
     rows = diff(plan, new)
@@ -86,6 +95,9 @@ def replan(
             "kind": "replan", "from": str(plan_file), "lost": list(result.lost),
             "added": list(result.added), "kept": result.kept, "seconds": result.seconds,
             "global_batch": new.training.global_batch,
+            "constraints": {"kept": to_jsonable(result.constraints),
+                            "dropped_excludes": list(result.dropped),
+                            "ignored": result.ignored},
             "rebalance": {"step_time": rebalanced.prediction.step_time if rebalanced else None,
                           "reason": result.rebalanced.reason},
             "search": {"step_time": result.searched.prediction.step_time
@@ -113,6 +125,7 @@ def replan(
                                   f"no plan ({escape(result.search_error)})"), highlight=False)
     console.print(f"  kept the {'search' if result.kept == 'search' else 'rebalance'}'s plan; "
                   f"re-planned in {result.seconds:.2f} s", highlight=False)
+    console.print(f"  constraints: {escape(constraints_line(result))}", highlight=False)
     if result.batch_changed:
         err_console.print(f"[yellow]note:[/] the global batch changes from "
                           f"{plan.training.global_batch} to {new.training.global_batch}: a run "
@@ -124,6 +137,22 @@ def replan(
     if output is not None:
         console.print(f"Wrote the plan to {output}", soft_wrap=True, highlight=False,
                       markup=False)
+
+
+def constraints_line(result: Replan) -> str:
+    """What the re-plan did with the constraints the plan was solved with."""
+    from planner.constraints import flags
+
+    if result.ignored:
+        return (f"ignored (--ignore-constraints): the plan was solved with "
+                f"{flags(result.old.constraints) or 'none'}; searched free")
+    if result.constraints is None:
+        return "none recorded in the plan file (a plan from before they were, or not " \
+               "from `planner solve`): searched free"
+    kept = flags(result.constraints)
+    gone = "".join(f"; --exclude {name} dropped (the node is lost)" for name in result.dropped)
+    return (f"kept {kept}, as the plan was solved (--ignore-constraints drops them)" if kept
+            else "none (the plan was solved free)") + gone
 
 
 def register(app: typer.Typer) -> None:

@@ -15,6 +15,7 @@ from cli import options as opt
 from cli.tables import output_console
 
 if TYPE_CHECKING:
+    from planner.solver import SolveOptions
     from planner.types import ClusterSpec, ModelGraph, Plan, SyncSpec, TrainingSpec
 
 console = output_console()
@@ -225,6 +226,7 @@ def solve(
                  if isinstance(asked, AutoSync)
                  else solve(graph, spec, training, options, progress=progress))
     progress.finish(plans[0])
+    plans = _with_constraints(plans, options)
     if data_profile is not None:
         plans = for_data(plans, graph, spec, profile, str(data_profile))[:top_k]
     warn_small_batch(plans[0])
@@ -248,6 +250,17 @@ def solve(
         from cli.render_plan import render
 
         render(console, other, [layer.name for layer in graph.layers])
+
+
+def _with_constraints(plans: list[Plan], options: SolveOptions) -> list[Plan]:
+    """The plans recording the constraints they were solved with, which `planner replan`
+    keeps to (`planner.constraints`)."""
+    import dataclasses
+
+    from planner.constraints import recorded
+
+    constraints = recorded(options)
+    return [dataclasses.replace(plan, constraints=constraints) for plan in plans]
 
 
 PlanFile = Annotated[Path, typer.Argument(

@@ -9,10 +9,14 @@ rebalance.
 stages as they were and the global batch shared among them again (`rebalance`, priced as
 written, no search), are the plan to beat; then the solver searches the cluster that is
 left (plus any `add`ed nodes) within a short time limit, and its plan replaces the
-rebalance only where it is faster. The global batch is kept unless one is given: a run
-resumed under the new plan then trains on the samples an uninterrupted run would have
-(`runtime/data.py` draws a step's samples by their place in the global batch, whatever
-the plan), and its checkpoint reshards on load (`runtime/checkpoint.py`).
+rebalance only where it is faster. The search keeps to the constraints the plan was
+solved with (`Plan.constraints`: --tp, --max-stages, --recompute, ...; an --exclude of a
+lost node dropped) unless told to ignore them; the rebalance keeps the old stages, so it
+keeps to them as well, except a --dp count of pipelines the loss leaves short. The
+global batch is kept unless one is given: a run resumed under the new plan then trains
+on the samples an uninterrupted run would have (`runtime/data.py` draws a step's samples
+by their place in the global batch, whatever the plan), and its checkpoint reshards on
+load (`runtime/checkpoint.py`).
 
 A plan is resilient when losing any one node it uses leaves pipelines that can take the
 whole global batch (`losses`: memory included). `spare_plan` returns the fastest resilient
@@ -40,6 +44,7 @@ from planner.types import (
     SolverReport,
     TrainingSpec,
 )
+from planner.types.plan import SolveConstraints
 
 DEFAULT_TIME_LIMIT = 10.0  # seconds the search may take after a loss
 SPARE_CANDIDATES = 8  # plans the solver returns per count of pipelines, for --spare
@@ -69,6 +74,11 @@ class Replan:
     search_error: str  # why the search found none ("" where it did)
     kept: str  # "rebalance" or "search": which of the two `new` is
     seconds: float  # wall time of the whole re-plan
+    # the constraints of the old plan's solve the search kept to (None: it recorded none,
+    # or they were ignored), and the lost nodes whose --exclude was dropped from them
+    constraints: SolveConstraints | None = None
+    dropped: tuple[str, ...] = ()
+    ignored: bool = False  # the plan's constraints were ignored (keep_constraints=False)
 
     @property
     def batch_changed(self) -> bool:
@@ -195,15 +205,19 @@ def _check_lost(plan: Plan, lost: Sequence[str]) -> None:
 
 def replan(plan: Plan, *, lost: Sequence[str], add: Sequence[str] = (),
            global_batch: int | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT,
-           graph: ModelGraph | None = None, spare: float | None = None) -> Replan:
+           graph: ModelGraph | None = None, spare: float | None = None,
+           keep_constraints: bool = True) -> Replan:
     """A new plan for `plan`'s model without the `lost` nodes and with the nodes `add`
     describes (`whatif.add_nodes` items, e.g. 1x8xA100-80G), warm-started from `plan`
     (see the module docstring); `graph`: the model as `explain.retrace` gives it (traced
     here if None); `spare`: the new plan must also survive any one node's loss by a
-    rebalance, at most that much slower than the best (`spare_plan`)."""
+    rebalance, at most that much slower than the best (`spare_plan`);
+    `keep_constraints`: keep to the constraints `plan` was solved with (False: search
+    free). The new plan records the constraints its search kept to."""
     from planner import whatif
+    from planner.constraints import dropped, solve_options, without_nodes
     from planner.explain import retrace
-    from planner.solver import SolveOptions, solve
+    from planner.solver import solve
 
     start = time.perf_counter()
     _check_lost(plan, lost)
@@ -219,24 +233,36 @@ def replan(plan: Plan, *, lost: Sequence[str], add: Sequence[str] = (),
                   {m.name for m in plan.cluster.nodes})
     training = (whatif.edit_training(plan.training, global_batch=global_batch)
                 if global_batch is not None else plan.training)
+    recorded = plan.constraints if keep_constraints else None
+    kept_to = None if recorded is None else without_nodes(recorded, lost)
     graph = graph or retrace(plan)
     costs = AnalyticalCostModel(cluster)
-    rebalanced = rebalance(plan, cluster, graph.layers, costs,
-                           global_batch=training.global_batch)
+    rebalanced = _within(rebalance(plan, cluster, graph.layers, costs,
+                                   global_batch=training.global_batch), kept_to)
     left = None if time_limit is None else max(0.0, time_limit - (time.perf_counter() - start))
     searched: Plan | None = None
     search_error = ""
-    if spare is not None:  # (a rebalance need not be resilient: the search decides)
-        searched = spare_plan(graph, cluster, training, spare=spare, time_limit=left,
-                              costs=costs).plan
-    else:
-        try:
-            searched = solve(graph, cluster, training, SolveOptions(
-                time_limit=left, top_k=1, with_baselines=False), costs=costs)[0]
-        except PlannerError as exc:  # (where the rebalance runs, it is the plan)
-            if rebalanced.plan is None or exc.kind != "infeasible":
-                raise
-            search_error = exc.message
+    try:
+        if spare is not None:  # (a rebalance need not be resilient: the search decides)
+            searched = spare_plan(graph, cluster, training, spare=spare, time_limit=left,
+                                  costs=costs, constraints=kept_to).plan
+        else:
+            try:
+                searched = solve(graph, cluster, training, solve_options(
+                    kept_to or SolveConstraints(), time_limit=left, top_k=1,
+                    with_baselines=False), costs=costs)[0]
+            except PlannerError as exc:  # (where the rebalance runs, it is the plan)
+                if rebalanced.plan is None or exc.kind != "infeasible":
+                    raise
+                search_error = exc.message
+    except PlannerError as exc:
+        raise _under(exc, kept_to) from None
+    # (each plan records the constraints its search kept to, for the next re-plan)
+    record = kept_to or SolveConstraints()
+    if searched is not None:
+        searched = dataclasses.replace(searched, constraints=record)
+    if rebalanced.plan is not None:
+        rebalanced = Rebalanced(dataclasses.replace(rebalanced.plan, constraints=record))
     new, kept = (searched, "search") if searched is not None else (rebalanced.plan, "rebalance")
     if (spare is None and rebalanced.plan is not None and searched is not None
             and rebalanced.plan.prediction.step_time
@@ -245,7 +271,32 @@ def replan(plan: Plan, *, lost: Sequence[str], add: Sequence[str] = (),
     assert new is not None
     return Replan(old=plan, new=new, lost=tuple(lost), added=added, rebalanced=rebalanced,
                   searched=searched, search_error=search_error, kept=kept,
-                  seconds=time.perf_counter() - start)
+                  seconds=time.perf_counter() - start, constraints=kept_to,
+                  dropped=() if recorded is None else dropped(recorded, lost),
+                  ignored=not keep_constraints and plan.constraints is not None)
+
+
+def _within(rebalanced: Rebalanced, constraints: SolveConstraints | None) -> Rebalanced:
+    """The rebalance where it keeps to `constraints` (it keeps the old stages, so only a
+    --dp count of pipelines can fail), else why not."""
+    if (rebalanced.plan is None or constraints is None or constraints.dp is None
+            or len(rebalanced.plan.pipelines) == constraints.dp):
+        return rebalanced
+    return Rebalanced(None, f"the plan was solved with --dp {constraints.dp} and "
+                      f"{len(rebalanced.plan.pipelines)} pipeline(s) survive")
+
+
+def _under(exc: PlannerError, constraints: SolveConstraints | None) -> PlannerError:
+    """`exc` saying that the search kept to the plan's constraints, and how to drop them
+    (as is where it kept to none)."""
+    from planner.constraints import flags
+
+    given = flags(constraints)
+    if not given:
+        return exc
+    return PlannerError(exc.kind, f"{exc.message} (The re-plan keeps to the constraints "
+                        f"the plan was solved with: {given}.)",
+                        [*exc.remedies, "re-plan without them: --ignore-constraints"])
 
 
 def losses(plan: Plan, layers: Sequence[Layer]) -> tuple[NodeLoss, ...]:
@@ -269,23 +320,30 @@ def resilient(found: Sequence[NodeLoss]) -> bool:
 
 def spare_plan(graph: ModelGraph, cluster: ClusterSpec, training: TrainingSpec, *,
                spare: float, time_limit: float | None = DEFAULT_TIME_LIMIT,
-               costs: CostModel | None = None) -> Spare:
+               costs: CostModel | None = None,
+               constraints: SolveConstraints | None = None) -> Spare:
     """The fastest plan that survives the loss of any one node it uses by a rebalance
     and is at most `spare` (a fraction: 0.2 for 20%) slower than the fastest plan found;
     candidates: the solver's best plans free and with each count of pipelines side by
-    side from 2 to the number of nodes (the time limit shared among those searches)."""
-    from planner.solver import Limits, SolveOptions, solve
+    side from 2 to the number of nodes (the time limit shared among those searches),
+    all keeping to `constraints` (a --dp of theirs fixes the count, a --max-dp bounds it)."""
+    from planner.constraints import solve_options
+    from planner.solver import solve
 
     if not 0 <= spare < 1:
         raise PlannerError("bad-option", f"--spare is a fraction of the best plan's speed "
                            f"to give up for slack, in [0, 1) (got {spare:g}).",
                            ["e.g. --spare 0.2: up to 20% slower"])
-    counts = [None, *range(2, min(len(cluster.nodes), training.global_batch) + 1)]
+    base = solve_options(constraints or SolveConstraints(), top_k=SPARE_CANDIDATES,
+                         with_baselines=False)
+    most = min(len(cluster.nodes), training.global_batch,
+               base.limits.most_pipelines or len(cluster.nodes))
+    counts = [None, *range(2, most + 1)] if base.limits.dp is None else [None]
     each = None if time_limit is None else time_limit / len(counts)
     plans: list[Plan] = []
     for dp in counts:
-        options = SolveOptions(limits=Limits(dp=dp), top_k=SPARE_CANDIDATES, time_limit=each,
-                               with_baselines=False)
+        options = dataclasses.replace(base, time_limit=each, limits=base.limits if dp is None
+                                      else dataclasses.replace(base.limits, dp=dp))
         try:
             plans += solve(graph, cluster, training, options, costs=costs)
         except PlannerError as exc:  # (no plan of that many pipelines)

@@ -21,16 +21,17 @@ Each round:
      restarts the same plan first, for faults that pass; the supervisor takes over when
      those are spent.
   3. `planner.replan` plans without the lost nodes (the surviving pipelines rebalanced,
-     or a search within --time-limit), the new plan's files go to DIR/replan-<n>/ (the
+     or a search within --time-limit, keeping to the constraints the plan was solved
+     with: --tp, --max-stages, ...), the new plan's files go to DIR/replan-<n>/ (the
      launch options launch.json records, the same run directory), and the next round
      resumes from the newest intact checkpoint, the global batch kept, so the samples of
      each step are those an uninterrupted run would have used. At most --max-replans.
 
 RUN_DIR/supervisor.jsonl keeps a line per re-plan: the nodes lost and why, the re-plan's
-seconds and which plan it kept, the step times before and after, the last step logged,
-the checkpoint resumed from and the steps lost. Each round's node records and failures
-are moved to RUN_DIR/supervisor/round-<n>/ before the next one starts (those of a
-run before, to supervisor/earlier/).
+seconds, which plan it kept and the solve's constraints it kept to, the step times
+before and after, the last step logged, the checkpoint resumed from and the steps lost.
+Each round's node records and failures are moved to RUN_DIR/supervisor/round-<n>/ before
+the next one starts (those of a run before, to supervisor/earlier/).
 
 The launch folder and the run directory must be on a file system every node shares (the
 new plan's scripts are written there).
@@ -232,6 +233,7 @@ def _new_options(options: Mapping[str, Any], plan: Any, folder: Path, run_dir: P
 def replan_round(round_: Round, verdict: Verdict, options: Mapping[str, Any],
                  run_dir: Path, root: Path, time_limit: float) -> tuple[Round, dict]:
     """The next round: the plan without the lost nodes and its files, and the log line."""
+    from planner.constraints import flags
     from planner.launch import render_launch, write_launch
     from planner.replan import replan
 
@@ -242,6 +244,7 @@ def replan_round(round_: Round, verdict: Verdict, options: Mapping[str, Any],
                                                           run_dir)), folder)
     entry = {"round": round_.number + 1, "time": time.time(), "lost": list(verdict.lost),
              "why": verdict.why, "replan_seconds": result.seconds, "kept": result.kept,
+             "constraints": flags(result.constraints),
              "step_time_before": round_.plan.prediction.step_time,
              "step_time_after": result.new.prediction.step_time,
              "rebalance_step_time": result.rebalanced.plan.prediction.step_time
@@ -301,7 +304,8 @@ def supervise(folder: Path, *, max_replans: int, time_limit: float) -> int:
             log.write(json.dumps(entry) + "\n")
         archive(run_dir, f"round-{round_.number - 1}")
         say(f"lost {', '.join(verdict.lost)}: {verdict.why}. Re-planned in "
-            f"{entry['replan_seconds']:.2f} s ({entry['kept']}): step "
+            f"{entry['replan_seconds']:.2f} s ({entry['kept']}"
+            + (f", keeping {entry['constraints']}" if entry["constraints"] else "") + "): step "
             f"{entry['step_time_before']:.4g} s -> {entry['step_time_after']:.4g} s on "
             f"{len(rank_layout(round_.plan).nodes)} node(s); resuming from step "
             f"{entry['resume_step']} ({entry['steps_lost']} step(s) lost) with "
