@@ -1693,3 +1693,31 @@ def test_open_levels_count_the_pipelines_placement_fits_beside_the_fixed_classes
             found = search(table, 6, limits=limits, space=space).best[0].step_time
             assert found == pytest.approx(brute_force(table, 6, limits, space), rel=1e-9)
     assert any(capped)
+
+
+def _cache_keys(table):
+    """The keys of a table's cache and of the caches of the tables folded from it."""
+    for key, value in table.cache.items():
+        yield key
+        if isinstance(value, type(table)):
+            yield from _cache_keys(value)
+
+
+def test_every_table_cache_key_is_a_named_key():
+    """A search (mixed classes, chains of three types, interleaving, GPipe, ZeRO-3, tied
+    weights) leaves in the cost table's caches only keys of `planner/solver/keys.py`:
+    each names every value its cache depends on, and equals no other cache's key."""
+    from planner.solver import keys
+
+    named = {cls for cls in vars(keys).values()
+             if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+             and cls.__module__ == keys.__name__}
+    table = random_table(5, layers=4, types=[("a", [2]), ("b", [2]), ("c", [1]), ("d", [1])],
+                         tps=(1, 2), micro_batches=(1, 2), memory=4 * GIB, link_speed=1.0)
+    table = dataclasses.replace(table, tied=((3, 0, float(table.params[0]) / 2),), cache={})
+    search(table, 4, limits=Limits(max_stages=3, interleaves=(1, 2)))
+    found = list(_cache_keys(table))
+    assert {type(key) for key in found} <= named, {
+        key for key in found if type(key) not in named}
+    assert {keys.FoldedKey, keys.ChainShapesKey, keys.TwoTypeShapesKey,
+            keys.StageKey} <= {type(key) for key in found}

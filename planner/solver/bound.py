@@ -29,6 +29,7 @@ from planner.solver.finish import (
     walk_whole,
 )
 from planner.solver.interleave import fold
+from planner.solver.keys import CrowdedKey, TightKey
 from planner.solver.links import boundary_links, cheapest_gather
 from planner.solver.partition import INF, ClassResult, class_costs, optimize
 from planner.solver.step import pipelines_within, sync_beyond, synced, unsynced
@@ -79,7 +80,7 @@ def tight_result(table: CostTable, config: Config, space: Space, family: Family,
     table = fold(table, config.interleave)
     held = -(-microbatches // family.n_max) if config.gpipe else None
     space = degree_space(space, family.tps)
-    key = ("tight", family.key, family.n_max, config, space, held, crowd)
+    key = TightKey(family.key, family.n_max, config, space, held, crowd)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
             table, family.types, tps=family.tps, mb=config.mb, n=family.n_max,
@@ -122,7 +123,7 @@ def crowded(table: CostTable, config: Config, space: Space, family: Family, n: i
     crowd = min(-(-n * chains // min(nodes_a, nodes_b)) for nodes_a, nodes_b, chains in changes)
     if crowd <= min(chains for _, _, chains in changes):
         return family
-    key = ("crowded", family.key, family.n_max, crowd, config, space, microbatches)
+    key = CrowdedKey(family.key, family.n_max, crowd, config, space, microbatches)
     if key not in table.cache:
         result = tight_result(table, config, space, family, microbatches, crowd)
         least = (INF, INF) if result is None else (max(family.min_busy, result.min_period),

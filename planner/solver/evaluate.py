@@ -35,6 +35,17 @@ import numpy as np
 from cost_models.comm import Collective, CommGroup, busiest_card, send_sharing, shared_by
 from planner.data.loading import Feed, loading_seconds
 from planner.solver.interleave import fold
+from planner.solver.keys import (
+    CappedMemoKey,
+    CardFloorKey,
+    ClassResultKey,
+    CrossClassFloorKey,
+    GpipeFrontsMemoKey,
+    HeaviestRunKey,
+    ParameterPrefixKey,
+    ShardedCardFloorsKey,
+    StaircasesMemoKey,
+)
 from planner.solver.partition import (
     INF,
     ZERO_GATHER_REF,
@@ -167,7 +178,7 @@ def class_result(table: CostTable, shape: ClassShape, config: Config, space: Spa
     links = tuple(class_links(table, slots, flows, config.interleave > 1))
     gathers = tuple(zero_gathers(table, slots))
     most = -(-microbatches // shape.n) if config.gpipe else None
-    key = ("class", shape, config, space, links, gathers, most)
+    key = ClassResultKey(shape, config, space, links, gathers, most)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
             table, shape.types, tps=shape.tps, mb=config.mb, n=shape.n, links=links,
@@ -215,9 +226,10 @@ def _split_ties(table: CostTable, placement: Placement, splits: Sequence[Split],
 
 def _prefix(table: CostTable) -> np.ndarray:
     """Prefix sums of the parameters per layer (cached)."""
-    if "parameter prefix" not in table.cache:
-        table.cache["parameter prefix"] = np.concatenate([[0.0], np.cumsum(table.params)])
-    return table.cache["parameter prefix"]
+    key = ParameterPrefixKey()
+    if key not in table.cache:
+        table.cache[key] = np.concatenate([[0.0], np.cumsum(table.params)])
+    return table.cache[key]
 
 
 def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassShape],
@@ -442,7 +454,7 @@ def card_floor(table: CostTable, shapes: tuple[ClassShape, ...], placement: Plac
     then it is not all-reduced within its class). Cached per structure."""
     if zero3:
         return 0.0
-    key = ("card floor", shapes)
+    key = CardFloorKey(shapes)
     if key in table.cache:
         return table.cache[key]
     out = 0.0
@@ -511,7 +523,7 @@ def sharded_card_floors(table: CostTable, config: Config, shape: ClassShape,
     four), so that a stage past one holds a layer of the next size, then at 2, 3, 4,
     6, 8, ... times the largest, until nothing is left on the card. Cached per class
     and micro-batch size."""
-    key = ("sharded card floors", shape, config.mb)
+    key = ShardedCardFloorsKey(shape, config.mb)
     if key in table.cache:
         return table.cache[key]
     out: list[tuple[float, float]] = []
@@ -557,7 +569,7 @@ def heaviest_run(table: CostTable, slopes: Sequence[float]) -> float:
     layers' gradient bytes: a value no cut reaches below it, found by
     bisection on whether runs that cost at most T each can hold every layer (each run
     taking as many as fit, in order, covers the most). Cached per slopes."""
-    key = ("heaviest run", tuple(slopes))
+    key = HeaviestRunKey(tuple(slopes))
     if key not in table.cache:
         held = np.concatenate([[0.0], np.cumsum(table.params)]) * table.grad_bytes
         rates = np.asarray(slopes, dtype=float)
@@ -630,7 +642,7 @@ def cross_class_floor(table: CostTable, shapes: tuple[ClassShape, ...],
     largest stage of each class holds at least 1/S of the untied parameters and is
     all-reduced among one of its `stage_groups` per other class (0: one class, or one
     that does not fit). Cached per structure."""
-    key = ("cross-class floor", shapes)
+    key = CrossClassFloorKey(shapes)
     if key not in table.cache:
         placement = placement or place(table, shapes)
         groups = stage_groups(table, shapes, placement) if placement else ()
@@ -800,7 +812,7 @@ def _capped(table: CostTable, result: ClassResult, params: Sequence[np.ndarray],
     """The class's result over the splits whose every stage holds fewer than `cap`
     parameters per device (`params`: per stage, per layer range; None if none fits;
     kept as long as the result)."""
-    memo = table.cache.setdefault("capped", {})
+    memo = table.cache.setdefault(CappedMemoKey(), {})
     key = (id(result), cap)
     if key not in memo:
         costs = dataclasses.replace(result.costs, _hw={}, busy=[
@@ -852,7 +864,7 @@ def _gpipe_steps(table: CostTable, priced: Priced, index: int, result: ClassResu
     most = max(shares([(shape.n, result.min_period, result.floor)], microbatches) or [1])
     limit = (pipelines_within(bar, priced.sync, priced.optimizer, table.sync)
              - result.floor) / (most - 1) if most > 1 else INF
-    memo = table.cache.setdefault("gpipe fronts", {})
+    memo = table.cache.setdefault(GpipeFrontsMemoKey(), {})
     known = memo.get(id(result))
     if known is None or known[1] < limit:  # (kept as long as the result: its id is valid)
         known = (result, limit, gpipe_front(result.costs, limit, deadline))
@@ -871,7 +883,7 @@ def _fastest(lines: Sequence[tuple[int, float, float]], microbatches: int) -> fl
 
 def _staircase(table: CostTable, result: ClassResult) -> Staircase:
     """A class result's `Staircase`, kept as long as the result (in the table's cache)."""
-    memo = table.cache.setdefault("staircases", {})
+    memo = table.cache.setdefault(StaircasesMemoKey(), {})
     if id(result) not in memo:
         memo[id(result)] = (result, Staircase(result))
     return memo[id(result)][1]

@@ -48,6 +48,14 @@ import numpy as np
 
 from planner.solver.evaluate import Config, Space
 from planner.solver.interleave import fold
+from planner.solver.keys import (
+    ChainLimitKey,
+    ChainShapesKey,
+    FitsBy,
+    HomogeneousShapesKey,
+    TwoTypeFlightsKey,
+    TwoTypeShapesKey,
+)
 from planner.solver.limits import Limits
 from planner.solver.links import cheapest_gather
 from planner.solver.partition import INF, ZERO_GATHER_REF, ClassResult
@@ -252,7 +260,7 @@ def chain_limit(table: CostTable, limits: Limits, config: Config, tp: int) -> in
     kinds = len(table.types)
     if not limits.mixed:
         return 1
-    key = ("chain limit", stage_counts(limits, config, table.num_layers), tp, CHAIN_FAMILIES)
+    key = ChainLimitKey(stage_counts(limits, config, table.num_layers), tp, CHAIN_FAMILIES)
     if key not in table.cache:
         table.cache[key], counted = kinds, 0
         for blocks in range(3, kinds + 1):
@@ -499,11 +507,11 @@ class FamilyFloors:
         degrees = tuple(tp for _, c, tp in parts for _ in range(c))
         return Fitting(types, degrees, n_max) if self.limits.allows(types) else None
 
-    def cached(self, *what: object) -> tuple:
-        """A table cache key of what the patterns that fit depend on besides `what`:
-        not the micro-batch size."""
+    @property
+    def fits_by(self) -> FitsBy:
+        """What the patterns that fit depend on besides their types and degrees."""
         limits = self.limits
-        return (*what, self.lengths, limits.first_stage, limits.last_stage, self.space.zeros)
+        return FitsBy(self.lengths, limits.first_stage, limits.last_stage, self.space.zeros)
 
     def fill(self, busy: float | np.ndarray, period: float | np.ndarray) -> float | np.ndarray:
         """The least fill of a pipeline whose stages are busy this long in all and whose
@@ -516,7 +524,7 @@ class FamilyFloors:
         """All families of one block of type `kind` at degree `tp` at once (an entry per
         length)."""
         table = self.table
-        key = self.cached("homogeneous shapes", kind, tp)
+        key = HomogeneousShapesKey(kind, tp, self.fits_by)
         whole = self.held(tp)[-1]
         if key not in table.cache:  # (the same at every micro-batch size)
             found = [(s, found) for s in self.lengths
@@ -546,7 +554,7 @@ class FamilyFloors:
         split points j leave every stage a layer and each block room for its states:
         the same at every micro-batch size (cached in the table)."""
         table, rooms = self.table, self.rooms
-        key = self.cached("mixed shapes", a, tp_a, b, tp_b)
+        key = TwoTypeShapesKey(a, tp_a, b, tp_b, self.fits_by)
         if key not in table.cache:
             kept = [(found, ca, total - ca) for total in self.lengths
                     for ca in range(1, min(total, self.slots(a, tp_a) + 1))
@@ -572,8 +580,8 @@ class FamilyFloors:
         all but GPipe)."""
         config = self.config
         counts = tuple(self.runs(found.n_max) for found, _, _ in kept)
-        key = self.cached("mixed flights", a, tp_a, b, tp_b, config.schedule,
-                          config.interleave, counts)
+        key = TwoTypeFlightsKey(TwoTypeShapesKey(a, tp_a, b, tp_b, self.fits_by),
+                                config.schedule, config.interleave, counts)
         if key not in self.table.cache:
             ends = (ca + cb)[:, 0].astype(int).tolist()
 
@@ -632,7 +640,7 @@ class FamilyFloors:
     def chains(self, tp: int, most: int) -> list[Family]:
         """The families of chains of three to `most` types at degree tp (see the
         module), an order of types at a time, a row per family."""
-        key = self.cached("chain shapes", tp, most)
+        key = ChainShapesKey(tp, most, self.fits_by)
         if key not in self.table.cache:  # (the same at every micro-batch size)
             by_order: dict[tuple[str, ...], list[tuple[Fitting, tuple[int, ...]]]] = {}
             for blocks in range(3, most + 1):

@@ -20,6 +20,7 @@ import weakref
 
 import numpy as np
 
+from planner.solver.keys import FoldedKey
 from planner.solver.table import CostTable, LayerCosts
 
 
@@ -33,7 +34,7 @@ def fold(table: CostTable, v: int) -> CostTable:
                          f"for {v}")
     if table.num_layers % v:
         raise ValueError(f"{table.num_layers} layers do not split into {v} equal rounds")
-    key = ("folded", v)
+    key = FoldedKey(v)
     if key not in table.cache:
         q = table.num_layers // v
 

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 
 from cost_models.comm import send_sharing, shared_by
+from planner.solver.keys import BestLinkKey
 from planner.solver.partition import ZERO_GATHER_REF
 from planner.solver.structure import node_labels
 from planner.solver.table import CostTable
@@ -16,7 +17,7 @@ from planner.types import LinkSpec
 def best_link(table: CostTable, a: str, b: str, across: bool = False) -> LinkSpec:
     """The fastest link any stage of type a could have to a next stage of type b (on
     another node if `across`; any link if none is)."""
-    key = ("best link", a, b, across)
+    key = BestLinkKey(a, b, across)
     if key not in table.cache:
         nodes_a, nodes_b = table.type(a).nodes, table.type(b).nodes
         links = [table.link(x, y) for x in nodes_a for y in nodes_b if not across or x != y]

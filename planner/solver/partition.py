@@ -62,6 +62,19 @@ import numpy as np
 
 from cost_models.comm import Collective, CommGroup
 from cost_models.memory import kept_activations
+from planner.solver.keys import (
+    ActivationRangesKey,
+    GathersKey,
+    HwMemoKey,
+    LeadBroadcastsKey,
+    LedStageKey,
+    PrefixesKey,
+    RangeCapacityKey,
+    ShardedParamsKey,
+    StageKey,
+    StageTimesKey,
+    Zero3FirstKey,
+)
 from planner.solver.structure import wider_than_neighbours
 from planner.solver.table import POLICIES, CostTable
 from planner.solver.timing import (
@@ -509,7 +522,7 @@ def _walked_front(costs: ClassCosts, phi: list[np.ndarray], beta: list[np.ndarra
 
 def _prefixes(table: CostTable, kind: str, tp: int, mb: int) -> tuple:
     """Prefix sums of a type's per-layer times and their [a, b) range matrices (cached)."""
-    key = ("prefixes", kind, tp, mb)
+    key = PrefixesKey(kind, tp, mb)
     if key not in table.cache:
         costs = table.costs(kind, tp, mb)
         prefix = {name: np.concatenate([[0.0], np.cumsum(getattr(costs, name))])
@@ -536,7 +549,7 @@ def _capacity(table: CostTable, kind: str, tp: int, mb: int, n: int,
     sharded by ZeRO over n pipelines, and the activations a stage keeps, linear in the
     micro-batches in flight (`cost_models.memory.kept_activations`, the rule reports use
     too: per policy, with full recompute the largest single layer's again; cached)."""
-    key = ("capacity", kind, tp, mb, n, options)
+    key = RangeCapacityKey(kind, tp, mb, n, tuple(options))
     if key not in table.cache:
         range_params = table.range_params(tp)
         acts, range_max, valid = _activation_ranges(table, tp)
@@ -564,7 +577,7 @@ def _capacity(table: CostTable, kind: str, tp: int, mb: int, n: int,
 def _activation_ranges(table: CostTable, tp: int) -> tuple:
     """[a, b) range matrices of activation bytes per sample per policy, of the largest
     single layer's activations, and of which (a, b) are ranges (cached)."""
-    key = ("activation ranges", tp)
+    key = ActivationRangesKey(tp)
     if key not in table.cache:
         size = table.num_layers + 1
         acts = {}
@@ -584,7 +597,7 @@ def _gathers(table: CostTable, gather: tuple[float, float]) -> np.ndarray:
     (cached): each of the tp ranks gathers its shard, together the whole stage, but
     for the tied weights it owns, which ZeRO-3 keeps whole (`CostTable.zero_kept`).
     With v chunks per device (a folded table) each chunk gathers its own: v latencies."""
-    key = ("gathers", gather)
+    key = GathersKey(tuple(gather))
     if key not in table.cache:
         weight_bytes = sharded_params(table) * table.weight_bytes
         table.cache[key] = (table.interleave * gather[0] + (gather[1] - gather[0])
@@ -595,7 +608,7 @@ def _gathers(table: CostTable, gather: tuple[float, float]) -> np.ndarray:
 def sharded_params(table: CostTable) -> np.ndarray:
     """The parameters ZeRO-3 shards in every layer range [a, b): all but the tied
     weights it owns, which it keeps whole (cached)."""
-    key = "sharded params"
+    key = ShardedParamsKey()
     if key not in table.cache:
         params = np.concatenate([[0.0], np.cumsum(table.params)])
         sharded = params[None, :] - params[:, None]
@@ -623,7 +636,7 @@ def zero3_first(table: CostTable, costs: ClassCosts, kind: str, *, tp: int, mb: 
     only: the first stage's option is a ZeRO-3 one everywhere (its recompute policy
     may not be the one the busy time holds), so that the backward an interleaved
     stage's period takes (`ClassCosts.h_w`) leaves out the forward's gather."""
-    key = ("zero3 first", id(costs.busy[0]), kind, tp, mb, gather)
+    key = Zero3FirstKey(id(costs.busy[0]), kind, tp, mb, tuple(gather))
     if key not in table.cache:  # kept, as h_w caches by the array's id
         base = _prefixes(table, kind, tp, mb)[3]
         zero3 = costs.zero3_options
@@ -639,14 +652,14 @@ def _stage(table: CostTable, kind: str, *, tp: int, mb: int, n: int, flight: flo
            gather: tuple[float, float], policies: Sequence[Recompute], zeros: Sequence[int]
            ) -> tuple[np.ndarray, np.ndarray, dict]:
     """Busy time and option of every layer range [a, b) as one stage (cached)."""
-    key = ("stage", kind, tp, mb, n, flight, gather if n > 1 else None, tuple(policies),
-           tuple(zeros))
+    key = StageKey(kind, tp, mb, n, flight, tuple(gather) if n > 1 else None, tuple(policies),
+                   tuple(zeros))
     if key in table.cache:
         return table.cache[key]
     prefix, rec, rec_range, base = _prefixes(table, kind, tp, mb)
     options = _options(n, policies, zeros)
     gathers = _gathers(table, gather)
-    times_key = ("stage times", kind, tp, mb, gather if n > 1 else None, options)
+    times_key = StageTimesKey(kind, tp, mb, tuple(gather) if n > 1 else None, options)
     if times_key not in table.cache:  # per option, independent of memory
         table.cache[times_key] = [base + rec_range[o.recompute]
                                   + (3 * gathers if o.zero == 3 else 0.0) for o in options]
@@ -698,7 +711,7 @@ def class_costs(table: CostTable, types: Sequence[str], *, tps: Sequence[int], m
         lead_in, lead_out = (_broadcasts(table, kind, tps[s], mb) if lead
                              else np.zeros_like(boundary) for lead in leads)
         if any(leads):  # (kept in the table: `ClassCosts.h_w` caches by the array's id)
-            key = ("led stage", id(busy), leads)
+            key = LedStageKey(id(busy), leads)
             if key not in table.cache:
                 table.cache[key] = (busy, busy + lead_in[:, None] + lead_out[None, :])
             busy = table.cache[key][1]
@@ -710,7 +723,7 @@ def class_costs(table: CostTable, types: Sequence[str], *, tps: Sequence[int], m
     if len(links) != len(types) - (1 if interleave == 1 or len(types) == 1 else 0):
         raise ValueError(f"{len(types)} stages of {interleave} chunks need a link per send, "
                          f"got {len(links)}")
-    hw = table.cache.setdefault(("h_w", mb), {})
+    hw = table.cache.setdefault(HwMemoKey(mb), {})
     return ClassCosts(busy=busy_all, option=option_all, send=send_all,
                       options=_options(n, policies, zeros), parts=parts_all,
                       links=(*links, None)[:len(types)], interleave=interleave,
@@ -721,7 +734,7 @@ def _broadcasts(table: CostTable, kind: str, tp: int, mb: int) -> np.ndarray:
     """Per layer boundary, the broadcast of its activations (mb samples) among a
     stage's tp ranks on a node of type `kind` (its first node, as `CostTable.costs`
     prices the stage's all-reduces; cached)."""
-    key = ("lead broadcasts", kind, tp, mb)
+    key = LeadBroadcastsKey(kind, tp, mb)
     if key not in table.cache:
         group = CommGroup(((table.type(kind).nodes[0], tp),))
         sizes = np.concatenate([[0.0], table.boundary]) * mb

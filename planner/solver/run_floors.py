@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from planner.solver.evaluate import Config, Space
+from planner.solver.keys import LeastLargestPartsKey, RecomputeCurveKey, TailsInMemoryKey
 from planner.solver.partition import INF
 from planner.solver.table import CostTable
 from planner.types.training import Recompute
@@ -24,7 +25,7 @@ def least_largest_parts(table: CostTable, kind: str, tp: int, mb: int, most: int
     a block of c stages holding those layers is busy for less (a min-max program over
     the layers' forward and backward times, without sends, recompute and memory);
     slightly lowered against rounding (cached)."""
-    key = ("least largest parts", kind, tp, mb, most, from_end)
+    key = LeastLargestPartsKey(kind, tp, mb, most, from_end)
     if key not in table.cache:
         costs = table.costs(kind, tp, mb)
         cum = np.concatenate([[0.0], np.cumsum(costs.fwd + costs.bwd)])
@@ -51,8 +52,8 @@ def tails_in_memory(table: CostTable, kind: str, tp: int, config: Config, space:
     Infinite where nothing fits; slightly lowered against rounding (cached). Not for
     GPipe, whose stages hold their pipeline's share. Two programs over (layer, width),
     a range [a, a + d + 1) being row a, column d, as wide as any range's states allow."""
-    key = ("tails in memory", kind, tp, config.mb, config.interleave, most_stages,
-           space.policies, per_param)
+    key = TailsInMemoryKey(kind, tp, config.mb, config.interleave, most_stages,
+                           tuple(space.policies), per_param)
     if key in table.cache:
         return table.cache[key]
     layers = table.num_layers
@@ -106,7 +107,7 @@ def tails_in_memory(table: CostTable, kind: str, tp: int, config: Config, space:
 def recompute_curve(table: CostTable, kind: str, tp: int, mb: int,
                     policies: Sequence[Recompute]) -> RecomputeCurve:
     """`RecomputeCurve` (cached)."""
-    key = ("recompute curve", kind, tp, mb, tuple(policies))
+    key = RecomputeCurveKey(kind, tp, mb, tuple(policies))
     if key not in table.cache:
         table.cache[key] = RecomputeCurve(table, kind, tp, mb, policies)
     return table.cache[key]

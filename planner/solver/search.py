@@ -99,6 +99,7 @@ from planner.solver.families import (
     mixed_levels,
 )
 from planner.solver.interleave import choices, fold
+from planner.solver.keys import FixedSyncKey, Zero3FamilyKey
 from planner.solver.limits import Limits
 from planner.solver.links import cheapest_gather
 from planner.solver.partition import INF, optimize, zero3_first
@@ -698,7 +699,7 @@ class _Search:
         if self.single or len(node.chosen) < 2:
             return node.bound
         table, shapes = self.view(node.config), self.fewest(node)
-        key = ("fixed classes' sync floor", shapes)  # (placed once per structure)
+        key = FixedSyncKey(shapes)  # (placed once per structure)
         if key not in table.cache:
             placement = place(table, shapes)
             table.cache[key] = placement and max(cross_class_floor(table, shapes, placement),
@@ -761,7 +762,7 @@ class _Search:
 
     def zero3(self, config: Config, family: Family) -> Family:
         """The (tightened) family with its first stage on ZeRO-3."""
-        key = ("zero3 family", family.key, family.n_max, config, self.space, self.batch)
+        key = Zero3FamilyKey(family.key, family.n_max, config, self.space, self.batch)
         table = self.view(config)
         if key not in table.cache:
             result = tight_result(table, config, self.space, family, self.batch // config.mb)

@@ -5,8 +5,9 @@ each a sequence of stage device types in which stages of one type are
 consecutive (a "block"), each block with its tensor-parallel degree. Each stage
 runs on a slot: tp consecutive devices of one node.
 
-Placement packs classes in order onto nodes taken in canonical order (by type,
-then node name), first fit: a block that fits in one node's free devices stays
+Placement packs classes in order onto nodes taken in canonical order (by type, then
+the nodes whose data loaders are faster first, then node name: `table.device_types`),
+first fit: a block that fits in one node's free devices stays
 inside one node (its boundaries use the intra-node link), a longer block takes
 whole free nodes. Placement is deterministic, so every plan's links and
 collectives follow from its structure alone.
@@ -18,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner.solver.keys import BlocksKey
 from planner.solver.table import CostTable
 
 
@@ -254,7 +256,7 @@ def node_labels(table: CostTable, types: tuple[str, ...], tps: tuple[int, ...]
 
 def capacity(table: CostTable, tp: int, kind: str, count: int) -> int:
     """How many blocks of `count` stages of type `kind` fit on an empty cluster."""
-    key = ("capacity", tp, kind, count)
+    key = BlocksKey(tp, kind, count)
     if key not in table.cache:
         free, skip = _free_devices(table)[kind], {}
         n = 0

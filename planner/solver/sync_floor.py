@@ -39,6 +39,7 @@ import numpy as np
 from cost_models.comm import CommGroup
 from planner.solver.evaluate import Config, Space, all_reduce_line, heaviest_run
 from planner.solver.interleave import fold
+from planner.solver.keys import OneNodeKey, PipelineRunsKey, SyncLineKey, SyncLinksKey
 from planner.solver.partition import INF, ZERO_GATHER_REF
 from planner.solver.structure import blocks
 from planner.solver.table import CostTable
@@ -96,7 +97,7 @@ class SyncFloor:
         """[:, t, r]: intercept and slope of the all-reduce among r ranks on one node of
         type t (the fastest of its nodes' links; r up to the most devices a node of any
         type has, fewer than 2: nothing)."""
-        key = ("one node floor", tuple(self.kinds))
+        key = OneNodeKey(tuple(self.kinds))
         if key not in self._table.cache:
             widest = int(self.node_slots.max())
             out = np.zeros((2, len(self._infos), widest + 1))
@@ -185,7 +186,7 @@ class SyncFloor:
         slots (`structure.place`)."""
         if types is None:
             return INF
-        key = ("pipeline runs", types, tps)
+        key = PipelineRunsKey(types, tps)
         if key not in self._table.cache:
             runs = 0
             for kind, count, tp in blocks(types, tps):
@@ -323,7 +324,7 @@ def _floor(table: CostTable, nodes: Sequence[str], k: int, others: Sequence[str]
     if k + (1 if others else 0) < 2:
         return np.zeros(2)
     alike, pairs = _links(table, tuple(nodes), tuple(others))
-    key = ("sync floor", tuple(nodes), k if alike else 2, tuple(others))
+    key = SyncLineKey(tuple(nodes), k if alike else 2, tuple(others))
     if key not in table.cache:
         table.cache[key] = _affine(table, [[*nodes[:k], *others[:1]]] if alike else pairs)
     return table.cache[key]
@@ -333,7 +334,7 @@ def _links(table: CostTable, nodes: tuple[str, ...], others: tuple[str, ...]
            ) -> tuple[bool, list[list[str]]]:
     """Whether all nodes are linked alike (to each other and to `others`), and one pair
     of different nodes per distinct link (between `nodes` and `others` if given)."""
-    key = ("sync floor links", nodes, others)
+    key = SyncLinksKey(nodes, others)
     if key not in table.cache:
         inner = {table.link(a, b): [a, b] for a in nodes for b in nodes if a != b}
         cross = {table.link(a, b): [a, b] for a in nodes for b in others}

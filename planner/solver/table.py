@@ -20,6 +20,7 @@ from cost_models.model import CostModel
 from planner.data.loading import InputRates, faster_loaders_first, input_rates
 from planner.dtypes import dtype_bytes
 from planner.errors import PlannerError
+from planner.solver.keys import LayerCostsKey, RangeParamsKey, RankParamsKey, ZeroKeptKey
 from planner.types import ClusterSpec, DeviceSpec, Layer, LinkSpec, SyncSpec, TrainingSpec
 from planner.types.training import Recompute
 
@@ -100,7 +101,7 @@ class CostTable:
     def rank_params(self, tp: int) -> np.ndarray:
         """Per layer, the parameters one rank of a tp-wide group holds (replicated
         layers whole; cached)."""
-        key = ("rank params", tp)
+        key = RankParamsKey(tp)
         if key not in self.cache:
             self.cache[key] = self.params / tp if self.unsharded is None else (
                 (self.params - self.unsharded) / tp + self.unsharded)
@@ -123,7 +124,8 @@ class CostTable:
         """[a, b) matrix of the parameters one rank of a tp-wide stage holding layers
         [a, b) keeps: its own plus copies of tied weights owned outside the range, split
         as their readers are (cached)."""
-        if ("range params", tp) not in self.cache:
+        key = RangeParamsKey(tp)
+        if key not in self.cache:
             prefix = np.concatenate([[0.0], np.cumsum(self.rank_params(tp))])
             out = prefix[None, :] - prefix[:, None]
             a = np.arange(self.num_layers + 1)[:, None]
@@ -132,14 +134,14 @@ class CostTable:
                 share = tp if self.split is not None and self.split[reader] else 1
                 out = out + params / share * ((a <= reader) & (reader < b)
                                               & ~((a <= owner) & (owner < b)))
-            self.cache["range params", tp] = out
-        return self.cache["range params", tp]
+            self.cache[key] = out
+        return self.cache[key]
 
     def zero_kept(self, zero: int) -> np.ndarray:
         """[a, b) matrix of the parameters of tied weights one rank of a stage holding
         layers [a, b) keeps whole under ZeRO stage `zero` (`types.model.zero_kept`:
         the rule, per layer range; cached)."""
-        key = ("zero kept", 3 if zero >= 3 else min(zero, 1))  # (1 and 2 alike)
+        key = ZeroKeptKey(3 if zero >= 3 else min(zero, 1))  # (1 and 2 alike)
         if key not in self.cache:
             size = self.num_layers + 1
             a = np.arange(size)[:, None]
@@ -163,7 +165,7 @@ class CostTable:
         return next(t for t in self.types if t.name == name)
 
     def costs(self, type_name: str, tp: int, mb: int) -> LayerCosts:
-        key = ("costs", type_name, tp, mb)
+        key = LayerCostsKey(type_name, tp, mb)
         if key not in self.cache:
             self.cache[key] = self.layer_costs(type_name, tp, mb)
         return self.cache[key]
