@@ -71,12 +71,12 @@ def test_a_plan_records_the_faster_sync_per_stage_where_the_runtime_runs_it():
     assert _syncs(tiny_plan(SLOW, dp=4, zero=1)) == [RING] * 4
 
 
-def test_overlapped_sums_are_planned_as_rings():
+def test_sums_that_overlap_backward_are_chosen_alike():
     plan = tiny_plan(SLOW, dp=4)
     overlapped = dataclasses.replace(plan, training=dataclasses.replace(
         plan.training, sync=SyncSpec(overlap=True)))
     chosen = grad_syncs(overlapped, retrace(plan).layers, AnalyticalCostModel(plan.cluster))
-    assert _syncs(chosen) == [RING] * 4
+    assert _syncs(chosen) == [HIERARCHICAL] * 4
 
 
 def test_plan_files_keep_the_choice_and_old_ones_read_as_ring(tmp_path):
@@ -129,13 +129,20 @@ def test_every_rank_makes_the_hierarchys_groups():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dp, sync", [(4, SyncSpec()), (3, SyncSpec()),
-                                      (4, SyncSpec(mode="local-sgd", interval=1))])
+                                      (4, SyncSpec(mode="local-sgd", interval=1)),
+                                      (4, SyncSpec(overlap=True)), (3, SyncSpec(overlap=True))],
+                         ids=["2+2", "2+1", "2+2-local-sgd", "2+2-overlap", "2+1-overlap"])
 def test_hierarchical_sums_train_as_one_process(tmp_path, dp, sync):
     """Replicas two per node (and 2 + 1 with three): each sum reduces inside its node,
     all-reduces across the nodes and broadcasts back, every step (and, under local SGD,
-    the averaging of the parameters after it), and the run matches single-process
+    the averaging of the parameters after it; overlapping backward, in buckets of a few
+    KiB whose steps go one after the other), and the run matches single-process
     training."""
     plan = tiny_plan(SLOW, dp=dp)
     plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, sync=sync))
     assert set(_syncs(plan)) == {HIERARCHICAL}
-    _check_against_reference(plan, _run(tmp_path, plan))
+    options = {"bucket_mb": 0.01} if sync.overlap else {}
+    summary = _check_against_reference(plan, _run(tmp_path, plan, **options))
+    if sync.overlap:  # many buckets, all of them started within backward
+        assert all(r["sync_sums"] > 1 and r["sync_started_in_backward"] == r["sync_sums"]
+                   for r in summary["ranks"])

@@ -20,9 +20,12 @@ backward has made its last gradient:
   * after the schedule, the buckets that have not started start (a parameter the
     step gave no gradient leaves its bucket waiting), every sum is waited for and
     written back, and the other buckets (holders of mixed degrees, parameters each tp
-    rank holds whole: their sums use the tp group, which backward uses too; sums a plan
-    written by hand makes hierarchical, `StagePlan.grad_sync`: the solver picks rings
-    where sums overlap) are summed as without overlap.
+    rank holds whole: their sums use the tp group, which backward uses too) are summed
+    as without overlap;
+  * a hierarchical sum (`StagePlan.grad_sync`, `parallel.Hierarchy`) runs its reduce
+    inside the node, all-reduce across the nodes and broadcast back one after the other,
+    each issued (from a later hook, or after the schedule) once the one before has
+    completed, in the order the sums started, on groups of their own for each step.
 
 FSDP2 stages keep FSDP's own reduce-scatters, which overlap backward already. An
 accumulation after its bucket started would leave the sum stale: the step stops with
@@ -36,6 +39,7 @@ was under way, overlapped or not (without overlap, the same).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -48,6 +52,7 @@ from torch import nn
 from planner.errors import PlannerError
 from planner.runtime.parallel import (
     GradientSum,
+    Hierarchy,
     Topology,
     _Bucket,
     _local,
@@ -79,18 +84,34 @@ class SyncTiming:
                                    in_flight=self.in_flight + seconds)
 
 
-def sync_groups(topo: Topology, rank: int) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """Process groups of their own for the gradient sums, by their ranks: every rank
-    creates each, in one order (new_group is collective); those this rank is in."""
-    wanted: dict[tuple[int, ...], None] = {}
+def sync_groups(topo: Topology, rank: int
+                ) -> dict[tuple[int, ...], dist.ProcessGroup | Hierarchy]:
+    """Process groups of their own for the gradient sums, by the sums' ranks: every rank
+    creates each, in one order (new_group is collective); a hierarchical sum's (its
+    plan's stages say so, `Topology.hierarchical`) a group of each node's ranks for the
+    reduce and another for the broadcast, and one of the nodes' first ranks
+    (`Hierarchy`). Those this rank is in."""
+    wanted: dict[tuple[int, ...], bool] = {}  # the sum's ranks: whether hierarchical
     for keys in sorted({tuple(sorted(keys)) for keys in topo.holders.values()}):
         if len(keys) > 1:
-            wanted.update(dict.fromkeys(topo.sum_groups(keys)))
-    out = {}
-    for ranks in wanted:
-        group = dist.new_group(list(ranks))
+            wanted.update(dict.fromkeys(topo.sum_groups(keys), topo.hierarchical(keys)))
+    out: dict[tuple[int, ...], dist.ProcessGroup | Hierarchy] = {}
+    for ranks, hierarchical in wanted.items():
+        if not hierarchical:
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                out[ranks] = group
+            continue
+        nodes = topo.by_node(ranks)
+        made = {node: (dist.new_group(list(node)), dist.new_group(list(node)))
+                for node in nodes if len(node) > 1}
+        leaders = tuple(node[0] for node in nodes)
+        across = dist.new_group(list(leaders)) if len(nodes) > 1 else None
         if rank in ranks:
-            out[ranks] = group
+            mine = next(node for node in nodes if rank in node)
+            local, back = made.get(mine, (None, None))
+            out[ranks] = Hierarchy(ranks=ranks, leader=mine[0], local=local, back=back,
+                                   across=across if rank in leaders else None)
     return out
 
 
@@ -105,10 +126,16 @@ def accumulations(info: ModelInfo, stage: StagePlan, microbatches: int) -> Count
 
 
 def _plain(bucket: _Bucket) -> bool:
-    """Whether a bucket's sum is one all-reduce among its holders (no tp group, not
-    hierarchical: a `Hierarchy`'s three steps run after the schedule)."""
-    return (not bucket.gather and bucket.slices == 1
-            and isinstance(bucket.group, dist.ProcessGroup))
+    """Whether a bucket's sum is among its holders alone (no tp group): one all-reduce,
+    or a `Hierarchy`'s steps."""
+    return not bucket.gather and bucket.slices == 1 and bucket.group is not None
+
+
+def _ranks(group: dist.ProcessGroup | Hierarchy) -> tuple[int, ...]:
+    """A sum's ranks."""
+    if isinstance(group, Hierarchy):
+        return group.ranks
+    return tuple(sorted(dist.get_process_group_ranks(group)))
 
 
 def _nbytes(param: nn.Parameter) -> int:
@@ -117,15 +144,15 @@ def _nbytes(param: nn.Parameter) -> int:
 
 
 def overlap_buckets(gradient_sum: GradientSum, names: Mapping[int, str],
-                    positions: Mapping[str, int], groups: Mapping[tuple[int, ...],
-                                                                  dist.ProcessGroup],
+                    positions: Mapping[str, int],
+                    groups: Mapping[tuple[int, ...], dist.ProcessGroup | Hierarchy],
                     bucket_bytes: int = BUCKET_BYTES) -> list[_Bucket]:
     """`gradient_sum`'s plain buckets cut into buckets of at most `bucket_bytes` (one
     parameter at least), parameters last model position first, on the sums' own groups
     (`sync_groups`), in the order every rank starts them (see the module docstring)."""
     out = []
     for bucket in filter(_plain, gradient_sum.buckets):
-        ranks = tuple(sorted(dist.get_process_group_ranks(bucket.group)))
+        ranks = _ranks(bucket.group)
         params = sorted(bucket.params, key=lambda p: -positions[names[id(p)]])
         cut: list[list[nn.Parameter]] = [[]]
         size = 0
@@ -141,14 +168,29 @@ def overlap_buckets(gradient_sum: GradientSum, names: Mapping[int, str],
 
 @dataclass
 class _Flight:
-    """A bucket's all-reduce under way."""
+    """A bucket's sum under way: its collectives (`steps`: one all-reduce, or a
+    `Hierarchy`'s), each issued once the one before has completed; `issued` of them so
+    far, the last one's handle `work`."""
 
     bucket: _Bucket
     flat: torch.Tensor
     grads: list[torch.Tensor]
-    work: dist.Work
+    steps: list[functools.partial]
     started: float
-    ended: float | None = None  # set when its future completes
+    issued: int = 0
+    work: dist.Work | None = None
+    ended: float | None = None  # set when its last collective's future completes
+
+    @property
+    def all_issued(self) -> bool:
+        return self.issued == len(self.steps)
+
+    def issue(self) -> None:
+        """Its next collective, asynchronously."""
+        self.work = self.steps[self.issued](async_op=True)
+        self.issued += 1
+        if self.all_issued:
+            self.work.get_future().then(self.land)
 
     def land(self, _future: torch.futures.Future) -> None:
         self.ended = time.perf_counter()
@@ -221,12 +263,27 @@ class Overlapped:
     def _start(self, index: int) -> None:
         bucket = self.buckets[index]
         flat, grads = flat_gradients(bucket)
-        started = time.perf_counter()
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True)
-        flight = _Flight(bucket, flat, grads, work, started)
-        work.get_future().then(flight.land)
+        steps = (bucket.group.steps(flat) if isinstance(bucket.group, Hierarchy) else
+                 [functools.partial(dist.all_reduce, flat, op=dist.ReduceOp.SUM,
+                                    group=bucket.group)])
+        flight = _Flight(bucket, flat, grads, steps, time.perf_counter())
+        flight.issue()
         self.flights.append(flight)
         self.next = index + 1
+        self._advance()
+
+    def _advance(self) -> None:
+        """Issue the next collective of every sum whose last one has completed, in the
+        order the sums started: a sum's k-th collective only after every earlier sum's
+        k-th (or its last), so that each group's collectives (a hierarchical sum's
+        reduces, its all-reduces across, its broadcasts) go in one order on every rank."""
+        behind = float("inf")  # collectives issued by the earliest sum not all issued
+        for flight in self.flights:
+            while (not flight.all_issued and flight.issued < behind
+                   and flight.work.is_completed()):
+                flight.issue()
+            if not flight.all_issued:
+                behind = min(behind, flight.issued)
 
     def __call__(self, schedule_end: float) -> SyncTiming:
         """After the schedule: start the rest, wait for every sum and write it back, then
@@ -235,8 +292,11 @@ class Overlapped:
         while self.next < len(self.buckets):
             self._start(self.next)
         spans = []
-        for flight in self.flights:
+        for flight in self.flights:  # (those before it are done: nothing holds it back)
             flight.work.wait()
+            while not flight.all_issued:
+                flight.issue()
+                flight.work.wait()
             spans.append((flight.started, flight.ended or time.perf_counter()))
             write_gradients(flight.bucket, flight.flat, flight.grads)
         for bucket in self.deferred:

@@ -76,6 +76,7 @@ The plan's tensor-parallel options (`stage.TensorParallelOptions`), on zoo trans
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -185,23 +186,43 @@ class Topology:
         nodes = self.by_node(ranks)
         mine = next(node for node in nodes if rank in node)
         across = tuple(node[0] for node in nodes)
-        return Hierarchy(leader=mine[0], local=by_ranks[mine] if len(mine) > 1 else None,
+        local = by_ranks[mine] if len(mine) > 1 else None
+        return Hierarchy(ranks=ranks, leader=mine[0], local=local, back=local,
                          across=by_ranks[across] if rank in across and len(nodes) > 1
                          else None)
 
 
 @dataclass(frozen=True)
 class Hierarchy:
-    """A gradient sum over ranks on several nodes in three steps (`StagePlan.grad_sync`
+    """A gradient sum over `ranks` on several nodes in three steps (`StagePlan.grad_sync`
     hierarchical, `all_reduce_sum`): reduced inside each node to its first rank
     (`leader`) over `local` (this rank's node's ranks of the sum; None where it is alone
     there), all-reduced among the nodes' first ranks over `across` (None on the other
-    ranks), broadcast back inside each node. Exactly the ring's sum, up to the order
-    of the additions."""
+    ranks), broadcast back inside each node over `back` (the same ranks as `local`; a
+    group of its own where the sums run asynchronously, `overlap.sync_groups`, so that
+    every group's collectives keep one order on every rank). Exactly the ring's sum, up
+    to the order of the additions."""
 
+    ranks: tuple[int, ...]
     leader: int
     local: dist.ProcessGroup | None
     across: dist.ProcessGroup | None
+    back: dist.ProcessGroup | None
+
+    def steps(self, flat: torch.Tensor) -> list[functools.partial]:
+        """Its collectives on `flat` in order, each to be issued once the one before has
+        completed (they take `async_op`)."""
+        out = []
+        if self.local is not None:
+            out.append(functools.partial(dist.reduce, flat, dst=self.leader,
+                                         op=dist.ReduceOp.SUM, group=self.local))
+        if self.across is not None:
+            out.append(functools.partial(dist.all_reduce, flat, op=dist.ReduceOp.SUM,
+                                         group=self.across))
+        if self.local is not None:
+            out.append(functools.partial(dist.broadcast, flat, src=self.leader,
+                                         group=self.back))
+        return out
 
 
 def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup | Hierarchy) -> None:
@@ -209,12 +230,8 @@ def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup | Hierarchy) -> 
     if not isinstance(group, Hierarchy):
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return
-    if group.local is not None:
-        dist.reduce(flat, dst=group.leader, op=dist.ReduceOp.SUM, group=group.local)
-    if group.across is not None:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group.across)
-    if group.local is not None:
-        dist.broadcast(flat, src=group.leader, group=group.local)
+    for step in group.steps(flat):
+        step()
 
 
 def check_degrees(plan: Plan) -> None:

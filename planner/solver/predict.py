@@ -243,13 +243,12 @@ def _sync_inputs(plan: Plan, layers: Sequence[Layer]
 def grad_syncs(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> Plan:
     """`plan` with each stage's `grad_sync`: the algorithm of the all-reduce of its own
     gradients as priced (`sync_and_optimizer`), where the runtime sums them itself (no
-    ZeRO: FSDP's reductions are its own) and without overlap (the overlapped sums start
-    as rings, `runtime/overlap.py`); ring elsewhere."""
+    ZeRO: FSDP's reductions are its own); ring elsewhere."""
     grad, groups, ties = _sync_inputs(plan, layers)
 
     def chosen(stage: StagePlan) -> SyncAlgorithm:
         own = own_sync(stage, layers, groups, ties, grad)
-        if own is None or stage.zero or plan.training.sync.overlap:
+        if own is None or stage.zero:
             return SyncAlgorithm.RING
         return costs.collective_choice(Collective.ALL_REDUCE, *own).algorithm
 
