@@ -5,6 +5,8 @@ faster of a ring and a hierarchical all-reduce, the plan records it per stage
 
 import dataclasses
 import json
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,7 @@ from planner.errors import PlannerError
 from planner.explain import retrace, traffic
 from planner.planfile import plan_json, read_plan
 from planner.runtime.layout import rank_layout
+from planner.runtime.overlap import Overlapped, _Flight
 from planner.runtime.parallel import topology
 from planner.runtime.stage import inspect_model
 from planner.solver.predict import grad_syncs, sync_and_optimizer
@@ -146,3 +149,52 @@ def test_hierarchical_sums_train_as_one_process(tmp_path, dp, sync):
     if sync.overlap:  # many buckets, all of them started within backward
         assert all(r["sync_sums"] > 1 and r["sync_started_in_backward"] == r["sync_sums"]
                    for r in summary["ranks"])
+
+
+class _Work:
+    """A collective's handle that completes when the test says."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def get_future(self) -> Any:
+        return self
+
+    def then(self, _callback: Any) -> None:
+        """(the flight's end time: not looked at here)"""
+
+
+def test_overlapped_steps_keep_one_order_on_every_group():
+    """A hierarchical bucket's k-th collective is issued only after every earlier
+    bucket's k-th: each group then sees its reduces, all-reduces across and broadcasts
+    in the order the buckets started, whichever completes first on this rank."""
+    issued: list[tuple[str, int]] = []
+
+    def flight(name: str) -> _Flight:
+        def step(number: int) -> Any:
+            def issue(async_op: bool) -> _Work:
+                issued.append((name, number))
+                return _Work()
+            return issue
+        return _Flight(bucket=None, flat=None, grads=[], steps=[step(k) for k in range(3)],
+                       started=0.0)
+
+    first, second = flight("first"), flight("second")
+    overlapped = SimpleNamespace(flights=[first, second])
+    first.issue(), second.issue()
+    second.work.done = True  # the second bucket's reduce is done, the first's is not
+    Overlapped._advance(overlapped)
+    assert issued == [("first", 0), ("second", 0)]
+    first.work.done = True
+    Overlapped._advance(overlapped)
+    assert issued[2:] == [("first", 1), ("second", 1)]
+    second.work.done = True
+    Overlapped._advance(overlapped)  # the second's broadcast waits for the first's
+    assert issued[4:] == []
+    first.work.done = True
+    Overlapped._advance(overlapped)
+    assert issued[4:] == [("first", 2), ("second", 2)]
+    assert first.all_issued and second.all_issued
