@@ -131,6 +131,18 @@ def test_every_rank_makes_the_hierarchys_groups():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shape", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_hierarchical_sums_of_wider_and_deeper_stages_train_as_one_process(tmp_path, shape):
+    """Four replicas two per node of 2x4 CPU "devices": tensor-parallel stages (each tp
+    rank sums its shards, and its slice of the parameters the ranks hold whole, in its
+    own hierarchy), and two-stage pipelines whose tied token table is summed over the
+    embedding's and the head's stages alike."""
+    plan = tiny_plan("2x4xcpu@1Gbps", dp=4, **shape)
+    assert set(_syncs(plan)) == {HIERARCHICAL}
+    _check_against_reference(plan, _run(tmp_path, plan))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dp, sync", [(4, SyncSpec()), (3, SyncSpec()),
                                       (4, SyncSpec(mode="local-sgd", interval=1)),
                                       (4, SyncSpec(overlap=True)), (3, SyncSpec(overlap=True))],
