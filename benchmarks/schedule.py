@@ -139,6 +139,7 @@ def round_time(matrix: Matrix, policy: Policy, jobs: list[Job]) -> float:
                             3600.0, pool.capacity())
     shares = policy.shares(problem) if policy.shares is not None else {}
     place_round(pool, problem, shares, rounding=policy.rounding, received={}, previous={},
+                throughputs=rates,
                 switch=(SETTINGS.checkpoint + SETTINGS.restore) / SETTINGS.round_length)
     return time.perf_counter() - start
 

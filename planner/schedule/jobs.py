@@ -167,15 +167,17 @@ def _job(item: Any, index: int, source: str) -> Job:
                             remedies)
 
     if (entry.profile is None) == (entry.model is None):
-        raise fail("profile" if entry.profile else "name", f"the job gives "
-                   f"{'both' if entry.profile else 'neither'} `profile` (a row of the "
-                   "throughput matrix) and `model` (priced by the planner); give one.")
+        raise fail("profile" if entry.profile else "name", (
+            "the job gives both `profile` (a row of the throughput matrix) and `model` "
+            "(priced by the planner); give one." if entry.profile else
+            "the job gives neither `profile` (a row of the throughput matrix) nor `model` "
+            "(priced by the planner); give one."))
     if entry.model is not None and entry.global_batch is None:
         raise fail("model", "a job given by `model` needs `global_batch` (samples per step).")
     if (entry.steps is None) == (entry.samples is None):
-        raise fail("steps" if entry.steps else "name", f"the job gives "
-                   f"{'both' if entry.steps else 'neither'} `steps` and `samples` to train; "
-                   "give one.")
+        raise fail("steps" if entry.steps else "name", "the job gives " + (
+            "both `steps` and `samples` to train" if entry.steps else
+            "neither `steps` nor `samples` to train") + "; give one.")
     steps = entry.steps
     if entry.samples is not None:
         if entry.global_batch is None:

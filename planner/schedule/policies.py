@@ -141,8 +141,10 @@ class _Program:
         for kind, row in per_type.items():
             self.row(row, upper=float(problem.free[kind]))
         for row, free in ((cpus, problem.cpus), (memory, problem.memory)):
-            if math.isfinite(free):
-                self.row(row, upper=free)
+            if math.isfinite(free):  # (as fractions of what is free: bytes run to 1e11,
+                # and HiGHS failed on such rows beside rates of a few steps/s)
+                self.row({i: v / free for i, v in row.items()} if free > 0 else row,
+                         upper=1.0 if free > 0 else 0.0)
         self.model: mathopt.Model | None = None
 
     def column(self, lower: float = 0.0, upper: float = math.inf) -> int:
@@ -250,6 +252,14 @@ def max_throughput(problem: Problem) -> dict[int, float]:
 
 
 def min_jct(problem: Problem) -> dict[int, float]:
+    """Maximise sum_m w_m rate_m / left_m: each device goes to the option that
+    finishes the most (weighted) work left per device-second, i.e. to the job with the
+    least device-time left on it. On one machine this is Smith's rule (W. E. Smith,
+    "Various optimizers for single-stage production", 1956: weighted shortest
+    processing time first minimises the weighted sum of completion times) and, run
+    again every round as work is done, shortest remaining processing time first; the
+    program extends it to device types of different speeds, as Gavel's policies
+    extend theirs, by pricing each job's rate on each option."""
     program = _Program(problem, "min-jct")
     program.build(_merged(*(program.rate(a.job.name, a.job.weight / max(a.left, TOLERANCE))
                             for a in _runnable(problem))))

@@ -36,8 +36,7 @@ from planner.schedule.jobs import Job
 from planner.schedule.options import Catalog
 from planner.schedule.policies import Active, Policy, Problem, equal_share_rates
 from planner.schedule.pool import Pool
-from planner.schedule.rounding import Placement, free_totals, place_round
-from planner.schedule.shape import compact_layout
+from planner.schedule.rounding import Placement, free_totals, place_round, placement_rate
 from planner.schedule.throughput import Throughputs
 
 
@@ -168,7 +167,8 @@ def simulate(jobs: Sequence[Job], pool: Pool, throughputs: Throughputs, policy: 
                                  received=_received(progress, active),
                                  previous={name: p.last for name, p in progress.items()
                                            if p.last is not None and name in active},
-                                 free=free, switch=(settings.checkpoint + settings.restore)
+                                 throughputs=throughputs, free=free,
+                                 switch=(settings.checkpoint + settings.restore)
                                  / settings.round_length)
         if not placements:  # (host cores or memory per machine hold none of the jobs)
             if not waiting:
@@ -279,7 +279,8 @@ def _run(placements: Sequence[Placement], progress: Mapping[str, _Progress],
             else:
                 lost = settings.checkpoint + settings.restore
                 state.restarts += 1
-            rate = rates[job_name] = _rate(placement, job_name, pool, throughputs, catalog)
+            rate = rates[job_name] = placement_rate(placement, catalog.job(job_name), pool,
+                                                    throughputs)
             useful = max(0.0, length - lost)
             key = placement.option.key
             state.received[key] = state.received.get(key, 0.0) + length
@@ -291,20 +292,6 @@ def _run(placements: Sequence[Placement], progress: Mapping[str, _Progress],
             else:
                 state.left -= rate * useful
     return rates
-
-
-def _rate(placement: Placement, job_name: str, pool: Pool, throughputs: Throughputs,
-          catalog: Catalog) -> float:
-    """The job's rate on the devices it got: its rate on that layout alone; a shared
-    option's rate scaled by how the layout compares with the compact one it was priced
-    on."""
-    option = placement.option
-    job = catalog.job(job_name)
-    alone = throughputs.rate(job, placement.layout(pool))
-    if len(option.jobs) == 1:
-        return alone
-    compact = throughputs.rate(job, compact_layout(option.shape, pool))
-    return option.rate(job_name) * (alone / compact if compact > 0 else 0.0)
 
 
 def metrics(outcomes: Sequence[Outcome], rounds: Sequence[Round], jobs: Sequence[Job],
