@@ -99,11 +99,13 @@ def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[
              interleave: int | Sequence[int] = 1,
              sync: float = 0.0, optimizer: float = 0.0,
              microbatch_timings: Sequence[Sequence[Sequence[StageTiming]]] | None = None,
-             policy: SyncSpec = EVERY_STEP, loading: float = 0.0) -> Simulation:
+             policy: SyncSpec = EVERY_STEP, loading: float = 0.0,
+             tail: float = 0.0) -> Simulation:
     """Replay one training step of the pipelines, each with its number of micro-batches;
     `microbatch_timings[p][i][s]`, where given, is stage s's timing for micro-batch i of
-    pipeline p; the sync of `sync` seconds is paid as `policy` says (`step.py`), once the
-    pipelines are done and the step's input, `loading` seconds of it, is loaded."""
+    pipeline p; the sync of `sync` seconds is paid as `policy` says (`step.py`; `tail`, its
+    last bucket's all-reduce where it overlaps backward), once the pipelines are done and
+    the step's input, `loading` seconds of it, is loaded."""
     schedules = ([schedule] * len(pipelines) if isinstance(schedule, Schedule)
                  else list(schedule))
     chunks = [interleave] * len(pipelines) if isinstance(interleave, int) else list(interleave)
@@ -122,7 +124,8 @@ def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[
         events += pipeline_events
         times.append(max(e.end for e in pipeline_events if e.kind == BWD))
     step = step_time(times, sync, optimizer, policy=policy, loading=loading,
-                     hidden=overlappable(t.bwd for stages in pipelines for t in stages))
+                     hidden=overlappable(t.bwd for stages in pipelines for t in stages),
+                     tail=tail)
     for p, stages in enumerate(pipelines):
         for s in range(len(stages)):
             events += [Event(p, s, phase.kind, None, None, phase.start, phase.end)

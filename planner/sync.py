@@ -14,6 +14,7 @@ step pays its sync: `planner/solver/step.py`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -118,6 +119,10 @@ def check_sync(plan: Plan) -> None:
                            "which averages after the optimizer step every "
                            f"{sync.interval} steps: nothing overlaps backward.",
                            ["set training.sync.overlap to false"])
+    if not (sync.bucket_mb > 0 and math.isfinite(sync.bucket_mb)):
+        raise PlannerError("bad-plan", "training.sync.bucket_mb must be a positive number of "
+                           f"MiB (got {sync.bucket_mb}).",
+                           ["give training.sync.bucket_mb 25 (DDP's bucket_cap_mb)"])
     for p in plan.pipelines if sync.local else ():
         for s in p.stages:
             if s.zero:

@@ -27,7 +27,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 from cost_models.model import CostModel
 from planner.simulate import BWD, FWD, OPTIMIZER, SEND, SEND_GRAD, SYNC, simulate
-from planner.solver.predict import stage_timings, sync_and_optimizer
+from planner.solver.predict import stage_timings, sync_and_optimizer, tail_sync
 from planner.solver.step import EVERY_STEP, StepTime, overlappable
 from planner.solver.timing import StageTiming
 from planner.types import Layer, Plan, Recompute, Schedule, SyncSpec
@@ -109,11 +109,12 @@ class Run:
 
 
 def lay_out(runs: Sequence[Run], *, sync: float = 0.0, optimizer: float = 0.0,
-            title: str = "", predicted: float = 0.0, policy: SyncSpec = EVERY_STEP
-            ) -> Timeline:
+            title: str = "", predicted: float = 0.0, policy: SyncSpec = EVERY_STEP,
+            tail: float = 0.0) -> Timeline:
     """Simulate each run (`planner.simulate`) and put its events on lanes; the gradient
-    sync (paid as `policy` says, `step.py`) and optimizer step follow the last backward
-    of all runs, on every device."""
+    sync (paid as `policy` says, `step.py`: `tail`, its last bucket's all-reduce where it
+    overlaps backward) and optimizer step follow the last backward of all runs, on every
+    device."""
     lanes: list[Lane] = []
     bars: list[Bar] = []
     end = 0.0
@@ -148,7 +149,7 @@ def lay_out(runs: Sequence[Run], *, sync: float = 0.0, optimizer: float = 0.0,
                 bars.append(Bar(lane, e.kind, e.microbatch, e.chunk, e.start, e.end))
         device_lanes += device_lane.values()
     step = StepTime(pipelines=end, sync=sync, optimizer=optimizer, policy=policy,
-                    hidden=overlappable(t.bwd for run in runs for t in run.stages))
+                    hidden=overlappable(t.bwd for run in runs for t in run.stages), tail=tail)
     bars += [Bar(lane, phase.kind, None, None, phase.start, phase.end)
              for lane in device_lanes for phase in step.phases() if phase.seconds > 0]
     bars.sort(key=lambda b: (b.lane, b.start, b.end))
@@ -184,7 +185,8 @@ def build_timeline(plan: Plan, layers: Sequence[Layer], costs: CostModel, *,
     title = (f"{plan.model.describe()} on {plan.cluster.name}: one training step "
              f"(global batch {plan.training.global_batch})")
     return lay_out(runs, sync=sync, optimizer=optimizer, title=title,
-                   predicted=plan.prediction.step_time, policy=plan.training.sync)
+                   predicted=plan.prediction.step_time, policy=plan.training.sync,
+                   tail=tail_sync(plan, layers, costs))
 
 
 def timeline_dict(timeline: Timeline) -> dict:

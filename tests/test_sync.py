@@ -32,10 +32,11 @@ def _with_sync(plan, **sync):
 @slow
 def test_sums_that_overlap_backward_train_as_one_process(tmp_path):
     """Two pipelines of two stages, shares 6 and 2, the tied table on both ends: with
-    buckets of a few KiB every stage starts several all-reduces within its last
-    backward, and the run matches single-process training."""
-    plan = _with_sync(tiny_plan("1x4xcpu", pp=2, dp=2, shares=[3, 1]), overlap=True)
-    summary = _check_against_reference(plan, _run(tmp_path, plan, bucket_mb=0.01))
+    buckets of a few KiB (the plan's, which the runtime keeps) every stage starts several
+    all-reduces within its last backward, and the run matches single-process training."""
+    plan = _with_sync(tiny_plan("1x4xcpu", pp=2, dp=2, shares=[3, 1]), overlap=True,
+                      bucket_mb=0.01)
+    summary = _check_against_reference(plan, _run(tmp_path, plan))
     sync = summary["gradient_sync"]
     assert sync["overlap"] and sync["mode"] == "every-step"
     assert sync["exposed"] > 0 and sync["in_flight"] > 0
@@ -204,6 +205,36 @@ def test_a_step_pays_what_backward_does_not_hide_or_a_share_of_the_sync():
     assert (sync.start, sync.end, optimizer.start) == (2.25, 4.25, 4.25)
 
 
+def test_an_overlapped_sync_pays_its_last_bucket_whatever_backward_hides():
+    """The last bucket (the first layers' gradients) is made only as backward ends, so
+    its all-reduce (`tail`) is exposed however much backward there is to hide behind."""
+    overlap = SyncSpec(overlap=True)
+    assert step_time([3.0], 2.0, 0.5, 2.5, overlap, tail=0.25).total == 3.75
+    assert step_time([3.0], 2.0, 0.5, 0.75, overlap, tail=0.25).total == 4.75  # 1.25 > 0.25
+    assert step_time([3.0], 2.0, 0.5, 2.5, SyncSpec(), tail=0.25).total == 5.5  # whole sync
+    sync, optimizer = step_time([3.0], 2.0, 0.5, 2.5, overlap, tail=0.25).phases()
+    assert (sync.start, sync.end, optimizer.start) == (1.25, 3.25, 3.25)
+
+
+@pytest.mark.parametrize("cluster", ["1x2xcpu", "2x1xcpu"])
+def test_a_plan_whose_backward_hides_its_sync_pays_one_buckets_all_reduce(cluster):
+    """tiny's backward outlasts its sync: cut into 1 KiB buckets, the step pays the last
+    one's all-reduce on the sync's group, priced as the sync is; in the default 25 MiB
+    bucket, which holds all of tiny's gradients, nothing is hidden."""
+    from cost_models.comm import Collective, CommGroup
+    from cost_models.model import AnalyticalCostModel
+
+    plan = tiny_plan(cluster, dp=2)
+    group = CommGroup.of([p.stages[0].devices.node for p in plan.pipelines])
+    one_bucket = AnalyticalCostModel(plan.cluster).collective_time(
+        Collective.ALL_REDUCE, 1024, group)
+    small = _priced(plan, SyncSpec(overlap=True, bucket_mb=2**-10)).prediction
+    assert small.compute > small.whole_sync > 4 * one_bucket
+    assert small.dp_comm == pytest.approx(one_bucket, rel=1e-12)
+    whole = _priced(plan, SyncSpec(overlap=True)).prediction
+    assert whole.dp_comm == pytest.approx(whole.whole_sync, rel=1e-12)
+
+
 @pytest.mark.parametrize("policy", POLICIES[1:], ids=lambda p: p.describe())
 @pytest.mark.parametrize("seed", range(12))
 def test_search_equals_brute_force_under_every_sync_policy(seed, policy):
@@ -281,6 +312,7 @@ def test_the_cli_refuses_sync_options_that_contradict(args, needle):
     ({"mode": "gossip", "interval": 3}, 0, "training.sync.mode 'gossip' is not one of"),
     ({"mode": "diloco", "interval": 8}, 1, "pipelines[0].stages[0].zero is 1 with "
      "training.sync.mode diloco"),
+    ({"overlap": True, "bucket_mb": 0}, 0, "training.sync.bucket_mb must be a positive"),
 ])
 def test_a_plan_file_with_a_sync_the_runtime_cannot_run_is_refused(tmp_path, sync, zero,
                                                                   needle):
@@ -351,7 +383,8 @@ def _priced(plan, sync):
                                                         AnalyticalCostModel(plan.cluster)))
 
 
-@pytest.mark.parametrize("sync", POLICIES, ids=lambda p: p.describe())
+@pytest.mark.parametrize("sync", [*POLICIES, SyncSpec(overlap=True, bucket_mb=2**-10)],
+                         ids=lambda p: f"{p.describe()}, {p.bucket_mb} MiB buckets")
 def test_the_simulator_and_the_closed_form_pay_the_same_sync(sync):
     from cost_models.model import AnalyticalCostModel
     from planner.explain import retrace

@@ -60,9 +60,10 @@ def parser() -> argparse.ArgumentParser:
                    help="A step with a NaN or infinite loss or gradient: stop the run before "
                    "applying it (default), or skip its update (the run still stops when several "
                    "such steps come in a row). Either way no checkpoint holds a NaN.")
-    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
+    p.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
                    help="Where the plan's gradient sync overlaps backward: the most MiB of "
-                   "gradients one all-reduce sums (DDP's bucket_cap_mb).")
+                   "gradients one all-reduce sums (DDP's bucket_cap_mb; default: the plan's "
+                   "training.sync.bucket_mb, which its prediction priced).")
     p.add_argument("--outer-lr", type=float, default=0.7,
                    help="DiLoCo (the plan's sync diloco:H): the outer optimizer's learning "
                    "rate on the pseudo-gradients.")

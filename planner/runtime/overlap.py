@@ -61,9 +61,9 @@ from planner.runtime.parallel import (
     write_gradients,
 )
 from planner.runtime.stage import ModelInfo
-from planner.types import StagePlan
+from planner.types import StagePlan, SyncSpec
 
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+BUCKET_BYTES = int(SyncSpec.bucket_mb * 2**20)  # DDP's default bucket_cap_mb
 
 
 @dataclass(frozen=True)

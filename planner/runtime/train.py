@@ -128,7 +128,7 @@ class RunOptions:
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run, or skip the step
     lengths: Path | None = None  # a data profile: synthetic samples of its lengths (`packed.py`)
     packing: str = "balanced"  # variable-length samples into micro-batches: or "naive"
-    bucket_mb: float = 25.0  # overlapped gradient sums: MiB per all-reduce (`overlap.py`)
+    bucket_mb: float | None = None  # overlapped sums: MiB per all-reduce; None: the plan's
     outer_lr: float = 0.7  # DiLoCo's outer optimizer (`sync_modes.py`)
     outer_momentum: float = 0.9
 
@@ -157,7 +157,8 @@ def check_options(options: RunOptions) -> None:
     if options.optimizer not in (None, "adamw", "sgd"):
         raise PlannerError("bad-option", f"--optimizer must be adamw or sgd (got "
                            f"{options.optimizer!r}).")
-    if not (options.bucket_mb > 0 and math.isfinite(options.bucket_mb)):
+    if options.bucket_mb is not None and not (options.bucket_mb > 0
+                                              and math.isfinite(options.bucket_mb)):
         raise PlannerError("bad-option", f"--bucket-mb must be a positive number of MiB (got "
                            f"{options.bucket_mb}).")
     if not (options.outer_lr > 0 and math.isfinite(options.outer_lr)):
@@ -541,7 +542,8 @@ def _sums(plan: Any, topo: Any, groups: Any, info: Any, built: Any, managed: set
     stage = plan.pipelines[me.pipeline].stages[me.stage]
     names = {id(param): name for name, param in built.root.named_parameters()}
     positions = {name: i for i, (name, _) in enumerate(info.module.named_parameters())}
-    buckets = overlap_buckets(every_step, names, positions, own, int(options.bucket_mb * 2**20))
+    bucket_mb = sync.bucket_mb if options.bucket_mb is None else options.bucket_mb
+    buckets = overlap_buckets(every_step, names, positions, own, int(bucket_mb * 2**20))
     expected = accumulations(info, stage, plan.pipelines[me.pipeline].num_microbatches)
     return Overlapped(every_step, buckets, names, expected), None
 

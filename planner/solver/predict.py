@@ -30,7 +30,7 @@ from cost_models.model import CostModel
 from planner.data.loading import input_rates, loading_seconds, plan_feeds
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
-from planner.solver.step import overlappable, step_time
+from planner.solver.step import last_bucket, overlappable, step_time
 from planner.solver.structure import wider_than_neighbours
 from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
 from planner.types import (
@@ -297,6 +297,21 @@ def sync_and_optimizer(plan: Plan, layers: Sequence[Layer], costs: CostModel
     return max(sync, busiest_card(charges)), opt
 
 
+def tail_sync(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> float:
+    """The all-reduce of the last bucket (`step.last_bucket`) of the stage whose is the
+    longest, where `plan`'s sync overlaps backward (0 elsewhere): priced as the stage's
+    whole sum is (`sync_and_optimizer`), on its group."""
+    sync = plan.training.sync
+    if not sync.overlap:
+        return 0.0
+    grad, groups, ties = _sync_inputs(plan, layers)
+    owns = [own_sync(stage, layers, groups, ties, grad) for p in plan.pipelines
+            for stage in p.stages]
+    return max((costs.collective_time(Collective.ALL_REDUCE,
+                                      last_bucket(volume, sync.bucket_mb), group)
+                for volume, group in filter(None, owns)), default=0.0)
+
+
 def pipeline_times(plan: Plan, timings: Sequence[Sequence[StageTiming]]
                    ) -> list[PipelineTime]:
     return [pipeline_time(t, p.num_microbatches, schedule=p.schedule, interleave=p.interleave)
@@ -313,7 +328,8 @@ def replay(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> Simulation:
                     [p.num_microbatches for p in plan.pipelines],
                     schedule=[p.schedule for p in plan.pipelines],
                     interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt,
-                    policy=plan.training.sync, loading=loading_time(plan, costs))
+                    policy=plan.training.sync, loading=loading_time(plan, costs),
+                    tail=tail_sync(plan, layers, costs))
 
 
 def loading_time(plan: Plan, costs: CostModel) -> float:
@@ -330,7 +346,8 @@ def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakd
     slowest = max(times, key=lambda t: t.total)
     step = step_time([t.total for t in times], sync, opt,
                      overlappable(t.bwd for stages in timings for t in stages),
-                     plan.training.sync, loading_time(plan, costs))
+                     plan.training.sync, loading_time(plan, costs),
+                     tail_sync(plan, layers, costs))
     batch = plan.training.global_batch
     flops = batch * sum(layer.flops for layer in layers)
     peak = sum(costs.cluster.node(s.devices.node).device.flops(plan.training.dtype) * s.tp

@@ -9,8 +9,10 @@ predictions of plans (`predict`), the simulator (`planner.simulate`), the timeli
 where the sync term is what a step pays of one whole sync (`exposed`): all of it, after
 the last backward, by default; with a sync that overlaps backward (`SyncSpec.overlap`:
 each stage's buckets start as its last micro-batch's backward makes them), what the
-least one-micro-batch backward of any stage does not hide (`overlappable`); with a sync
-every H steps (local SGD, model averaging, DiLoCo: `SyncSpec.interval`), 1/H of it.
+least one-micro-batch backward of any stage does not hide (`overlappable`), and never
+less than the all-reduce of the last bucket (`last_bucket`: the first layers' gradients,
+made only as backward ends, so nothing is left to hide it); with a sync every H steps
+(local SGD, model averaging, DiLoCo: `SyncSpec.interval`), 1/H of it.
 The slowest pipeline's time is at least the step's data loading (`fed`): its input's
 samples over what the nodes' loaders and the devices' inputs take in per second
 (`planner.data.loading`), 0 where the cluster sets no such rates.
@@ -45,11 +47,22 @@ SYNC, OPTIMIZER = "sync", "optimizer"  # the phases after the pipelines
 EVERY_STEP = SyncSpec()  # the sync after the schedule, every step
 
 
-def exposed(sync: float, hidden: float, policy: SyncSpec = EVERY_STEP) -> float:
+def exposed(sync: float, hidden: float, policy: SyncSpec = EVERY_STEP,
+            tail: float = 0.0) -> float:
     """The seconds per step a whole sync of `sync` seconds adds to the step: spread over
-    the steps between syncs, less the backward it overlaps (`hidden`) where it does."""
+    the steps between syncs, less the backward it overlaps (`hidden`) where it does, but
+    never less than its last bucket's all-reduce (`tail`, at most `sync`), which starts
+    only once backward has ended."""
     per_step = sync / policy.interval
-    return max(0.0, per_step - hidden) if policy.overlap else per_step
+    return max(tail, per_step - hidden) if policy.overlap else per_step
+
+
+def last_bucket(volume: float, bucket_mb: float) -> float:
+    """The bytes of a stage's last overlapped all-reduce, of `volume` bytes of gradients
+    cut into buckets of at most `bucket_mb` MiB (`SyncSpec.bucket_mb`, the runtime's
+    `overlap_buckets`): a whole bucket, or all of them where they fit one. Priced as
+    the sync is (`comm.collective_time`), it is the step's `tail`."""
+    return min(volume, bucket_mb * 2**20)
 
 
 def fed(pipelines: Seconds, loading: Seconds | float) -> Seconds:
@@ -88,12 +101,13 @@ class StepTime:
     optimizer: float  # optimizer step
     hidden: float = 0.0  # the backward an overlapping sync hides (`overlappable`)
     policy: SyncSpec = EVERY_STEP
+    tail: float = 0.0  # an overlapping sync's last bucket, never hidden (`last_bucket`)
     loading: float = 0.0  # the step's data loading (`fed`), in `pipelines` already
 
     @property
     def exposed(self) -> float:
         """What the step pays of the sync (`exposed`)."""
-        return exposed(self.sync, self.hidden, self.policy)
+        return exposed(self.sync, self.hidden, self.policy, self.tail)
 
     @property
     def total(self) -> float:
@@ -109,11 +123,12 @@ class StepTime:
 
 def step_time(pipeline_times: list[float] | tuple[float, ...], sync: float,
               optimizer: float, hidden: float = 0.0, policy: SyncSpec = EVERY_STEP,
-              loading: float = 0.0) -> StepTime:
+              loading: float = 0.0, tail: float = 0.0) -> StepTime:
     """The step of pipelines that end at these times (each its T(m)), fed by data
     loading of `loading` seconds."""
     return StepTime(pipelines=float(fed(max(pipeline_times), loading)), sync=sync,
-                    optimizer=optimizer, hidden=hidden, policy=policy, loading=loading)
+                    optimizer=optimizer, hidden=hidden, policy=policy, loading=loading,
+                    tail=tail)
 
 
 def floor(pipelines: Seconds, sync: Seconds | float, optimizer: Seconds | float,

@@ -56,11 +56,15 @@ class SyncSpec:
     overlap:  every-step only: each stage's gradient sums start, bucket by bucket, as
               its last micro-batch's backward makes them (DDP's buckets), not after the
               schedule.
+    bucket_mb: with overlap, the most MiB of gradients one all-reduce sums (DDP's
+              bucket_cap_mb): the runtime cuts the sums so, and the step pays the last
+              bucket's all-reduce whatever backward hides (`step.last_bucket`).
     """
 
     mode: str = "every-step"
     interval: int = 1
     overlap: bool = False
+    bucket_mb: float = 25.0
 
     @property
     def local(self) -> bool:
