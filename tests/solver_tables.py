@@ -223,7 +223,7 @@ def _structure(table: CostTable, config: Config, space: Space,
             for x in splits]))
     best = float("inf")
     for combo in itertools.product(*options):
-        sync, opt = sync_and_optimizer(table, config, shapes, placement, combo)
+        terms = sync_and_optimizer(table, config, shapes, placement, combo)
         pipes = [split for shape, split in zip(shapes, combo, strict=True)
                  for _ in range(shape.n)]
         groups = [group(config, shape) for shape in shapes for _ in range(shape.n)]
@@ -232,7 +232,8 @@ def _structure(table: CostTable, config: Config, space: Space,
                 continue  # interleaved pipelines run multiples of their stage count
             times = [split.time(m) for split, m in zip(pipes, counts, strict=True)]
             hidden = overlappable(stage.bwd for split in combo for stage in split.stages)
-            best = min(best, step_time(times, sync, opt, hidden, table.sync).total)
+            best = min(best, step_time(times, terms.sync, terms.optimizer, hidden, table.sync,
+                                       tail=terms.tail).total)
     return best
 
 

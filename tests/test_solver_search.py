@@ -590,7 +590,7 @@ def test_cross_class_sync_floors_hold_for_every_split(seed):
                   if (split := result.costs.split_at((0, *cuts, 4))) is not None]
                  for shape, result in zip(shapes, priced.results, strict=True)]
         for combo in itertools.product(*every):
-            sync, _ = sync_and_optimizer(table, config, shapes, priced.placement, combo)
+            sync = sync_and_optimizer(table, config, shapes, priced.placement, combo).sync
             assert priced.sync <= sync * (1 + 1e-9) and floor <= sync * (1 + 1e-9)
             for c, split in enumerate(combo):
                 assert _split_sync_floor(table, priced, c, split) <= sync * (1 + 1e-9)
@@ -632,7 +632,7 @@ def test_card_floor_holds_for_every_split(seed):
                   if (split := result.costs.split_at((0, *cuts, 4))) is not None]
                  for shape, result in zip(shapes, priced.results, strict=True)]
         for combo in itertools.product(*every):
-            sync, _ = sync_and_optimizer(table, config, shapes, priced.placement, combo)
+            sync = sync_and_optimizer(table, config, shapes, priced.placement, combo).sync
             assert floor <= sync * (1 + 1e-9)
             largest = max(table.collective(
                 Collective.ALL_REDUCE, float(table.params[a:b].sum()) * table.grad_bytes,
@@ -702,7 +702,7 @@ def test_sharded_card_floors_hold_for_every_split_and_zero_choice(seed):
             for choice in itertools.product((0, 3), repeat=shape.stages):
                 split = dataclasses.replace(splits[0], options=tuple(
                     splits[zero].options[s] for s, zero in enumerate(choice)))
-                sync, _ = sync_and_optimizer(table, config, shapes, placement, [split])
+                sync = sync_and_optimizer(table, config, shapes, placement, [split]).sync
                 busiest = max((splits[3].stages[s].busy for s, zero in enumerate(choice)
                                if zero == 3), default=0.0)
                 for card, busy in floors:
@@ -764,7 +764,7 @@ def test_stages_sharing_a_node_take_turns_on_its_card():
     assert [[slot.node for slot in p] for p in placement[0]] == [["a-0", "a-0"], ["a-1", "a-1"]]
     priced = price(table, Config(1), Space(zeros=(0,)), shapes, 8)
     split = priced.results[0].costs.split_at((0, 1, 4))
-    sync, _ = sync_and_optimizer(table, Config(1), shapes, placement, [split])
+    sync = sync_and_optimizer(table, Config(1), shapes, placement, [split]).sync
     each = [table.collective(Collective.ALL_REDUCE, float(table.params[a:b].sum())
                              * table.grad_bytes, CommGroup.of(["a-0", "a-1"]))
             for a, b in ((0, 1), (1, 4))]
@@ -793,7 +793,7 @@ def test_zero3_shards_are_still_synchronised_across_classes():
                                 zeros=space.zeros)
             splits.append(costs.split_at((0, table.num_layers)))
         assert all(stage.zero == 3 for split in splits for stage in split.options)
-        return sync_and_optimizer(table, Config(1), shapes, placement, splits)[0]
+        return sync_and_optimizer(table, Config(1), shapes, placement, splits).sync
 
     alone = sync((ClassShape(("t0",), 2),))
     together = sync((ClassShape(("t0",), 2), ClassShape(("t1",), 2)))

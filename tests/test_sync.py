@@ -169,7 +169,7 @@ def test_diloco_resumes_with_its_outer_optimizer(tmp_path):
 # --- the step model ---------------------------------------------------------------------
 
 POLICIES = [SyncSpec(), SyncSpec(overlap=True), SyncSpec(mode="local-sgd", interval=4),
-            SyncSpec(mode="diloco", interval=16)]
+            SyncSpec(mode="diloco", interval=16), SyncSpec(overlap=True, bucket_mb=2**-10)]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe())
@@ -383,8 +383,7 @@ def _priced(plan, sync):
                                                         AnalyticalCostModel(plan.cluster)))
 
 
-@pytest.mark.parametrize("sync", [*POLICIES, SyncSpec(overlap=True, bucket_mb=2**-10)],
-                         ids=lambda p: f"{p.describe()}, {p.bucket_mb} MiB buckets")
+@pytest.mark.parametrize("sync", POLICIES, ids=lambda p: f"{p.describe()}, {p.bucket_mb} MiB")
 def test_the_simulator_and_the_closed_form_pay_the_same_sync(sync):
     from cost_models.model import AnalyticalCostModel
     from planner.explain import retrace

@@ -65,6 +65,7 @@ from planner.solver.step import (
     EVERY_STEP,
     StepTime,
     floor,
+    last_bucket,
     overlappable,
     pipelines_within,
     step_time,
@@ -117,13 +118,14 @@ class Evaluation:
     optimizer: float
     policy: SyncSpec = EVERY_STEP  # the solve's (`CostTable.sync`)
     loading: float = 0.0  # the step's data loading (`step.fed`)
+    tail: float = 0.0  # an overlapped sync's last bucket (`SyncTerms.tail`)
 
     @property
     def step(self) -> StepTime:
         hidden = overlappable(stage.bwd for split in self.splits for stage in split.stages
                               ) if self.policy.overlap else 0.0
         return step_time([max(times) for times in self.pipeline_times], self.sync,
-                         self.optimizer, hidden, self.policy, self.loading)
+                         self.optimizer, hidden, self.policy, self.loading, self.tail)
 
     @property
     def step_time(self) -> float:
@@ -232,14 +234,24 @@ def _prefix(table: CostTable) -> np.ndarray:
     return table.cache[key]
 
 
+@dataclass(frozen=True)
+class SyncTerms:
+    """What a structure's step pays after its pipelines (`step.StepTime`)."""
+
+    sync: float  # one whole gradient sync
+    optimizer: float
+    tail: float = 0.0  # where the sync overlaps backward, the longest last-bucket all-reduce
+
+
 def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassShape],
                        placement: Placement, splits: Sequence[Split],
-                       groups: dict | None = None) -> tuple[float, float]:
+                       groups: dict | None = None) -> SyncTerms:
     """Gradient sync and optimizer step (the slowest stage's). The sync groups'
     all-reduces start together: the sync lasts as long as the slowest stage's (its tied
     weights' after its own) or the busiest network card's (`busiest_card`), whichever is
-    longer. `groups` may carry sync groups, and their all-reduce times, between splits
-    of one placement."""
+    longer; where it overlaps backward, each stage's own all-reduce's last bucket
+    (`step.last_bucket`, as `predict.tail_sync`). `groups` may carry sync groups, and
+    their all-reduce times, between splits of one placement."""
     table = fold(table, config.interleave)
     groups = {} if groups is None else groups
     ties = _split_ties(table, placement, splits, groups)
@@ -254,7 +266,7 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
         mine.append((key, group, groups[key]))
         return groups[key]
 
-    sync = opt = 0.0
+    sync = opt = tail = 0.0
     for shape, split, slots in zip(shapes, splits, placement, strict=True):
         for s in range(shape.stages):
             mine.clear()
@@ -270,6 +282,10 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
             if zero < 3 or holders.size > shape.n:  # ZeRO-3: each shard across classes
                 volume = params * table.grad_bytes / (shape.n if zero == 3 else 1)
                 tied += all_reduce(volume, holders)
+                if table.sync.overlap:
+                    tail = max(tail, table.collective(
+                        Collective.ALL_REDUCE, last_bucket(volume, table.sync.bucket_mb),
+                        holders))
             sync = max(sync, tied)
             charges += [(node, *collective) for node in dict.fromkeys(p[s].node for p in slots)
                         for collective in mine]
@@ -279,7 +295,7 @@ def sync_and_optimizer(table: CostTable, config: Config, shapes: Sequence[ClassS
             local = (float(table.range_params(shape.tps[s])[a, b]) - kept) / (
                 shape.n if zero >= 1 else 1) + kept
             opt = max(opt, table.optimizer_time(shape.types[s], local))
-    return max(sync, busiest_card(charges)), opt
+    return SyncTerms(max(sync, busiest_card(charges)), opt, tail)
 
 
 def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
@@ -298,13 +314,14 @@ def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
                                                                         strict=True))
     if floor(max(map(max, times)), 0.0, 0.0) >= beat:  # (the sync and optimizer only add)
         return None
-    sync, opt = sync_and_optimizer(table, config, shapes, placement, splits, groups)
+    terms = sync_and_optimizer(table, config, shapes, placement, splits, groups)
     feeds = (Feed(node=slots[0].node, device_type=shape.types[0], samples=m * config.mb)
              for shape, pipelines, ms in zip(shapes, placement, per_class, strict=True)
              for slots, m in zip(pipelines, ms, strict=True))  # (read only where rates are)
     return Evaluation(config=config, shapes=shapes, placement=placement, splits=tuple(splits),
-                      microbatches=per_class, pipeline_times=times, sync=sync, optimizer=opt,
-                      policy=table.sync, loading=loading_seconds(table.inputs, feeds))
+                      microbatches=per_class, pipeline_times=times, sync=terms.sync,
+                      optimizer=terms.optimizer, policy=table.sync,
+                      loading=loading_seconds(table.inputs, feeds), tail=terms.tail)
 
 
 LINE_REF = 2.0**30  # bytes; an all-reduce among fixed ranks is affine in its bytes

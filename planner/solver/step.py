@@ -20,7 +20,9 @@ samples over what the nodes' loaders and the devices' inputs take in per second
 The terms come from elsewhere: a pipeline's time from `timing.pipeline_time` (its
 floor from `partition`'s staircases and `bound.Family`), the gradient sync from
 `evaluate.sync_and_optimizer` or `predict.sync_and_optimizer` (its floors from
-`sync_floor` and `evaluate.card_floor`), the optimizer step beside it. The sync starts
+`sync_floor` and `evaluate.card_floor`), the optimizer step beside it, an overlapped
+sync's last bucket from the same (`predict.tail_sync`: no floor counts it, as none counts
+the backward it hides). The sync starts
 once every pipeline's last backward has ended (the runtime sums after the schedule),
 or overlapping it, and the optimizer step after the sync.
 
