@@ -25,6 +25,7 @@ from planner.solver import SolveOptions, solve
 from planner.solver.predict import pipeline_times, predict, replay, stage_timings
 from planner.solver.step import floor, step_time
 from planner.solver.timing import StageTiming
+from planner.timeline import build_timeline
 from planner.trace import trace_model
 from planner.types import TrainingSpec
 from planner.types.cluster import DataRate
@@ -251,6 +252,14 @@ def test_the_simulator_waits_for_the_input_as_predict_does(opt):
     assert waited.step_time == pytest.approx(20.6) and waited.pipelines == 20.0
     with pytest.raises(ValueError, match="loading times must be >= 0"):
         simulate(stages, [4], loading=-1.0)
+
+
+def test_the_timeline_draws_the_sync_after_the_input_is_loaded(opt):
+    graph, cluster, plan = loading_bound(opt)
+    timeline = build_timeline(plan, graph.layers, AnalyticalCostModel(cluster))
+    assert timeline.step_time == pytest.approx(plan.prediction.step_time)
+    after = [bar for bar in timeline.bars if bar.kind in (SYNC, OPTIMIZER)]
+    assert after and min(bar.start for bar in after) >= 0.32
 
 
 def test_a_data_profile_prices_the_wait_for_the_input(opt):
