@@ -14,9 +14,10 @@ from cost_models.model import AnalyticalCostModel
 from planner.models import model_spec
 from planner.solver import Limits, SolveOptions, solve
 from planner.solver.baselines import baselines
-from planner.solver.uniform import uniform_plan
+from planner.solver.uniform import megatron_bounds, uniform_pipelines, uniform_plan
 from planner.trace import trace_model
 from planner.types import TrainingSpec
+from planner.types.training import Recompute
 
 # three device types, nodes of a type that differ in size, device counts that leave
 # pipelines mixing types
@@ -115,3 +116,57 @@ def test_the_fastest_type_baseline_is_the_search_of_the_type_it_names(graph, spe
     (fastest,) = (b for b in plan.baselines if b.name == "fastest-type")
     assert "A100-80G-SXM devices alone" in fastest.description
     assert fastest.prediction.step_time == pytest.approx(alone.prediction.step_time)
+
+
+GPT3_4096 = "128x8xH100,128x8xA100-80G,128x8xV100-32G,128x8xL4@400Gbps"
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    return trace_model(model_spec("gpt3-175b"), seq_len=2048, dtype="fp16")
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), blocks=st.integers(1, 160))
+def test_an_uneven_megatron_split_keeps_the_extra_blocks_off_the_embedding_and_head(
+        gpt3, data, blocks):
+    """Blocks that do not divide evenly: runs differ by one block at most, and the first
+    and last (which hold the embedding and the head too) are never longer than a run
+    between them (rounding the even cuts gave 96 blocks in 64 stages 2, 1, 2, ..., 1, 2:
+    both ends the extra block)."""
+    parts = data.draw(st.integers(1, blocks))
+    embedding, block, head = gpt3.layers[0], gpt3.layers[1], gpt3.layers[-1]
+    layers = [embedding, *(dataclasses.replace(block, index=i + 1) for i in range(blocks)),
+              dataclasses.replace(head, index=blocks + 1)]
+    bounds = megatron_bounds(layers, parts)
+    assert [a for a, _ in bounds[1:]] == [b for _, b in bounds[:-1]]
+    assert (bounds[0][0], bounds[-1][1]) == (0, blocks + 2)
+    counts = [b - a for a, b in bounds]
+    counts[0] -= 1  # (the embedding)
+    counts[-1] -= 1  # (the head)
+    assert max(counts) - min(counts) <= 1
+    if parts > 2:
+        assert max(counts[0], counts[-1]) <= min(counts[1:-1])
+
+
+def test_a_uniform_recipe_fits_gpt3_175b_down_to_l4s(gpt3):
+    """GPT-3 175B on 4,096 GPUs of four types, the smallest 24 GB L4s: tp 4 x pp 64 with
+    full recompute fits every device (20.8 GiB of the L4s' 22.5), the embedding and the
+    head beside 1 block each. The Megatron split had rounded its 96 blocks over 64 stages
+    to 2 beside each (30.4 GiB on the first stage), and the uniform baseline said no
+    recipe fits in memory (RESULTS.md had it 4.81x slower than the plan)."""
+    cluster = load_cluster(GPT3_4096)
+    training = TrainingSpec(global_batch=3072, seq_len=2048, dtype="fp16")
+    costs = AnalyticalCostModel(cluster)
+    pipelines = uniform_pipelines(layers=gpt3.layers, cluster=cluster, training=training,
+                                  costs=costs, tp=4, pp=64, recompute=Recompute.FULL,
+                                  must_fit=True)
+    assert pipelines is not None
+    first, *_, last = pipelines[0].stages
+    assert (first.layers, last.layers) == ((0, 2), (96, 98))
+    (uniform,) = (b for b in baselines(layers=gpt3.layers, model=gpt3.spec, cluster=cluster,
+                                       training=training, costs=costs,
+                                       fastest_alone=lambda alone: None)
+                  if b.name == "uniform")
+    assert uniform.prediction is not None, uniform.reason

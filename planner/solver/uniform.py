@@ -12,6 +12,7 @@ recipe.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from cost_models.model import CostModel
@@ -51,16 +52,37 @@ def megatron_bounds(layers: Sequence[Layer], parts: int) -> list[tuple[int, int]
     """Megatron-LM's split: the blocks (and glue between them) cut into `parts` runs as
     even as they can be, the layers before the first (the embedding) going with the
     first run and those after the last (the head) with the last, where counting the
-    embedding and the head as layers would give some stages an extra block. Fewer
-    blocks than parts: every layer counts (`even_bounds`)."""
+    embedding and the head as layers would give some stages an extra block. Where the
+    blocks do not divide evenly, the end runs are among the shorter ones
+    (`block_counts`). Fewer blocks than parts: every layer counts (`even_bounds`)."""
     inner = [i for i, layer in enumerate(layers)
              if layer.kind in (LayerKind.BLOCK, LayerKind.GLUE)]
     if len(inner) < parts:
         return even_bounds(len(layers), parts)
-    first, count = inner[0], inner[-1] + 1 - inner[0]
-    cuts = [first + round(i * count / parts) for i in range(parts + 1)]
+    cuts = list(itertools.accumulate(block_counts(inner[-1] + 1 - inner[0], parts),
+                                     initial=inner[0]))
     cuts[0], cuts[-1] = 0, len(layers)
     return [(cuts[i], cuts[i + 1]) for i in range(parts)]
+
+
+def block_counts(blocks: int, parts: int) -> list[int]:
+    """Blocks per run of `megatron_bounds`: counts that differ by one at most, the
+    larger ones spread evenly over the middle runs, the first and last (which also hold
+    the embedding and the head) larger only where the middle runs cannot take every
+    extra block, the last before the first (1F1B keeps the fewest micro-batches in
+    flight there). Rounding the even cuts had given both ends the extra block: GPT-3
+    175B's 96 blocks in 64 stages put the embedding and 2 blocks on the first stage,
+    30.4 GiB a device at tp 4 with full recompute, where 1 block beside it leaves no
+    stage above 20.8 GiB, so the uniform baseline found no recipe for 24 GB L4s."""
+    base, extra = divmod(blocks, parts)
+    counts = [base] * parts
+    middle = max(0, parts - 2)
+    inside = min(extra, middle)
+    for k in range(inside):
+        counts[1 + k * middle // inside] += 1
+    for end in (-1, 0)[:extra - inside]:
+        counts[end] += 1
+    return counts
 
 
 def uniform_plan(*, layers: Sequence[Layer], model: ModelSpec, cluster: ClusterSpec,
