@@ -411,5 +411,6 @@ def test_fidelity_rows_sync_gradients_as_megatron_ran_them():
     efficiency = fidelity.attention(0.12)
     ran = fidelity.price(row, efficiency)
     after = fidelity.price(dataclasses.replace(row, overlap_sync=False), efficiency)
-    assert ran.dp_comm == 0.0 < after.dp_comm
-    assert ran.seconds == pytest.approx(after.seconds - after.dp_comm)
+    # what the overlapped step still pays is its last bucket's all-reduce (`step.exposed`)
+    assert 0.0 < ran.dp_comm < after.dp_comm / 100
+    assert ran.seconds == pytest.approx(after.seconds - after.dp_comm + ran.dp_comm)
