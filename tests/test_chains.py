@@ -182,3 +182,41 @@ def test_the_third_gpu_is_used_where_that_is_faster():
     uses = any(s.device_type == "RTX3090" for p in plan.pipelines for s in p.stages)
     assert plan.prediction.step_time <= without.prediction.step_time * (1 + 1e-9)
     assert uses == (plan.prediction.step_time < without.prediction.step_time * (1 - 1e-9))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chains_of_every_order_are_bounded_together_as_one_at_a_time(seed, monkeypatch):
+    """`FamilyFloors.chains` bounds the chains of every order together (`ChainRows`): the
+    same families and first bounds as an order at a time, each first and last block's
+    type priced once for all the orders that put it there (issue 53's time target: six
+    orders of three types priced their ends six times each)."""
+    from planner.solver.families import FamilyFloors
+    from planner.solver.keys import ChainShapesKey
+
+    rng = random.Random(seed)
+    table = random_table(seed, layers=rng.randint(4, 7), types=[
+        ("a", [2]), ("b", [2]), ("c", [1, 1])], memory=rng.choice([2, 4, 8]) * GIB)
+    limits, orders = Limits(max_stages=5), 0
+    priced: list[str] = []  # the ends' pricing calls of one `chains`
+    for config, space in ((Config(mb=1), Space(zeros=(0,))), (Config(mb=1), Space()),
+                          (Config(mb=1, gpipe=True), Space())):
+        floors = FamilyFloors(table, config, limits, space, 4)
+        priced.clear()
+        for method in ("head_time", "tail_time"):
+            original = getattr(FamilyFloors, method)
+            monkeypatch.setattr(FamilyFloors, method, lambda self, kind, *rest, _f=original,
+                                _m=method: (priced.append(_m), _f(self, kind, *rest))[1])
+        together = [(f.types, f.tps, f.n_max, f.total, f.min_busy) for f in floors.chains(1, 3)]
+        monkeypatch.undo()
+        by_order = table.cache[ChainShapesKey(1, 3, floors.fits_by)]
+        assert sorted(priced) == (["head_time"] * len({order[0] for order in by_order})
+                                  + ["tail_time"] * len({order[-1] for order in by_order}))
+        orders = max(orders, len(by_order))
+        apart = []
+        for order, rows in by_order.items():
+            table.cache[ChainShapesKey(1, 3, floors.fits_by)] = {order: rows}
+            apart += [(f.types, f.tps, f.n_max, f.total, f.min_busy) for f in FamilyFloors(
+                table, config, limits, space, 4).chains(1, 3)]
+        table.cache[ChainShapesKey(1, 3, floors.fits_by)] = by_order
+        assert together == apart
+    assert orders == 6  # (every order of the three types has a chain that fits)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -120,8 +121,9 @@ class Evaluation:
     loading: float = 0.0  # the step's data loading (`step.fed`)
     tail: float = 0.0  # an overlapped sync's last bucket (`SyncTerms.tail`)
 
-    @property
+    @functools.cached_property
     def step(self) -> StepTime:
+        """(Kept: the search reads the k-th best plan's step time at every node.)"""
         hidden = overlappable(stage.bwd for split in self.splits for stage in split.stages
                               ) if self.policy.overlap else 0.0
         return step_time([max(times) for times in self.pipeline_times], self.sync,

@@ -333,6 +333,65 @@ class Fitting:
     n_max: int
 
 
+@dataclass(frozen=True)
+class ChainRows:
+    """Chains of three or more types at one degree, a row each, every order of types
+    together: its order, what fits (`Fitting`) and its blocks' stage counts ([row,
+    block], zero past a chain's last block), so that what depends on a block's type is
+    priced once for the rows of every order that put that type there."""
+
+    orders: list[tuple[str, ...]]
+    fitting: list[Fitting]
+    counts: np.ndarray  # [row, block]
+    last_counts: np.ndarray  # [row, 1]: the last block's stages
+    stages: np.ndarray  # [row]
+
+    @staticmethod
+    def of(by_order: dict[tuple[str, ...], list[tuple[Fitting, tuple[int, ...]]]]
+           ) -> ChainRows:
+        """The rows of the chains that fit (`FamilyFloors.chains`'s cache), an order
+        after another, as they were found."""
+        rows = [(order, found, counts) for order, found_counts in by_order.items()
+                for found, counts in found_counts]
+        blocks = max((len(order) for order, _, _ in rows), default=0)
+        counts = np.array([[*c, *[0] * (blocks - len(c))] for _, _, c in rows],
+                          dtype=float).reshape(len(rows), blocks)
+        return ChainRows([order for order, _, _ in rows], [found for _, found, _ in rows],
+                         counts, np.array([[c[-1]] for _, _, c in rows], dtype=float
+                                          ).reshape(-1, 1), counts.sum(axis=1))
+
+    def by(self, part: Callable[[tuple[str, ...]], object]) -> dict[object, np.ndarray]:
+        """The rows by a part of their order (its first type, say), in order."""
+        groups: dict[object, list[int]] = {}
+        for r, order in enumerate(self.orders):
+            groups.setdefault(part(order), []).append(r)
+        return {k: np.array(members) for k, members in groups.items()}
+
+
+@dataclass(frozen=True)
+class MiddleBlock:
+    """A middle block of a chain, as its least busy time depends on it besides its type:
+    its stages, the fewest micro-batches one of them holds, and the bytes of states per
+    parameter without ZeRO-3 and with it (`FamilyFloors.bytes_per_param`)."""
+
+    count: int
+    flight: float
+    plain: float
+    zero3: float
+
+
+@dataclass(frozen=True)
+class ChainEnds:
+    """Per row of `ChainRows` and layer boundary j: the first block's least busy time
+    holding layers [0, j) and least largest stage, the last block's holding [j, L)
+    (infinite where the block cannot)."""
+
+    head_busy: np.ndarray
+    head_max: np.ndarray
+    tail_busy: np.ndarray
+    tail_max: np.ndarray
+
+
 class FamilyFloors:
     """The first bounds of one configuration's families (see the module), from what
     they are built of: per type and degree the layers' busy times and prefix sums,
@@ -485,6 +544,7 @@ class FamilyFloors:
         """Micro-batches a pipeline of n side by side runs at least (for in_flight)."""
         return -(-self.microbatches // n) if self.config.gpipe else 10**9
 
+    @_memo
     def flight(self, stage: int, stages: int, n: int) -> float:
         """Micro-batches stage `stage` of a pipeline of `stages`, one of n, holds."""
         config = self.config
@@ -639,7 +699,7 @@ class FamilyFloors:
 
     def chains(self, tp: int, most: int) -> list[Family]:
         """The families of chains of three to `most` types at degree tp (see the
-        module), an order of types at a time, a row per family."""
+        module), every order of types at once, a row per family (`ChainRows`)."""
         key = ChainShapesKey(tp, most, self.fits_by)
         if key not in self.table.cache:  # (the same at every micro-batch size)
             by_order: dict[tuple[str, ...], list[tuple[Fitting, tuple[int, ...]]]] = {}
@@ -650,100 +710,130 @@ class FamilyFloors:
                     if found is not None:
                         by_order.setdefault(order, []).append((found, counts))
             self.table.cache[key] = by_order
-        return [f for order, rows in self.table.cache[key].items()
-                for f in self.chain_order(order, tp, rows)]
+        rows = ChainRows.of(self.table.cache[key])
+        if not rows.fitting:
+            return []
+        ends = self.chain_ends(tp, rows)
+        if (self.table.num_layers + 1) ** 2 <= _WHOLE_MIDDLES:
+            done, reach = self.middles(tp, rows, ends.head_busy, ends.head_max)
+        else:  # (long models: each middle block its layers' time, no memory, any period)
+            done, reach = ends.head_busy.copy(), ends.head_max.copy()
+            for order, members in rows.by(lambda order: order).items():
+                for b, kind in enumerate(order[1:-1], 1):
+                    prefix = self.prefix(kind, tp)[None, :]
+                    done[members] = prefix + _shifted(np.minimum.accumulate(
+                        done[members] - prefix, axis=1), rows.counts[members, b].astype(int))
+                reach[members] = _shifted(np.minimum.accumulate(
+                    ends.head_max[members], axis=1),
+                    (rows.stages[members] - rows.counts[members, 0]
+                     - rows.last_counts[members, 0]).astype(int))
+        total = (done + ends.tail_busy).min(axis=1)
+        largest = {order: self.largest_layer([(kind, tp) for kind in order])
+                   for order in dict.fromkeys(rows.orders)}
+        period = np.maximum.reduce([
+            np.maximum(reach, ends.tail_max).min(axis=1), total / rows.stages,
+            np.array([largest[order] for order in rows.orders])])
+        return [Family(types=f.types, tps=f.tps, n_max=f.n_max, total=t, min_busy=m)
+                for f, t, m in zip(rows.fitting, self.fill(total, period).tolist(),
+                                   period.tolist(), strict=True) if m < INF]
 
-    def chain_order(self, order: tuple[str, ...], tp: int,
-                    rows: list[tuple[Fitting, tuple[int, ...]]]) -> list[Family]:
-        """The families of chains of these types in this order (a row each: what fits,
-        its blocks' stage counts), bounded at once."""
+    def chain_ends(self, tp: int, rows: ChainRows) -> ChainEnds:
+        """The first and last blocks of these chains (rows), a type at a time: per row and
+        layer boundary j, the first block's least busy time holding layers [0, j) and
+        its least largest stage, the last block's holding [j, L) and its least largest
+        stage (`head_time`, `tail_time`, raised to the least largest parts)."""
         layers, rooms = self.table.num_layers, self.rooms
-        counts = np.array([c for _, c in rows], dtype=float)  # [row, block]
-        stages = counts.sum(axis=1)
-        per = np.array([self.bytes_per_param(f.n_max) for f, _ in rows]).reshape(-1, 2)
+        first_count, last_count = rows.counts[:, :1], rows.last_counts
+        per = np.array([self.bytes_per_param(f.n_max) for f in rows.fitting]).reshape(-1, 2)
         held = self.held(tp)
         head, tail = held[None, :], (held[-1] - held)[None, :]
         head_states = (head * per[:, :1], head * per[:, 1:])
         tail_states = (tail * per[:, :1], tail * per[:, 1:])
-        first_count, last_count = counts[:, :1], counts[:, -1:]
         j = np.arange(layers + 1)[None, :]
-        head_ok = (j >= first_count) & (head_states[1] <= first_count * rooms[order[0]])
-        tail_ok = (j <= layers - last_count) & (tail_states[1] <= last_count * rooms[order[-1]])
-        first = np.array([[self.flight(int(c[0]) - 1, int(s), f.n_max)]
-                          for (f, c), s in zip(rows, stages, strict=True)])
+        first_rooms = np.array([[rooms[order[0]]] for order in rows.orders])
+        last_rooms = np.array([[rooms[order[-1]]] for order in rows.orders])
+        head_ok = (j >= first_count) & (head_states[1] <= first_count * first_rooms)
+        tail_ok = (j <= layers - last_count) & (tail_states[1] <= last_count * last_rooms)
+        first = np.array([[self.flight(int(c[0]) - 1, int(s), f.n_max)] for f, c, s in zip(
+            rows.fitting, rows.counts, rows.stages, strict=True)])
         last = np.array([[self.flight(int(s) - 1, int(s), f.n_max)]
-                         for (f, _), s in zip(rows, stages, strict=True)])
-        head_busy = np.where(head_ok, self.head_time(order[0], tp, head_states, first_count,
-                                                     first), INF)
-        tail_busy = self.tail_time(order[-1], tp, tail_states, last_count, last)
-        largest, least = (x[counts[:, -1].astype(int) - 1] for x in self.tails(order[-1], tp))
-        tail_busy = np.where(tail_ok, np.maximum(tail_busy, least), INF)
-        head_max = np.where(head_ok, np.maximum(head_busy / first_count, self.heads(
-            order[0], tp)[counts[:, 0].astype(int) - 1]), INF)
-        tail_max = np.maximum(tail_busy / last_count, largest)
-        if (layers + 1) ** 2 <= _WHOLE_MIDDLES:
-            step = max(1, _MIDDLE_CELLS // (layers + 1) ** 2)  # rows at a time
-            parts = [self.middles(order, tp, rows[at:at + step], counts[at:at + step],
-                                  head_busy[at:at + step], head_max[at:at + step])
-                     for at in range(0, len(rows), step)]
-            done, reach = (np.concatenate(x) for x in zip(*parts, strict=True))
-        else:  # (long models: each middle block its layers' time, no memory, any period)
-            done = head_busy
-            for b, kind in enumerate(order[1:-1], 1):
-                prefix = self.prefix(kind, tp)[None, :]
-                done = prefix + _shifted(np.minimum.accumulate(done - prefix, axis=1),
-                                         counts[:, b].astype(int))
-            reach = _shifted(np.minimum.accumulate(head_max, axis=1),
-                             counts[:, 1:-1].sum(axis=1).astype(int))
-        total = (done + tail_busy).min(axis=1)
-        period = np.maximum.reduce([
-            np.maximum(reach, tail_max).min(axis=1), total / stages,
-            np.full(len(rows), self.largest_layer([(kind, tp) for kind in order]))])
-        return [Family(types=f.types, tps=f.tps, n_max=f.n_max, total=t, min_busy=m)
-                for (f, _), t, m in zip(rows, self.fill(total, period).tolist(),
-                                        period.tolist(), strict=True) if m < INF]
+                         for f, s in zip(rows.fitting, rows.stages, strict=True)])
+        head_busy, head_max, tail_busy, tail_max = (np.full(head_ok.shape, INF)
+                                                    for _ in range(4))
+        for kind, members in rows.by(lambda order: order[0]).items():
+            ok, count = head_ok[members], first_count[members]
+            head_busy[members] = np.where(ok, self.head_time(
+                kind, tp, tuple(s[members] for s in head_states), count, first[members]), INF)
+            head_max[members] = np.where(ok, np.maximum(head_busy[members] / count, self.heads(
+                kind, tp)[count[:, 0].astype(int) - 1]), INF)
+        for kind, members in rows.by(lambda order: order[-1]).items():
+            count = last_count[members]
+            largest, least = (x[count[:, 0].astype(int) - 1] for x in self.tails(kind, tp))
+            busy = self.tail_time(kind, tp, tuple(s[members] for s in tail_states), count,
+                                  last[members])
+            tail_busy[members] = np.where(tail_ok[members], np.maximum(busy, least), INF)
+            tail_max[members] = np.maximum(tail_busy[members] / count, largest)
+        return ChainEnds(head_busy, head_max, tail_busy, tail_max)
 
-    def middles(self, order: tuple[str, ...], tp: int,
-                rows: list[tuple[Fitting, tuple[int, ...]]], counts: np.ndarray,
-                head_busy: np.ndarray, head_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Through the middle blocks of chains of this order, a block at a time: per row
-        and layer boundary j, the least busy time of the blocks before the last holding
+    def middles(self, tp: int, rows: ChainRows, head_busy: np.ndarray,
+                head_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Through the middle blocks of these chains, a block at a time: per row and
+        layer boundary j, the least busy time of the blocks before the last holding
         layers [0, j), and the least largest mean of a block among them (from the first
-        block's, `head_busy` and `head_max`; `middle_busy` prices a block)."""
-        stages = counts.sum(axis=1).astype(int)
+        block's, `head_busy` and `head_max`; `middle_busy` prices a block, the same for
+        the rows of every order with the same middle block)."""
         done, reach = head_busy.copy(), head_max.copy()
-        for b, kind in enumerate(order[1:-1], 1):
-            ends = counts[:, :b + 1].sum(axis=1).astype(int)
-            keys = [(int(counts[r, b]), self.flight(int(ends[r]) - 1, int(stages[r]), f.n_max),
-                     *self.bytes_per_param(f.n_max)) for r, (f, _) in enumerate(rows)]
-            groups: dict[tuple, list[int]] = {}
-            for r, key in enumerate(keys):
-                groups.setdefault(key, []).append(r)
-            for key, members in groups.items():
-                busy = self.middle_busy(kind, tp, *key)
-                done[members] = (done[members][:, :, None] + busy[None]).min(axis=1)
-                reach[members] = np.maximum(reach[members][:, :, None],
-                                            busy[None] / key[0]).min(axis=1)
+        step = max(1, _MIDDLE_CELLS // (self.table.num_layers + 1) ** 2)  # rows at a time
+        for b in range(1, max(len(order) for order in rows.orders) - 1):
+            groups: dict[tuple[str, MiddleBlock], list[int]] = {}
+            for r, (order, f) in enumerate(zip(rows.orders, rows.fitting, strict=True)):
+                if b < len(order) - 1:
+                    end = int(rows.counts[r, :b + 1].sum())
+                    groups.setdefault((order[b], MiddleBlock(int(rows.counts[r, b]), self.flight(
+                        end - 1, int(rows.stages[r]), f.n_max),
+                        *self.bytes_per_param(f.n_max))), []).append(r)
+            busies: dict[tuple[str, MiddleBlock], np.ndarray] = {}
+            for kind in dict.fromkeys(kind for kind, _ in groups):
+                blocks = [block for k, block in groups if k == kind]
+                busies.update(((kind, block), busy) for block, busy in zip(
+                    blocks, self.middle_busy(kind, tp, blocks), strict=True))
+            for (kind, block), members in groups.items():
+                busy = busies[kind, block]
+                for at in range(0, len(members), step):
+                    part = members[at:at + step]
+                    done[part] = (done[part][:, :, None] + busy[None]).min(axis=1)
+                    reach[part] = np.maximum(reach[part][:, :, None],
+                                             busy[None] / block.count).min(axis=1)
         return done, reach
 
-    @_memo
-    def middle_busy(self, kind: str, tp: int, count: int, flight: float, plain: float,
-                    zero3: float) -> np.ndarray:
-        """[i, j]: the least busy time of a middle block of `count` stages of type `kind`
-        holding layers [i, j): its layers' time plus what memory adds (`memory`, its
-        stages holding `flight` micro-batches at least, `plain` and `zero3` bytes of
-        states per parameter), infinite where its states cannot fit or it has fewer
-        layers than stages."""
+    def middle_busy(self, kind: str, tp: int, blocks: Sequence[MiddleBlock]
+                    ) -> list[np.ndarray]:
+        """Per middle block of type `kind` (`MiddleBlock`), [i, j]: its least busy time
+        holding layers [i, j): its layers' time plus what memory adds (`memory`),
+        infinite where its states cannot fit or it has fewer layers than stages. Those
+        not priced yet are priced together (a stack of them, as many as
+        `_MIDDLE_CELLS` allows at once), and kept."""
         held, kept = self.held(tp), self.acts(tp)
-        params = held[None, :] - held[:, None]  # layers [i, j) one rank holds
-        width = np.arange(len(held))[None, :] - np.arange(len(held))[:, None]
-        states = (params * plain, params * zero3)
-        prefix = self.prefix(kind, tp)
-        busy = prefix[None, :] - prefix[:, None] + self.memory(
-            kind, tp, states, self.gather_bytes(np.maximum(params, 0.0), self.fewest(tp)[0][-1]),
-            tuple(a[None, :] - a[:, None] for a in kept), np.array(float(count)),
-            np.array(flight))
-        return np.where((width >= count) & (states[1] <= count * self.rooms[kind]), busy, INF)
+        todo = [b for b in dict.fromkeys(blocks) if ("middle_busy", kind, tp, b) not in self.memo]
+        at_once = max(1, _MIDDLE_CELLS // len(held) ** 2)
+        for start in range(0, len(todo), at_once):
+            part = todo[start:start + at_once]
+            count, flight, plain, zero3 = (np.array([float(getattr(b, name)) for b in part]
+                                                    )[:, None, None]
+                                           for name in ("count", "flight", "plain", "zero3"))
+            params = held[None, :] - held[:, None]  # layers [i, j) one rank holds
+            width = np.arange(len(held))[None, :] - np.arange(len(held))[:, None]
+            states = (params[None] * plain, params[None] * zero3)
+            prefix = self.prefix(kind, tp)
+            busy = (prefix[None, :] - prefix[:, None])[None] + self.memory(
+                kind, tp, states,
+                self.gather_bytes(np.maximum(params, 0.0), self.fewest(tp)[0][-1]),
+                tuple(a[None, :] - a[:, None] for a in kept), count, flight)
+            busy = np.where((width[None] >= count) & (states[1] <= count * self.rooms[kind]),
+                            busy, INF)
+            for b, matrix in zip(part, busy, strict=True):
+                self.memo["middle_busy", kind, tp, b] = matrix
+        return [self.memo["middle_busy", kind, tp, b] for b in blocks]
 
 
 def _shifted(values: np.ndarray, by: np.ndarray) -> np.ndarray:

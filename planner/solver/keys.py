@@ -337,6 +337,16 @@ class OneNodeKey:
 
 
 @dataclass(frozen=True)
+class PipelineCopiesKey:
+    """`SyncFloor.copies`: per type of `kinds`, the most pipelines of these stages one
+    node holds a stage of (the same in every configuration of a table)."""
+
+    kinds: tuple[str, ...]
+    types: tuple[str, ...]
+    tps: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class PipelineRunsKey:
     """`SyncFloor.runs`: the most nodes one pipeline of these stages spans."""
 

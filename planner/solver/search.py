@@ -559,10 +559,12 @@ class _Search:
         kinds = [f.types[0] for f in self.state[node.config].bound.open_families(open_levels)]
         columns = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in kinds}
         rows = np.zeros((len(candidates), len(kinds)))
+        placed = _shapes(node)  # (and each candidate's class placed among them)
         for r, ((f, _), least) in enumerate(zip(candidates, fewest_counts(fewer, candidates),
                                                 strict=True)):
-            shapes = _shapes(node) if f is None else _shapes(dataclasses.replace(
-                node, chosen=(*node.chosen, f.key), counts=(*node.counts, int(least))))
+            shapes = placed if f is None else tuple(sorted(
+                (*placed, ClassShape(types=f.types, n=int(least), tps=f.tps)),
+                key=placement_order))
             for kind, at in columns.items():
                 alone = tuple(ClassShape((kind,) * count, s.n, tp) for s in shapes
                               for k, count, tp in s.blocks() if k == kind)

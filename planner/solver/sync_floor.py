@@ -39,7 +39,13 @@ import numpy as np
 from cost_models.comm import CommGroup
 from planner.solver.evaluate import Config, Space, all_reduce_line, heaviest_run
 from planner.solver.interleave import fold
-from planner.solver.keys import OneNodeKey, PipelineRunsKey, SyncLineKey, SyncLinksKey
+from planner.solver.keys import (
+    OneNodeKey,
+    PipelineCopiesKey,
+    PipelineRunsKey,
+    SyncLineKey,
+    SyncLinksKey,
+)
 from planner.solver.partition import INF, ZERO_GATHER_REF
 from planner.solver.structure import blocks
 from planner.solver.table import CostTable
@@ -168,15 +174,18 @@ class SyncFloor:
         longer one takes whole nodes (`structure.place`)."""
         if types is None:
             return self.most_per_node
-        if (types, tps) not in self._copies:
-            degree = dict(zip(types, tps, strict=True))
-            per_node = np.array([self.per_node(degree.get(k, min(tps)))[i]
-                                 for i, k in enumerate(self.kinds)])
-            counts = np.array([types.count(k) for k in self.kinds], dtype=float)
-            self._copies[types, tps] = np.where(
-                (counts > 0) & (counts <= per_node),
-                np.floor(per_node / np.maximum(counts, 1)), np.where(
-                    counts > 0, 1.0, per_node))
+        if (types, tps) not in self._copies:  # (this configuration's, then the table's)
+            key = PipelineCopiesKey(tuple(self.kinds), types, tps)
+            if key not in self._table.cache:
+                degree = dict(zip(types, tps, strict=True))
+                per_node = np.array([self.per_node(degree.get(k, min(tps)))[i]
+                                     for i, k in enumerate(self.kinds)])
+                counts = np.array([types.count(k) for k in self.kinds], dtype=float)
+                self._table.cache[key] = np.where(
+                    (counts > 0) & (counts <= per_node),
+                    np.floor(per_node / np.maximum(counts, 1)), np.where(
+                        counts > 0, 1.0, per_node))
+            self._copies[types, tps] = self._table.cache[key]
         return self._copies[types, tps]
 
     def runs(self, types: tuple[str, ...] | None, tps: tuple[int, ...] = ()) -> float:
