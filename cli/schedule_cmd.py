@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 console = output_console()
 err_console = Console(emoji=False, stderr=True)
-RETRIES = 3  # schedules tried again when another planner reserves devices meanwhile
 
 JobsArg = Annotated[Path, typer.Argument(
     metavar="JOBS", help="The jobs file (YAML), or a job trace in Gavel's format (.trace).")]
@@ -110,8 +109,7 @@ def schedule(
       planner schedule jobs.yaml -c lab.yaml -i     # then: show, what-if policy min-jct
     """
     from planner.errors import PlannerError
-    from planner.schedule.ledger import Ledger as Reservations
-    from planner.schedule.ledger import default_path
+    from planner.schedule.ledger import RETRIES, open_ledger
     from planner.schedule.policies import POLICIES
     from planner.schedule.policies import policy as find_policy
     from planner.schedule.simulate import Settings
@@ -140,8 +138,7 @@ def schedule(
         _check_out(out, force)
     setup = _setup(jobs_file, cluster, gpus, per_node, throughputs, time_limit)
     settings = Settings(round_length=round_length, checkpoint=checkpoint, restore=restore)
-    path = ledger or default_path()
-    book = Reservations(path) if reserve or path.exists() else None
+    book = open_ledger(ledger, create=reserve)
     if compare:
         _compare(setup, settings, book, [POLICIES[name] for name in POLICIES], json_out)
         return
@@ -175,7 +172,7 @@ def schedule(
     _render(setup.jobs_file.jobs, setup.pool, simulation, plans)
     for reservation in reserved:
         console.print(f"Reserved for {escape(reservation.job)}: reservation "
-                      f"{reservation.id} ({escape(str(path))})")
+                      f"{reservation.id} ({escape(str(book.path))})")
     if written:
         console.print(f"Wrote {len(written)} files into {escape(str(out))}")
 
@@ -208,11 +205,11 @@ def _setup(jobs_file: Path, cluster: str | None, gpus: str | None, per_node: int
 
 
 def _simulate(setup: Setup, policy, settings: Settings, book) -> Simulation:
-    from planner.schedule.setup import free_devices
+    from planner.schedule.ledger import free_devices
     from planner.schedule.simulate import simulate
 
     held = book.held(setup.pool.name) if book is not None else {}
-    free = free_devices(setup.pool, held) if held else None
+    free = free_devices(setup.pool.machines, held) if held else None
     with (err_console.status(f"Simulating the schedule ({escape(policy.name)})...",
                              spinner="dots") if err_console.is_terminal
           else contextlib.nullcontext()):
@@ -432,7 +429,8 @@ def jobs(
     ledger: Ledger = None,
     json_out: opt.JsonOut = False,
 ) -> None:
-    """List or cancel device reservations (what `planner schedule --reserve` made).
+    """List or cancel device reservations (what `planner schedule --reserve` and
+    `planner solve --reserve` made).
 
     Examples:
       planner jobs

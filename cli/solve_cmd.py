@@ -15,6 +15,7 @@ from cli import options as opt
 from cli.tables import output_console
 
 if TYPE_CHECKING:
+    from planner.schedule.ledger import Reservation
     from planner.solver import SolveOptions
     from planner.types import ClusterSpec, ModelGraph, Plan, SyncSpec, TrainingSpec
 
@@ -171,17 +172,38 @@ def solve(
     layers: opt.Layers = None, hidden: opt.Hidden = None, heads: opt.Heads = None,
     kv_heads: opt.KvHeads = None, ffn: opt.Ffn = None, vocab: opt.Vocab = None,
     settings: opt.Set = None,
+    reserve: Annotated[bool, typer.Option(
+        "--reserve", help="Reserve the plan's devices in the ledger (under --job), so that "
+        "other planners plan around them.", rich_help_panel="Reservations")] = False,
+    job: Annotated[str | None, typer.Option(
+        "--job", help="With --reserve: the job the devices are reserved for (default: the "
+        "model's name).", rich_help_panel="Reservations", show_default=False)] = None,
+    ledger: Annotated[Path | None, typer.Option(
+        "--ledger", help="The reservations ledger (default: $PLANNER_LEDGER, else "
+        "~/.local/share/planner/ledger.sqlite).", rich_help_panel="Reservations")] = None,
+    until: Annotated[str | None, typer.Option(
+        "--until", help="With --reserve: how long the reservation lasts (seconds, or 90min; "
+        "default: until `planner jobs --cancel`).", rich_help_panel="Reservations",
+        show_default=False)] = None,
 ) -> None:
     """Find the fastest plan for MODEL on a heterogeneous cluster.
+
+    Devices other planners reserved (`planner jobs`) are left alone; --reserve
+    reserves the plan's own.
 
     Examples:
       planner solve llama3-8b
       planner solve gpt3-1.3b --cluster 1x8xA100-40G,1x8xV100-16G@100Gbps -B 512 -o plan.json
       planner solve llama2-70b --cluster lab.yaml --tp 8 --time-limit 30
+      planner solve llama3-8b --cluster lab.yaml --reserve --job pretrain --until 600min
     """
+    import dataclasses
+
     from cli.progress import solve_progress
     from planner.errors import PlannerError
     from planner.files import check_writable
+    from planner.reserve import free_cluster, on_real_devices, reserve_plan
+    from planner.schedule.ledger import RETRIES, open_ledger
     from planner.solver import Limits, SolveOptions, Space, solve
     from planner.solver.limits import check_chunk_flags, parse_schedule
     from planner.sync import AutoSync, check_zero, parse_sync, solve_auto
@@ -193,6 +215,7 @@ def solve(
         raise PlannerError("bad-option", f"--zero must be 0, 1, 2 or 3 (got {zero}).")
     asked = parse_sync(sync, overlap=overlap_sync, max_interval=max_interval)
     check_zero(asked, zero)
+    lasts = _reservation_length(reserve, job, until)
     if output is not None:  # before the work, not after it
         check_writable(output, force=force)
     shape = opt.overrides(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
@@ -213,32 +236,88 @@ def solve(
                     zeros=(zero,) if zero is not None else (0, 1, 2, 3)),
         exclude=tuple(exclude or ()), top_k=top_k, gap=gap, time_limit=time_limit)
     if data_profile is not None:  # (the best few, ranked again on the data: `data_cmd`)
-        import dataclasses
-
         from cli.data_cmd import for_data
         from planner.data.choose import CANDIDATES
         from planner.data.profile import read_profile
 
         profile = read_profile(data_profile)  # (before the search, not after it)
         options = dataclasses.replace(options, top_k=max(top_k, CANDIDATES))
-    with solve_progress(err_console, time_limit) as progress:
-        plans = (solve_auto(graph, spec, training, options, asked, progress=progress)
-                 if isinstance(asked, AutoSync)
-                 else solve(graph, spec, training, options, progress=progress))
-    progress.finish(plans[0])
-    plans = _with_constraints(plans, options)
-    if data_profile is not None:
-        plans = for_data(plans, graph, spec, profile, str(data_profile))[:top_k]
+    book = open_ledger(ledger, create=reserve)
+    reservation = None
+    for attempt in range(RETRIES):  # (again where another planner reserved meanwhile)
+        free = free_cluster(spec, book.held(spec.name) if book is not None else {})
+        if free.reserved:
+            err_console.print(f"[yellow]note:[/] {free.reserved} of the {spec.num_devices} "
+                              f"devices of {escape(spec.name)} are reserved (`planner jobs`); "
+                              "the plan leaves them alone.", soft_wrap=True)
+        on_free = dataclasses.replace(options, exclude=free.still_excluded(options.exclude))
+        with solve_progress(err_console, time_limit) as progress:
+            plans = (solve_auto(graph, free.cluster, training, on_free, asked,
+                                progress=progress)
+                     if isinstance(asked, AutoSync)
+                     else solve(graph, free.cluster, training, on_free, progress=progress))
+        progress.finish(plans[0])
+        plans = _with_constraints(plans, options)
+        if data_profile is not None:
+            plans = for_data(plans, graph, free.cluster, profile, str(data_profile))[:top_k]
+        plans = [on_real_devices(plan, free, spec) for plan in plans]
+        try:
+            reservation = (reserve_plan(book, plans[0], job=job or model, lasts=lasts)
+                           if reserve else None)
+            break
+        except PlannerError as exc:
+            if exc.kind != "reserved" or attempt == RETRIES - 1:
+                raise
+    try:
+        _show(plans, graph, output=output, force=force, json_out=json_out, top_k=top_k,
+              reservation=reservation)
+    except BaseException:  # (no plan written, no devices held: nothing half done)
+        if reservation is not None:
+            book.cancel(reservation.id)
+        raise
+    if reservation is not None and not json_out:
+        console.print(f"Reserved for {escape(reservation.job)}: reservation "
+                      f"{reservation.id} ({escape(str(book.path))})")
+
+
+def _reservation_length(reserve: bool, job: str | None, until: str | None) -> float | None:
+    """--until in seconds (None: no end); an error for --job or --until without
+    --reserve."""
+    from planner.errors import PlannerError
+    from planner.units import parse_duration
+
+    if not reserve and (job is not None or until is not None):
+        raise PlannerError("bad-option", "--job and --until name and time the reservation "
+                           "--reserve makes; without --reserve nothing is reserved.",
+                           ["add --reserve", "or drop --job / --until"])
+    if until is None:
+        return None
+    seconds = parse_duration(until, "--until")
+    if seconds <= 0:
+        raise PlannerError("bad-option", f"--until must be a positive duration (got {until}).",
+                           ["give seconds or minutes: --until 3600 or --until 90min"])
+    return seconds
+
+
+def _show(plans: list[Plan], graph: ModelGraph, *, output: Path | None, force: bool,
+          json_out: bool, top_k: int, reservation: Reservation | None) -> None:
+    """The plans on stdout (--json: as JSON, the first with the reservation's id), the
+    first written to `output`."""
     warn_small_batch(plans[0])
     if len(plans) < top_k:  # say so, not leave the reader to count
         found = ("exist under the constraints given" if plans[0].solver.status == "optimal"
                  else "were found before the search stopped")
         err_console.print(f"[yellow]note:[/] --top-k {top_k} asked for {top_k} plans, but only "
                           f"{len(plans)} {found}.", soft_wrap=True)
-    if json_out and top_k > 1:
+    if json_out and (top_k > 1 or reservation is not None):
         from planner.planfile import to_jsonable
 
-        sys.stdout.write(json.dumps([to_jsonable(p) for p in plans], indent=1) + "\n")
+        documents = [to_jsonable(p) for p in plans]
+        if reservation is not None:
+            documents[0]["reservation"] = reservation.id
+        sys.stdout.write(json.dumps(documents if top_k > 1 else {"kind": "plan",
+                                                                  **documents[0]},
+                                    indent=1) + "\n")
         if output is not None:
             from planner.planfile import write_plan
 

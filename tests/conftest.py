@@ -14,3 +14,12 @@ def _trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     never in the user's cache, and with the cache on whatever the environment says."""
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     monkeypatch.delenv("PLANNER_NO_CACHE", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _reservations_ledger(tmp_path_factory: pytest.TempPathFactory,
+                         monkeypatch: pytest.MonkeyPatch):
+    """Every test its own (absent) reservations ledger, never the user's: `solve` and
+    `schedule` plan around the devices the user's reserved."""
+    monkeypatch.setenv("PLANNER_LEDGER",
+                       str(tmp_path_factory.mktemp("ledger") / "ledger.sqlite"))

@@ -20,14 +20,16 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from planner.errors import PlannerError
 
 LOCK_WAIT = 30.0  # seconds a writer waits for another's transaction to end
+RETRIES = 3  # plans tried again (schedule, solve) when another planner reserves meanwhile
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS reservations (
@@ -70,6 +72,28 @@ def default_path() -> Path:
         return Path(os.environ["PLANNER_LEDGER"])
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "planner" / "ledger.sqlite"
+
+
+class Machine(Protocol):
+    """A node of a cluster spec or a scheduler's machine: a name, and devices 0..n-1."""
+
+    name: str
+    devices: int
+
+
+def free_devices(machines: Iterable[Machine], held: Mapping[str, set[int]]
+                 ) -> dict[str, tuple[int, ...]]:
+    """Each machine's (a pool's machines, a cluster's nodes) devices that no reservation
+    holds."""
+    return {m.name: tuple(i for i in range(m.devices) if i not in held.get(m.name, set()))
+            for m in machines}
+
+
+def open_ledger(path: Path | None, *, create: bool) -> Ledger | None:
+    """The ledger at `path` (default: `default_path`), or None where it does not exist
+    and `create` is not asked: a planner that reserves nothing leaves no file behind."""
+    path = path or default_path()
+    return Ledger(path) if create or path.exists() else None
 
 
 class Ledger:

@@ -89,12 +89,6 @@ def load_setup(jobs_file: JobsFile, *, cluster: ClusterSpec | None, gpus: Pool |
     return Setup(jobs_file=jobs_file, pool=pool, throughputs=ByJob(measured, predicted))
 
 
-def free_devices(pool: Pool, held: Mapping[str, set[int]]) -> dict[str, tuple[int, ...]]:
-    """Each machine's devices that no reservation holds."""
-    return {m.name: tuple(i for i in range(m.devices) if i not in held.get(m.name, set()))
-            for m in pool.machines}
-
-
 def starting_now(simulation: Simulation) -> tuple[Placement, ...]:
     """The placements of the round at time 0: what runs now (none if the first round is
     later: no job has arrived yet)."""
