@@ -20,7 +20,7 @@ from planner.planfile import write_plan
 from planner.runtime.checkpoint import complete_steps, load_full_model
 from planner.runtime.reference import build_reference, train_reference
 from planner.runtime.summary import read_losses
-from planner.types import Recompute, Schedule
+from planner.types import Recompute, Schedule, SyncAlgorithm
 from tests.runtime_helpers import on_devices, resplit, run_ranks, solver_plan, tiny_plan
 
 # Each test starts a few processes (2-20 s, more on a busy machine): all but the first run
@@ -306,8 +306,10 @@ def test_replica_sets_of_two_device_types_create_their_groups_alike(tmp_path):
     # the planner gives these stages no ZeRO (two replica sets hold the layers); a plan
     # that asks for it anyway runs unsharded, and the summary says so
     assert all(s.zero == 0 for p in plan.pipelines for s in p.stages)
+    # (a ZeRO stage's gradients are FSDP's to sum: a ring, as the plan file requires)
     plan = dataclasses.replace(plan, pipelines=tuple(
-        dataclasses.replace(p, stages=tuple(dataclasses.replace(s, zero=2) for s in p.stages))
+        dataclasses.replace(p, stages=tuple(
+            dataclasses.replace(s, zero=2, grad_sync=SyncAlgorithm.RING) for s in p.stages))
         for p in plan.pipelines))
     summary = _check_against_reference(plan, _run(tmp_path, plan, timeout=60.0))
     assert any("ZeRO-2 shards nothing" in note for note in summary["notes"])
