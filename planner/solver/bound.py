@@ -640,33 +640,33 @@ class Bound:
         `_open_shift`); `fits`: as `many`."""
         rows = self._rows(fixed, candidates, fewer)
         open_levels = [level for level in open_levels if self.levels[level]]
-        # each class's `floors` that can matter: no t below `after` is asked (the
-        # search below starts at `at_least`)
-        after = pipelines_within(at_least, 0.0, float(rows.optimizer.max(initial=0.0)))
+        # per row, each class's `floors` that can matter: no t below the row's `after` is
+        # asked (the search below starts at `at_least`, less the row's own optimizer
+        # step: not the largest of any row's, or a row's bound would depend on the others)
+        after = pipelines_within(at_least, 0.0, rows.optimizer)
         lines = FixedLines.of(
-            [(n, floors_after(f.floors(), after)) for f, n in fixed],
-            [(n if f else 0, floors_after(f.floors(), after) if f else ((INF, -INF),))
-             for f, n in candidates])
+            [(n, floors_per_row(f.floors(), after)) for f, n in fixed],
+            [(n if f else 0, floors_after(f.floors(), cut) if f else ((INF, -INF),))
+             for (f, n), cut in zip(candidates, after.tolist(), strict=True)])
         opened = None
         if open_levels:
             later = 0.0 if shift is None else shift[0] + np.maximum(
                 0.0, shift[1][None, :] - rows.optimizer[:, None])[:, :, None]
             opened = self._open_value(fixed, candidates, open_levels, rows, later, fits)
         finished = Finished(lines, opened, self.m)
-        guess = pipelines_within(at_least, 0.0, rows.optimizer)
         if not open_levels:  # every pipeline is busy from `start` on: a line in t
             # (on the pairs' least period and fill; then on all pairs from there)
             times = lines.line_times(rows.start, self.m)
             if lines.width > 1:  # (nan: a class that cannot run, a dead row)
                 times = first_enough(finished.shortfall, np.where(np.isnan(times), INF, times),
-                                     guess)
+                                     after)
         else:
             start = rows.start
             if not fixed:
                 first = min(float(self._level(level).total.min()) for level in open_levels)
                 start = np.where(rows.pipes > 0, start, first)
             times = first_enough(finished.shortfall, np.where(np.isfinite(start), start, INF),
-                                 guess)
+                                 after)
         times = walk_whole(finished, np.maximum(times, after))
         return np.where(rows.dead, INF, np.maximum(at_least, unsynced(times, rows.optimizer)))
 
@@ -744,6 +744,14 @@ def fewest_counts(fewer: bool | Sequence[int],
         return np.array([(1.0 if fewer else float(n)) if f else 0.0 for f, n in candidates])
     return np.array([float(k) if f else 0.0 for (f, _), k in zip(candidates, fewer,
                                                                   strict=True)])
+
+
+def floors_per_row(pairs: tuple[tuple[float, float], ...], after: np.ndarray
+                   ) -> list[tuple[tuple[float, float], ...]]:
+    """A fixed class's `floors_after` each row's own `after` (each distinct one cut once):
+    a row's lines do not depend on the other rows of the call."""
+    kept = {cut: floors_after(pairs, cut) for cut in set(after.tolist())}
+    return [kept[cut] for cut in after.tolist()]
 
 
 _LINEAR_RUNGS = 8  # rungs of counts one node's worth apart, before they double

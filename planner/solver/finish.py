@@ -81,15 +81,16 @@ class FixedLines:
     inv_busy: np.ndarray  # 1 / periods
 
     @classmethod
-    def of(cls, fixed: list[tuple[float, list[tuple[float, float]]]],
-           candidates: list[tuple[float, list[tuple[float, float]]]]) -> FixedLines:
-        """From (pipelines, pairs) of each fixed class and of each row's candidate."""
+    def of(cls, fixed: list[tuple[float, list[tuple[tuple[float, float], ...]]]],
+           candidates: list[tuple[float, tuple[tuple[float, float], ...]]]) -> FixedLines:
+        """From (pipelines, pairs per row) of each fixed class and (pipelines, pairs) of
+        each row's candidate (a row's pairs those that can matter to it alone, so that a
+        row is bounded as in a call of its own)."""
         rows = len(candidates)
-        pairs = [p for _, p in fixed] + [p for _, p in candidates]
+        pairs = [p for _, per_row in fixed for p in per_row] + [p for _, p in candidates]
         width = max(map(len, pairs))
-        grid = np.array([list(p) + [p[-1]] * (width - len(p)) for p in pairs])
-        grid = np.concatenate([np.broadcast_to(grid[:len(fixed), None], (
-            len(fixed), rows, width, 2)), grid[None, len(fixed):]]) if fixed else grid[None]
+        grid = np.array([list(p) + [p[-1]] * (width - len(p)) for p in pairs]).reshape(
+            len(fixed) + 1, rows, width, 2)
         pipes = np.array([np.full(rows, float(n)) for n, _ in fixed]
                          + [np.array([n for n, _ in candidates], dtype=float)])
         return cls(pipes, grid[..., 0], grid[..., 1], 1 / grid[..., 0])
@@ -322,11 +323,12 @@ def catch_up(times: np.ndarray, after: np.ndarray, short_after: np.ndarray,
     done by t, the fixed ones' counted at `times` (it rises in t, in steps: secant
     steps, and a halving after each that does not halve the bracket)."""
     low, high = times, after
-    if not (high - low > 2e-3 * high).any():  # (no room for more than the search's gap)
+    room = high - low > 2e-3 * high  # (per row: no room for more than the search's gap)
+    if not room.any():
         return times
     short_low = goal - done(low)
     short_high = np.minimum(short_after, 0.0)
-    active = (high > low) & (short_low > 0)
+    active = room & (high > low) & (short_low > 0)
     halve = np.zeros(len(low), dtype=bool)
     while (active := active & (high - low > 1e-3 * high)).any():
         width = high - low
