@@ -49,10 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_runs import PLANNER, ROOT, env, planner, run_local
 from results import write_section
 
-ROOT = Path(__file__).resolve().parent.parent
-PLANNER = [sys.executable, "-m", "cli.main"]
 MODEL = "gpt-tiny"
 WORKERS = (("worker-0", "0"), ("worker-1", "1"), ("worker-2", "1"))
 BATCH = 384  # 48 micro-batches of 8: shares can follow the speeds closely
@@ -77,23 +76,11 @@ FULL = Settings(steps=12, repeats=3)
 QUICK = Settings(steps=8, repeats=1)
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-
-
-def planner(*args: str) -> str:
-    result = subprocess.run([*PLANNER, *args], cwd=ROOT, env=_env(), capture_output=True,
-                            text=True)
-    if result.returncode:
-        raise SystemExit(f"planner {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
-    return result.stdout
-
-
 def _profile(name: str, cpu: str, path: Path) -> subprocess.Popen:
     return subprocess.Popen(["taskset", "-c", cpu, *PLANNER, "profile", "--full", "--model",
                              MODEL, "--devices", "cpu", "--no-comm", "-o", str(path),
                              "--force", "--json"],
-                            cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -112,7 +99,7 @@ while True:
 
 def _neighbour(cpu: str) -> subprocess.Popen:
     return subprocess.Popen(["taskset", "-c", cpu, sys.executable, "-c", NEIGHBOUR],
-                            cwd=ROOT, env=_env())
+                            cwd=ROOT, env=env())
 
 
 def _run_profiles(jobs: list[tuple[int, Path]], busy: list[str]) -> None:
@@ -164,7 +151,7 @@ def network(work: Path) -> str:
     cpus = ",".join(sorted({cpu for _, cpu in WORKERS}))
     result = subprocess.run(["taskset", "-c", cpus, *PLANNER, "profile", "--quick",
                              "--devices", "cpu", "--processes", str(len(WORKERS)), "-o",
-                             str(path), "--force", "--json"], cwd=ROOT, env=_env(),
+                             str(path), "--force", "--json"], cwd=ROOT, env=env(),
                             capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"planner profile (communication) failed:\n{result.stderr}")
@@ -183,12 +170,7 @@ def launch(plan: Path, out: Path, steps: int) -> dict:
     planner("launch", str(plan), "--out", str(out), "--target", "local", "--steps",
             str(steps), "--force", "--master-port", "29731", *cpus, "--runtime-arg=--warmup",
             "--runtime-arg=2", "--runtime-arg=--no-final-checkpoint")
-    result = subprocess.run(["bash", str(out / "run-local.sh")], capture_output=True,
-                            text=True, env=_env())
-    if result.returncode:
-        logs = "".join(p.read_text()[-4000:] for p in (out / "logs").glob("*.log"))
-        raise SystemExit(f"run-local.sh failed:\n{result.stdout}{result.stderr}{logs}")
-    return json.loads((out / "run" / "summary.json").read_text())
+    return run_local(out)
 
 
 @dataclass(frozen=True)

@@ -52,10 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_runs import planner, run_local
 from results import table, write_section
 
-ROOT = Path(__file__).resolve().parent.parent
-PLANNER = [sys.executable, "-m", "cli.main"]
 MODEL = "gpt-tiny"
 WORKERS = (("worker-0", "0"), ("worker-1", "1"))
 RATE = "300mbit"  # the slowed link (tc's units): gpt-tiny's fp32 sync outlasts its backward
@@ -75,19 +74,6 @@ class Settings:
 
 FULL = Settings(steps=12, repeats=3, local_steps=48)
 QUICK = Settings(steps=6, repeats=1, local_steps=16)
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-
-
-def planner(*args: str, cpus: str | None = None) -> str:
-    pin = ["taskset", "-c", cpus] if cpus else []
-    result = subprocess.run([*pin, *PLANNER, *args], cwd=ROOT, env=_env(),
-                            capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"planner {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
-    return result.stdout
 
 
 def slow_link() -> None:
@@ -137,12 +123,7 @@ def launch(plan: Path, out: Path, steps: int) -> dict:
     planner("launch", str(plan), "--out", str(out), "--target", "local", "--steps", str(steps),
             "--force", "--master-port", "29741", *cpus, "--runtime-arg=--warmup",
             "--runtime-arg=2", "--runtime-arg=--no-final-checkpoint")
-    result = subprocess.run(["bash", str(out / "run-local.sh")], capture_output=True,
-                            text=True, env=_env())
-    if result.returncode:
-        logs = "".join(p.read_text()[-4000:] for p in (out / "logs").glob("*.log"))
-        raise SystemExit(f"run-local.sh failed:\n{result.stdout}{result.stderr}{logs}")
-    return json.loads((out / "run" / "summary.json").read_text())
+    return run_local(out)
 
 
 def _error(measured: float, predicted: float) -> float:
@@ -242,12 +223,7 @@ def local_sgd_section(work: Path, settings: Settings) -> str:
                 "--data", "tests.runtime_data:teacher", "--lr", "0.3",
                 "--runtime-arg=--optimizer", "--runtime-arg=sgd",
                 "--runtime-arg=--no-final-checkpoint")
-        result = subprocess.run(["bash", str(out / "run-local.sh")], capture_output=True,
-                                text=True, env=_env())
-        if result.returncode:
-            raise SystemExit(f"run-local.sh failed:\n{result.stdout}{result.stderr}")
-        losses = json.loads((out / "run" / "summary.json").read_text())["losses"]
-        curves[name] = [row["loss"] for row in losses]
+        curves[name] = [row["loss"] for row in run_local(out)["losses"]]
     every, local = curves["every-step"], curves["local-sgd:4"]
     tail = min(8, len(every))
     end_every, end_local = (statistics.fmean(c[-tail:]) for c in (every, local))
