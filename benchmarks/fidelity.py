@@ -32,8 +32,10 @@ parallelism and is predicted within 10% of its published throughput per GPU.
 
 The rows the prediction misses by more than 10% are checked against what could make them
 slower (`checked_causes`): the pipeline sends the prediction prices, what Megatron-LM's
-own exchanges cost (`megatron_exchanges`), the data-parallel all-reduce, and the same
-pipeline measured in two runs (`same_pipeline`).
+own exchanges cost (`megatron_exchanges`), the data-parallel all-reduce, the same
+pipeline measured in two runs (`same_pipeline`), and what else was decided from its
+source (`also_checked`: the NVLink rate against the sizes the rows' tensor-parallel
+collectives move, Megatron-LM's recompute, its 2021 schedule).
 """
 
 from __future__ import annotations
@@ -303,7 +305,38 @@ def checked_causes(priced: list[Priced]) -> str:
             + ("The same pipeline measured in two runs: " + "; ".join(pairs) + ".\n\n"
                if pairs else "")
             + (f"Not explained by these terms, priced for every row alike: "
-               f"{'; '.join(unexplained)}.\n\n" if unexplained else ""))
+               f"{'; '.join(unexplained)}.\n\n" if unexplained else "")
+            + also_checked(priced, too_fast=all(p.error < 0 for p in missed)))
+
+
+def tp_message_bytes(row: Published) -> int:
+    """Bytes of one of the row's tensor-parallel all-reduces (under sequence parallelism,
+    of its reduce-scatters and all-gathers): a micro-batch's hidden states in fp16."""
+    return SEQ * row.micro_batch * row.hidden * 2
+
+
+def also_checked(priced: list[Priced], *, too_fast: bool) -> str:
+    """What else could make the missed rows slower, each decided from its source: the
+    rate the A100's NVLink is priced at against the sizes the rows' tensor-parallel
+    collectives move, the embedding's and head's recompute, Megatron-LM's 2021 schedule."""
+    split = [p.row for p in priced if p.row.stack == "Megatron-LM" and p.row.tp > 1]
+    sizes = [tp_message_bytes(row) for row in split]
+    nvlink = row_cluster(split[0]).nodes[0].intra_link
+    return (f"Also checked: the A100's NVLink is priced at {nvlink.bandwidth / 1e9:.0f} GB/s, "
+            "the bus bandwidth NCCL reaches on it at 8 GB and still rising at 512 MB "
+            "(NCCL's developer in NVIDIA/nccl-tests issue 149, the catalog's source); the "
+            f"rows' tensor-parallel collectives move {min(sizes) / 1e6:.0f}-"
+            f"{max(sizes) / 1e6:.0f} MB each, where NCCL is slower still, but no source "
+            "found gives its rate there, so none is used. Megatron-LM's full recompute "
+            "runs the transformer layers again, not the embedding and the head "
+            "(megatron/model/transformer.py, `_checkpointed_forward`); the planner's "
+            "runtime recomputes them too (planner/runtime/stage.py, `apply_recompute`), "
+            "and that is what is priced: left out, every row would be predicted faster"
+            f"{', the missed ones further off' if too_fast else ''}. Megatron-LM's 2021 "
+            "schedule (schedules.py, p2p_communication.py) adds per micro-batch only the "
+            "blocking exchanges above, and its all-reduce of the tied embedding's gradient "
+            "between the first and the last stage, once a step, is priced. No sourced "
+            "term found closes the gaps.\n\n")
 
 
 def attention(share: float) -> Efficiency:
