@@ -555,3 +555,18 @@ def test_no_policy_shares_more_than_the_free_devices_host_cores_and_memory(world
     assert all(per_type[kind] <= capacity[kind] + tolerance for kind in capacity)
     assert used_cpus <= cpus * (1 + tolerance) + tolerance
     assert used_memory <= memory * (1 + tolerance) + tolerance
+
+
+@pytest.mark.parametrize("text, remedy", [
+    ("jobs:\n  - {name: a, profile: A3C, steps: -3}\n",
+     "write steps as a number greater than 0"),
+    ("jobs:\n  - {name: a, profile: A3C, steps: many}\n", "write steps as a valid integer"),
+    ("jobs:\n  - {name: a, profile: A3C, step: 3}\n", "did you mean steps"),
+    ("jobs:\n  - {profile: A3C, steps: 3}\n", "add `name: ...`"),
+])
+def test_a_jobs_file_error_says_what_to_write_for_its_own_kind(text, remedy):
+    """A bad value is told what its field takes, a misspelt field the name it meant, a
+    missing one the line to add: not every field name for every error."""
+    with pytest.raises(PlannerError) as info:
+        _jobs(text)
+    assert any(remedy in line for line in info.value.remedies), info.value.remedies

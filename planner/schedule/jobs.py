@@ -37,7 +37,7 @@ from typing import Any
 
 import pydantic
 
-from planner.errors import PlannerError
+from planner.errors import PlannerError, closest
 
 SCHEMA_VERSION = 1
 
@@ -248,7 +248,25 @@ def _validated(model: type[_Strict], item: dict, source: str, label: str) -> Any
                + f" (got {first.get('input')!r})")
         where = _where(source, item, key, label)
         raise PlannerError("bad-jobs", f"{where}: {why}.",
-                           [f"the fields here are: {', '.join(model.model_fields)}"]) from None
+                           _remedies(first, key, list(model.model_fields))) from None
+
+
+def _remedies(error: Any, key: str | None, fields: list[str]) -> list[str]:
+    """What to change for one pydantic error (`_validated`): a misspelt field gets the
+    names closest to it and the list of fields; a missing one its line to add; a bad
+    value what the field takes (see `planner schedule --help`)."""
+    listing = f"the fields here are: {', '.join(fields)}"
+    if key is None:
+        return [listing]
+    if error["type"] == "extra_forbidden":
+        near = closest(key, fields)
+        return ([f"did you mean {' or '.join(near)}?"] if near else []) + [listing]
+    if error["type"] == "missing":
+        return [f"add `{key}: ...` to it ({listing})"]
+    takes = error["msg"].replace("Input should be ", "")
+    if takes.startswith(("greater", "less")):
+        takes = f"a number {takes}"
+    return [f"write {key} as {takes} (`planner schedule --help` shows a jobs file)"]
 
 
 def _where(source: str, item: Any, key: str | None, label: str = "") -> str:
