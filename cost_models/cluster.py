@@ -242,12 +242,25 @@ def _measured(fields: Fields) -> MeasuredDevice:
                                     seconds=o.parse("seconds", parse_duration))
         o.check_unknown()
     fields.get("name")  # (the device type's name after '@': `_device`)
+    slowdown = fields.sub("overlap_slowdown", fields.get("overlap_slowdown", {}))
     measured = MeasuredDevice(
         matmul_flops=_flops(fields, "matmul_flops") or {},
         memory_bandwidth=fields.parse("memory_bandwidth", parse_bandwidth, 0.0) or None,
-        layer_times=tuple(times), optimizer=optimizer, source=str(fields.get("source", "")))
+        layer_times=tuple(times), optimizer=optimizer, source=str(fields.get("source", "")),
+        compute_slowdown=slowdown.parse("compute", _slowdown, 0.0),
+        sync_slowdown=slowdown.parse("sync", _slowdown, 0.0))
+    slowdown.check_unknown()
     fields.check_unknown()
     return measured
+
+
+def _slowdown(value: Any) -> float:
+    """A measured slowdown (`MeasuredDevice.compute_slowdown`): a fraction, 0 or more."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            0 <= value < math.inf):
+        raise PlannerError("bad-cluster", f"must be a number, 0 or more (got {value!r}): how "
+                           "much longer it takes, 0.25 for a quarter")
+    return float(value)
 
 
 def parse_data_rate(fields: Fields, key: str, node_name: str) -> DataRate | None:
@@ -538,6 +551,9 @@ def _measured_dict(measured: MeasuredDevice, name: str | None = None) -> dict[st
                             "seconds": _human(measured.optimizer.seconds, _TIME)}
     if measured.source:
         out["source"] = measured.source
+    if measured.compute_slowdown or measured.sync_slowdown:
+        out["overlap_slowdown"] = {"compute": measured.compute_slowdown,
+                                   "sync": measured.sync_slowdown}
     return out
 
 

@@ -64,7 +64,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.solver.step import EVERY_STEP, OPTIMIZER, SYNC, overlappable, step_time
+from planner.solver.step import (
+    EVERY_STEP,
+    NO_CONTENTION,
+    OPTIMIZER,
+    SYNC,
+    Contention,
+    overlappable,
+    step_time,
+)
 from planner.solver.timing import StageTiming
 from planner.types import Schedule, SyncSpec
 
@@ -100,11 +108,12 @@ def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[
              sync: float = 0.0, optimizer: float = 0.0,
              microbatch_timings: Sequence[Sequence[Sequence[StageTiming]]] | None = None,
              policy: SyncSpec = EVERY_STEP, loading: float = 0.0,
-             tail: float = 0.0) -> Simulation:
+             tail: float = 0.0, contention: Contention = NO_CONTENTION) -> Simulation:
     """Replay one training step of the pipelines, each with its number of micro-batches;
     `microbatch_timings[p][i][s]`, where given, is stage s's timing for micro-batch i of
     pipeline p; the sync of `sync` seconds is paid as `policy` says (`step.py`; `tail`, its
-    last bucket's all-reduce where it overlaps backward), once the pipelines are done and
+    last bucket's all-reduce where it overlaps backward, slowed as `contention` says), once
+    the pipelines are done and
     the step's input, `loading` seconds of it, is loaded."""
     schedules = ([schedule] * len(pipelines) if isinstance(schedule, Schedule)
                  else list(schedule))
@@ -125,7 +134,7 @@ def simulate(pipelines: Sequence[Sequence[StageTiming]], microbatches: Sequence[
         times.append(max(e.end for e in pipeline_events if e.kind == BWD))
     step = step_time(times, sync, optimizer, policy=policy, loading=loading,
                      hidden=overlappable(t.bwd for stages in pipelines for t in stages),
-                     tail=tail)
+                     tail=tail, contention=contention)
     for p, stages in enumerate(pipelines):
         for s in range(len(stages)):
             events += [Event(p, s, phase.kind, None, None, phase.start, phase.end)

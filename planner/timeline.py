@@ -27,8 +27,14 @@ from xml.sax.saxutils import escape, quoteattr
 
 from cost_models.model import CostModel
 from planner.simulate import BWD, FWD, OPTIMIZER, SEND, SEND_GRAD, SYNC, simulate
-from planner.solver.predict import loading_time, stage_timings, sync_and_optimizer, tail_sync
-from planner.solver.step import EVERY_STEP, overlappable, step_time
+from planner.solver.predict import (
+    loading_time,
+    plan_contention,
+    stage_timings,
+    sync_and_optimizer,
+    tail_sync,
+)
+from planner.solver.step import EVERY_STEP, NO_CONTENTION, Contention, overlappable, step_time
 from planner.solver.timing import StageTiming
 from planner.types import Layer, Plan, Recompute, Schedule, SyncSpec
 from planner.units import fmt_seconds
@@ -110,10 +116,12 @@ class Run:
 
 def lay_out(runs: Sequence[Run], *, sync: float = 0.0, optimizer: float = 0.0,
             title: str = "", predicted: float = 0.0, policy: SyncSpec = EVERY_STEP,
-            tail: float = 0.0, loading: float = 0.0) -> Timeline:
+            tail: float = 0.0, loading: float = 0.0,
+            contention: Contention = NO_CONTENTION) -> Timeline:
     """Simulate each run (`planner.simulate`) and put its events on lanes; the gradient
     sync (paid as `policy` says, `step.py`: `tail`, its last bucket's all-reduce where it
-    overlaps backward) and optimizer step follow the last backward of all runs, on every
+    overlaps backward, slowed as `contention` says) and optimizer step follow the last
+    backward of all runs, on every
     device, and the step's input, `loading` seconds of it, loaded (`step.fed`)."""
     lanes: list[Lane] = []
     bars: list[Bar] = []
@@ -149,7 +157,8 @@ def lay_out(runs: Sequence[Run], *, sync: float = 0.0, optimizer: float = 0.0,
                 bars.append(Bar(lane, e.kind, e.microbatch, e.chunk, e.start, e.end))
         device_lanes += device_lane.values()
     step = step_time([end], sync, optimizer, policy=policy, loading=loading, tail=tail,
-                     hidden=overlappable(t.bwd for run in runs for t in run.stages))
+                     hidden=overlappable(t.bwd for run in runs for t in run.stages),
+                     contention=contention)
     bars += [Bar(lane, phase.kind, None, None, phase.start, phase.end)
              for lane in device_lanes for phase in step.phases() if phase.seconds > 0]
     bars.sort(key=lambda b: (b.lane, b.start, b.end))
@@ -186,7 +195,8 @@ def build_timeline(plan: Plan, layers: Sequence[Layer], costs: CostModel, *,
              f"(global batch {plan.training.global_batch})")
     return lay_out(runs, sync=sync, optimizer=optimizer, title=title,
                    predicted=plan.prediction.step_time, policy=plan.training.sync,
-                   tail=tail_sync(plan, layers, costs), loading=loading_time(plan, costs))
+                   tail=tail_sync(plan, layers, costs), loading=loading_time(plan, costs),
+                   contention=plan_contention(plan, costs))
 
 
 def timeline_dict(timeline: Timeline) -> dict:

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from cost_models.profile import load_profile, noise_warnings, run_profile
 from cost_models.profile.comm import _free_port, _mean_seconds, fit_alpha_beta
+from cost_models.profile.contention import PROBE_BYTES, overlapped
 from cost_models.profile.layers import split_pass
 from cost_models.profile.timing import Clock, Samples, sample_seconds
 from planner.errors import PlannerError
@@ -151,6 +152,10 @@ def _edit(doc, change):
      ["'devices[0].matmul.fp32.sweep[0].spread'", "non-negative"]),
     (lambda d: d["devices"][0]["layers"]["steps"][0].update(samples="fast"),
      ["'devices[0].layers.steps[0].samples'", "must be a list"]),
+    (lambda d: d["communication"]["contention"].update(compute_slowdown=-0.1),
+     ["'communication.contention.compute_slowdown'", "non-negative"]),
+    (lambda d: d["communication"]["contention"].pop("collective_alone"),
+     ["'communication.contention.collective_alone'", "missing"]),
 ])
 def test_load_profile_rejects_bad_documents(profiled, tmp_path, change, words):
     path = tmp_path / "bad.json"
@@ -312,9 +317,56 @@ def test_profiles_without_samples_still_load_and_warn_of_nothing(profiled, tmp_p
         for point in [*device["memory_bandwidth"]["sweep"], *device["layers"]["steps"],
                       *(p for m in device["matmul"].values() for p in m["sweep"])]:
             del point["samples"], point["spread"]
+    del doc["communication"]["contention"]  # (and before contention was measured)
     path = tmp_path / "old.json"
     path.write_text(json.dumps(doc))
     assert noise_warnings(_quiet(load_profile(path))) == []
+
+
+def test_the_comm_profile_measures_how_computing_and_an_all_reduce_slow_each_other(profiled):
+    """Each part timed alone and beside the other (`contention`): the slowdowns are
+    their ratios less one, never below 0."""
+    contention = profiled[0]["communication"]["contention"]
+    assert contention["bytes"] == PROBE_BYTES and contention["matmul_side"] == 256
+    for part in ("compute", "collective"):
+        alone, beside = contention[f"{part}_alone"], contention[f"{part}_overlapped"]
+        assert alone > 0 and beside > 0
+        assert contention[f"{part}_slowdown"] == pytest.approx(max(0.0, beside / alone - 1))
+
+
+class Flight:
+    """A collective (`dist.Work`'s stand-in) that lands at the `checks`-th look."""
+
+    def __init__(self, checks: int) -> None:
+        self.checks = checks
+
+    def is_completed(self) -> bool:
+        self.checks -= 1
+        return self.checks <= 0
+
+    def wait(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+
+def test_only_compute_calls_a_collective_was_in_flight_for_count_as_overlapped(
+        one_process_group):
+    """Two collectives, each in flight for three 1 ms compute calls and landing during
+    a fourth of 5 ms, which is no sample: either part of it ran alone."""
+    work = FakeWork([1e-3, 1e-3, 1e-3, 5e-3] * 2)
+    issued: list[Flight] = []
+
+    def start() -> Flight:
+        issued.append(Flight(4))
+        return issued[-1]
+
+    both = overlapped(work, start, 2, Clock(CPU, timer=work.timer))
+    assert len(issued) == 2 and work.calls == 8
+    assert both.compute == pytest.approx(1e-3) and both.collective >= 0
 
 
 def test_quick_mode_measures_less_than_full(profiled):

@@ -107,3 +107,47 @@ def test_merge_errors(tmp_path):
     path.write_text(json.dumps(silent))
     with pytest.raises(PlannerError, match="no profile measured communication"):
         merge_profiles([path], network="measured")
+
+
+def test_merge_carries_the_measured_contention_through_the_cluster_file(tmp_path):
+    """A profile's `communication.contention` (how computing and an all-reduce in flight
+    slow each other) becomes its device's `compute_slowdown` and `sync_slowdown`, which
+    the cluster file keeps; a profile without it (written before it was measured), or
+    whose communication ran on devices of another kind, gives none."""
+    doc = profile("box", speed=1.0)
+    doc["communication"]["contention"] = {
+        "bytes": 4 << 20, "matmul_side": 256, "compute_alone": 1e-3, "compute_overlapped": 1.2e-3,
+        "collective_alone": 0.2, "collective_overlapped": 0.25, "compute_slowdown": 0.2,
+        "collective_slowdown": 0.25}
+    old = profile("old", speed=1.0)
+    elsewhere = json.loads(json.dumps(doc))
+    elsewhere["communication"]["device"] = "cuda"
+    paths = []
+    for name, each in (("new", doc), ("old", old), ("elsewhere", elsewhere)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(each))
+    runner = CliRunner()
+    out = tmp_path / "lab.yaml"
+    result = runner.invoke(app, ["profile", "merge", *map(str, paths), "--network", "10Gbps",
+                                 "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    measured = [node.device.measured for node in load_cluster(str(out)).nodes]
+    assert [(m.compute_slowdown, m.sync_slowdown) for m in measured] == [
+        (0.2, 0.25), (0.0, 0.0), (0.0, 0.0)]
+    written = yaml.safe_load(out.read_text())["nodes"]
+    assert written[0]["measured"]["overlap_slowdown"] == {"compute": 0.2, "sync": 0.25}
+    assert "overlap_slowdown" not in written[1]["measured"]
+
+
+@pytest.mark.parametrize("value, words", [
+    (-0.5, ["overlap_slowdown.compute", "0 or more", "-0.5"]),
+    ("fast", ["overlap_slowdown.compute", "'fast'"]),
+])
+def test_a_bad_contention_in_a_cluster_file_is_named(tmp_path, value, words):
+    path = tmp_path / "lab.yaml"
+    path.write_text(yaml.safe_dump({"schema_version": 1, "name": "lab", "nodes": [
+        {"name": "a", "device": "cpu", "devices": 1,
+         "measured": {"overlap_slowdown": {"compute": value}}}]}))
+    with pytest.raises(PlannerError) as error:
+        load_cluster(str(path))
+    assert all(word in error.value.message for word in words), error.value.message

@@ -15,6 +15,7 @@ from cost_models.model import AnalyticalCostModel
 from planner.models import model_spec
 from planner.simulate import OPTIMIZER, SYNC, simulate
 from planner.solver.step import (
+    Contention,
     StepTime,
     floor,
     pipelines_within,
@@ -25,7 +26,7 @@ from planner.solver.step import (
 from planner.solver.table import build_table
 from planner.solver.timing import StageTiming
 from planner.trace import trace_model
-from planner.types import TrainingSpec
+from planner.types import SyncSpec, TrainingSpec
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -106,3 +107,49 @@ def test_the_splits_activation_capacity_is_the_memory_models(policy):
             assert totals[0] <= info.memory * (1 + 1e-9) < totals[1] * (1 + 2e-9)
             checked += 1
         assert checked
+
+
+def test_an_overlapped_sync_and_the_backward_beside_it_slow_each_other():
+    """Contention (`step.Contention`): computing takes half again as long while the sync
+    is in flight, the sync a quarter longer beside it. A 2 s sync over 1 s of backward:
+    the backward takes 1.5 s (0.5 s more), the sync does 1.2 s of its work meanwhile and
+    pays the other 0.8 s after. Over 2.5 s of backward, the 1.75 s of a 2 s sync before
+    its last bucket take 2.1875 s, the backward a third longer meanwhile, and the last
+    bucket's 0.25 s come after."""
+    overlap, both = SyncSpec(overlap=True), Contention(compute=0.5, sync=0.25)
+    step = step_time([3.0], 2.0, 0.5, 1.0, overlap, contention=both)
+    assert (step.slowed, step.exposed, step.total) == pytest.approx((0.5, 0.8, 4.8))
+    assert step_time([3.0], 2.0, 0.5, 1.0, overlap).total == 4.5  # (without contention)
+    step = step_time([3.0], 2.0, 0.5, 2.5, overlap, tail=0.25, contention=both)
+    assert (step.slowed, step.exposed) == pytest.approx((2.1875 / 3, 0.25))
+    assert step.total == pytest.approx(3.0 + 2.1875 / 3 + 0.25 + 0.5)
+    sync, optimizer = step.phases()
+    assert (sync.end, optimizer.start) == pytest.approx((3.0 + 2.1875 / 3 + 0.25,) * 2)
+    # a sync in one bucket starts as backward ends: nothing runs beside it
+    whole = step_time([3.0], 2.0, 0.5, 2.5, overlap, tail=2.0, contention=both)
+    assert (whole.slowed, whole.exposed) == (0.0, 2.0)
+    # a sync after backward overlaps nothing and slows nothing
+    after = step_time([3.0], 2.0, 0.5, 1.0, SyncSpec(), contention=both)
+    assert (after.slowed, after.total) == (0.0, 5.5)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_contention_only_adds_to_a_step_so_its_floors_hold(seed):
+    """A step with contention is never shorter than without it (what backward loses, the
+    sync gains back at its own slowed pace at most), so the floors the search builds
+    without it stay below."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        policy = rng.choice([SyncSpec(overlap=True), SyncSpec(), SyncSpec(
+            mode="local-sgd", interval=4, overlap=True)])
+        pipelines, sync, optimizer = (rng.uniform(0, 10) for _ in range(3))
+        hidden = rng.uniform(0, pipelines)
+        tail = rng.choice([0.0, rng.uniform(0, sync / policy.interval)])
+        contention = Contention(compute=rng.choice([0.0, rng.uniform(0, 2)]),
+                                sync=rng.choice([0.0, rng.uniform(0, 2)]))
+        alone = step_time([pipelines], sync, optimizer, hidden, policy, tail=tail)
+        beside = step_time([pipelines], sync, optimizer, hidden, policy, tail=tail,
+                           contention=contention)
+        assert beside.total >= alone.total * (1 - 1e-12)
+        assert floor(pipelines, sync, optimizer, policy) <= beside.total * (1 + 1e-12)
+        assert beside.slowed >= 0 and beside.exposed >= tail

@@ -438,3 +438,46 @@ def test_diloco_keeps_its_outer_state_in_memory():
     per_param = before.optimizer / optimizer_state_bytes(plain.training)
     assert after.optimizer == pytest.approx(before.optimizer + 8 * per_param)
     assert after.weights == before.weights and after.gradients == before.gradients
+
+
+def test_a_measured_contention_slows_an_overlapped_plan_as_the_step_model_says():
+    """On devices whose profile measured contention (`MeasuredDevice.compute_slowdown`,
+    `sync_slowdown`), an overlapped sync slows the computing it runs beside: the
+    prediction computes longer by `step.slowed` and pays `step.exposed` after it; the
+    simulator and the timeline price the step alike. A sync after backward slows
+    nothing."""
+    from cost_models.model import AnalyticalCostModel
+    from planner.explain import retrace
+    from planner.solver.predict import replay, stage_timings, tail_sync
+    from planner.solver.step import Contention, overlappable
+    from planner.timeline import build_timeline
+    from planner.types import MeasuredDevice
+
+    def measuring(measured):
+        plan = tiny_plan("2x1xcpu", dp=2)
+        nodes = tuple(dataclasses.replace(node, device=dataclasses.replace(
+            node.device, measured=measured)) for node in plan.cluster.nodes)
+        return dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, nodes=nodes))
+
+    plan = measuring(MeasuredDevice())
+    contended = measuring(MeasuredDevice(compute_slowdown=0.5, sync_slowdown=0.25))
+    overlap = SyncSpec(overlap=True, bucket_mb=2**-10)
+    alone, beside = _priced(plan, overlap), _priced(contended, overlap)
+    layers = retrace(plan).layers
+    costs = AnalyticalCostModel(contended.cluster)
+    hidden = overlappable(t.bwd for stages in stage_timings(beside, layers, costs)
+                          for t in stages)
+    step = step_time([0.0], alone.prediction.whole_sync, 0.0, hidden, overlap,
+                     tail=tail_sync(beside, layers, costs),
+                     contention=Contention(compute=0.5, sync=0.25))
+    assert step.slowed > 0
+    assert beside.prediction.compute == pytest.approx(alone.prediction.compute + step.slowed)
+    assert beside.prediction.dp_comm == pytest.approx(step.exposed)
+    assert beside.prediction.step_time == pytest.approx(
+        alone.prediction.step_time - alone.prediction.dp_comm + step.slowed + step.exposed)
+    assert replay(beside, layers, costs).step_time == pytest.approx(
+        beside.prediction.step_time, rel=0.02)
+    assert build_timeline(beside, layers, costs).step_time == pytest.approx(
+        beside.prediction.step_time, rel=0.02)
+    after = _priced(contended, SyncSpec())
+    assert after.prediction == _priced(plan, SyncSpec()).prediction

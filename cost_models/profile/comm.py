@@ -16,6 +16,9 @@ Each operation also gets an alpha-beta fit, seconds = alpha + bytes / beta_bandw
 (alpha: latency; beta_bandwidth in algbw terms, so bus bandwidth = beta_bandwidth ×
 bus_factor), by least squares on relative error, so small and large messages weigh
 alike; a negative intercept is refitted through the origin.
+
+Last, the workers measure how computing and an all-reduce in flight slow each other
+(`contention`: a CPU worker on a core of its own first), which an overlapped sync pays.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cost_models.profile.contention import measure_contention, pin_to_own_cores
 from cost_models.profile.timing import Clock
 from planner.errors import PlannerError
 
@@ -69,12 +73,15 @@ def measure_comm(*, processes: int, device: str, quick: bool) -> dict:
     return summarize(seconds, backend=backend, world=processes, device=device)
 
 
-def summarize(seconds: dict[str, list[list[float]]], *, backend: str, world: int,
-              device: str) -> dict:
+def summarize(seconds: dict, *, backend: str, world: int, device: str) -> dict:
     """The profile's `communication` from the workers' measurements: per operation,
-    [message size, mean seconds of a call] for each size (p2p: a whole ping-pong)."""
-    return {"backend": backend, "world_size": world, "device": device,
-            "collectives": {op: _summary(op, seconds[op], world) for op in OPERATIONS}}
+    [message size, mean seconds of a call] for each size (p2p: a whole ping-pong), and
+    where measured, how computing and an all-reduce slow each other (`contention`)."""
+    summary = {"backend": backend, "world_size": world, "device": device,
+               "collectives": {op: _summary(op, seconds[op], world) for op in OPERATIONS}}
+    if "contention" in seconds:
+        summary["contention"] = seconds["contention"]
+    return summary
 
 
 def _free_port() -> int:
@@ -117,10 +124,15 @@ def _worker(rank: int, world: int, init_method: str, backend: str, quick: bool,
                             device_id=device if device.type == "cuda" else None)
     try:
         clock = Clock(device)
-        seconds = {op: [[size, _mean_seconds(_operation(op, size, rank, world, device),
-                                             clock, _BUDGET_S[quick], device)]
-                        for size in _SIZES[quick]]
-                   for op in OPERATIONS}
+        seconds: dict = {op: [[size, _mean_seconds(_operation(op, size, rank, world, device),
+                                                   clock, _BUDGET_S[quick], device)]
+                              for size in _SIZES[quick]]
+                         for op in OPERATIONS}
+        if device.type == "cpu":
+            pin_to_own_cores(rank, world)
+        seconds["contention"] = measure_contention(
+            device, clock, lambda fn: _mean_seconds(fn, clock, _BUDGET_S[quick], device),
+            _BUDGET_S[quick])
         if rank == 0:
             Path(out).write_text(json.dumps(seconds))
     finally:

@@ -24,8 +24,11 @@ from planner.types import ClusterSpec, DeviceSpec, LayerTiming, LinkSpec, Measur
 from planner.units import parse_bandwidth, parse_duration
 
 
-def _measured(device: dict, source: str) -> MeasuredDevice:
+def _measured(device: dict, source: str, comm: dict | None) -> MeasuredDevice:
+    """What the profile measured of `device`; `comm`, its communication where measured
+    on devices of its kind (its `contention`, an overlapped sync's slowdowns)."""
     layers = device.get("layers") or {}
+    contention = (comm or {}).get("contention") or {}
     times = tuple(
         LayerTiming(model=layers["model"], layer=t["signature"],
                     seq_len=int(layers["seq_len"]) if layers.get("seq_len") else None,
@@ -36,7 +39,8 @@ def _measured(device: dict, source: str) -> MeasuredDevice:
         matmul_flops={dtype: m["best_flops"] for dtype, m in device["matmul"].items()
                       if m["best_flops"] > 0},
         memory_bandwidth=device["memory_bandwidth"]["best"] or None, layer_times=times,
-        source=source)
+        source=source, compute_slowdown=contention.get("compute_slowdown", 0.0),
+        sync_slowdown=contention.get("collective_slowdown", 0.0))
 
 
 def _base(device: dict) -> DeviceSpec:
@@ -106,11 +110,11 @@ def merge_profiles(paths: Sequence[Path], *, network: str = "100Gbps/5us",
                                 "merge the profiles as separate nodes"])
         base = _base(first)
         source = f"{Path(path).name} ({host}, {doc['timestamp']})"
-        device = dataclasses.replace(base, name=f"{base.name}@{node_name}",
-                                     measured=_measured(first, source))
         comm = doc.get("communication")
-        intra = _link(comm if comm and comm.get("device") == first["kind"] else None,
-                      base.intra_link)
+        comm = comm if comm and comm.get("device") == first["kind"] else None
+        device = dataclasses.replace(base, name=f"{base.name}@{node_name}",
+                                     measured=_measured(first, source, comm))
+        intra = _link(comm, base.intra_link)
         comm_links.append(intra)
         nodes.append(NodeSpec(name=node_name, host=host if distinct else None,
                               device=device, devices=len(devices), intra_link=intra))

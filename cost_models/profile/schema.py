@@ -4,7 +4,7 @@ Every field below must be present but the optional ones (more are allowed, e.g. 
 CPU's `cores`); numbers must be finite and not negative. Units are SI: seconds, bytes,
 FLOP/s, bytes/s. Optional fields came after files were first written, which still
 load: a timed point's `samples` (the seconds of each sample) and their `spread` (see
-`timing.Samples`).
+`timing.Samples`), and the communication's `contention` (`contention`; absent: none).
 """
 
 from __future__ import annotations
@@ -54,9 +54,13 @@ _DEVICE = {"index": NUMBER, "kind": str, "name": str, "memory_bytes": NUMBER,
            "matmul": _Each(_MATMUL), "memory_bandwidth": _BANDWIDTH, "layers": _Maybe(_LAYERS)}
 _COLLECTIVE = {"alpha": NUMBER, "beta_bandwidth": NUMBER, "sweep": [
     {"bytes": NUMBER, "seconds": NUMBER, "algbw": NUMBER, "busbw": NUMBER}]}
+_CONTENTION = {key: NUMBER for key in (
+    "bytes", "matmul_side", "compute_alone", "compute_overlapped", "collective_alone",
+    "collective_overlapped", "compute_slowdown", "collective_slowdown")}
 _COMMUNICATION = {"backend": str, "world_size": NUMBER, "device": str,
                   "collectives": {"all_reduce": _COLLECTIVE, "all_gather": _COLLECTIVE,
-                                  "p2p": _COLLECTIVE}}
+                                  "p2p": _COLLECTIVE},
+                  "contention": _Optional(_CONTENTION)}
 _DOCUMENT = {"schema_version": NUMBER, "kind": str, "host": str, "timestamp": str,
              "software": {"python": str, "torch": str, "cuda": _Maybe(str), "planner": str,
                           "platform": str},

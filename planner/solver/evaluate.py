@@ -64,12 +64,15 @@ from planner.solver.partition import (
 from planner.solver.shares import grouped_shares, shares
 from planner.solver.step import (
     EVERY_STEP,
+    NO_CONTENTION,
+    Contention,
     StepTime,
     floor,
     last_bucket,
     overlappable,
     pipelines_within,
     step_time,
+    worst,
 )
 from planner.solver.structure import ClassShape, Placement, Slot, place
 from planner.solver.table import CostTable
@@ -120,6 +123,7 @@ class Evaluation:
     policy: SyncSpec = EVERY_STEP  # the solve's (`CostTable.sync`)
     loading: float = 0.0  # the step's data loading (`step.fed`)
     tail: float = 0.0  # an overlapped sync's last bucket (`SyncTerms.tail`)
+    contention: Contention = NO_CONTENTION  # its devices' (`step.worst`)
 
     @functools.cached_property
     def step(self) -> StepTime:
@@ -127,7 +131,8 @@ class Evaluation:
         hidden = overlappable(stage.bwd for split in self.splits for stage in split.stages
                               ) if self.policy.overlap else 0.0
         return step_time([max(times) for times in self.pipeline_times], self.sync,
-                         self.optimizer, hidden, self.policy, self.loading, self.tail)
+                         self.optimizer, hidden, self.policy, self.loading, self.tail,
+                         self.contention)
 
     @property
     def step_time(self) -> float:
@@ -323,7 +328,10 @@ def evaluate(table: CostTable, config: Config, shapes: tuple[ClassShape, ...],
     return Evaluation(config=config, shapes=shapes, placement=placement, splits=tuple(splits),
                       microbatches=per_class, pipeline_times=times, sync=terms.sync,
                       optimizer=terms.optimizer, policy=table.sync,
-                      loading=loading_seconds(table.inputs, feeds), tail=terms.tail)
+                      loading=loading_seconds(table.inputs, feeds), tail=terms.tail,
+                      contention=worst(table.type(name).contention for shape in shapes
+                                       for name in shape.types) if table.sync.overlap
+                      else NO_CONTENTION)
 
 
 LINE_REF = 2.0**30  # bytes; an all-reduce among fixed ranks is affine in its bytes

@@ -30,7 +30,14 @@ from cost_models.model import CostModel
 from planner.data.loading import input_rates, loading_seconds, plan_feeds
 from planner.dtypes import dtype_bytes
 from planner.solver.partition import ZERO_GATHER_REF
-from planner.solver.step import last_bucket, overlappable, step_time
+from planner.solver.step import (
+    Contention,
+    device_contention,
+    last_bucket,
+    overlappable,
+    step_time,
+    worst,
+)
 from planner.solver.structure import wider_than_neighbours
 from planner.solver.timing import PipelineTime, StageTiming, pipeline_time
 from planner.types import (
@@ -329,7 +336,14 @@ def replay(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> Simulation:
                     schedule=[p.schedule for p in plan.pipelines],
                     interleave=[p.interleave for p in plan.pipelines], sync=sync, optimizer=opt,
                     policy=plan.training.sync, loading=loading_time(plan, costs),
-                    tail=tail_sync(plan, layers, costs))
+                    tail=tail_sync(plan, layers, costs), contention=plan_contention(plan, costs))
+
+
+def plan_contention(plan: Plan, costs: CostModel) -> Contention:
+    """How an overlapped sync and backward slow each other on `plan`'s devices
+    (`step.worst` of what was measured of each)."""
+    return worst(device_contention(costs.cluster.node(s.devices.node).device)
+                 for p in plan.pipelines for s in p.stages)
 
 
 def loading_time(plan: Plan, costs: CostModel) -> float:
@@ -347,7 +361,7 @@ def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakd
     step = step_time([t.total for t in times], sync, opt,
                      overlappable(t.bwd for stages in timings for t in stages),
                      plan.training.sync, loading_time(plan, costs),
-                     tail_sync(plan, layers, costs))
+                     tail_sync(plan, layers, costs), plan_contention(plan, costs))
     batch = plan.training.global_batch
     flops = batch * sum(layer.flops for layer in layers)
     peak = sum(costs.cluster.node(s.devices.node).device.flops(plan.training.dtype) * s.tp
@@ -355,7 +369,8 @@ def predict(plan: Plan, layers: Sequence[Layer], costs: CostModel) -> CostBreakd
     seq = plan.training.seq_len
     return CostBreakdown(
         # pipelines waiting for their input (`step.fed`) idle as in a bubble
-        step_time=step.total, compute=slowest.compute,
+        # (an overlapped sync's contention slows the computing: `step.slowed`)
+        step_time=step.total, compute=slowest.compute + step.slowed,
         bubble=slowest.bubble + (step.pipelines - slowest.total),
         tp_comm=slowest.tp_comm, pp_comm=slowest.pp_comm, dp_comm=step.exposed, optimizer=opt,
         samples_per_s=batch / step.total,

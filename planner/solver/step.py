@@ -12,7 +12,11 @@ each stage's buckets start as its last micro-batch's backward makes them), what 
 least one-micro-batch backward of any stage does not hide (`overlappable`), and never
 less than the all-reduce of the last bucket (`last_bucket`: the first layers' gradients,
 made only as backward ends, so nothing is left to hide it); with a sync every H steps
-(local SGD, model averaging, DiLoCo: `SyncSpec.interval`), 1/H of it.
+(local SGD, model averaging, DiLoCo: `SyncSpec.interval`), 1/H of it. A sync that
+overlaps backward also slows it where the two share a device (`Contention`, measured by
+`planner profile`): backward computes slower while a collective is in flight, and the
+collective runs slower beside it, so the pipelines end later by what the overlap slows
+them (`slowed`) and the sync hides less (`exposed`).
 The slowest pipeline's time is at least the step's data loading (`fed`): its input's
 samples over what the nodes' loaders and the devices' inputs take in per second
 (`planner.data.loading`), 0 where the cluster sets no such rates.
@@ -42,6 +46,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from planner.types import DeviceSpec
 from planner.types.training import SyncSpec
 
 Seconds = TypeVar("Seconds", float, np.ndarray)
@@ -49,14 +54,72 @@ SYNC, OPTIMIZER = "sync", "optimizer"  # the phases after the pipelines
 EVERY_STEP = SyncSpec()  # the sync after the schedule, every step
 
 
+@dataclass(frozen=True)
+class Contention:
+    """How a sync that overlaps backward and backward slow each other on a device: while
+    a collective is in flight a computation takes `compute` more of its time (0.25: a
+    quarter longer), and while a computation runs a collective takes `sync` more. A GPU's
+    collective kernels take streaming multiprocessors from the GEMMs beside them; a CPU
+    rank's gloo threads (sums, copies, the kernel's TCP work) take time on the core its
+    backward runs on. `planner profile` measures both on the machine
+    (`cost_models.profile.contention`); catalog devices have none."""
+
+    compute: float = 0.0
+    sync: float = 0.0
+
+
+NO_CONTENTION = Contention()
+
+
+def device_contention(device: DeviceSpec) -> Contention:
+    """What `planner profile` measured of a device's contention (none where nothing was)."""
+    if device.measured is None:
+        return NO_CONTENTION
+    return Contention(compute=device.measured.compute_slowdown,
+                      sync=device.measured.sync_slowdown)
+
+
+def worst(contentions: Iterable[Contention]) -> Contention:
+    """A step's contention, of its devices': the largest of each kind (every stage
+    computes beside its own sums, and the step waits for the slowest)."""
+    found = list(contentions)
+    return Contention(compute=max((c.compute for c in found), default=0.0),
+                      sync=max((c.sync for c in found), default=0.0))
+
+
+def _together(per_step: float, hidden: float, tail: float, contention: Contention) -> float:
+    """The seconds an overlapped sync of `per_step` seconds alone (its last bucket's
+    `tail` of them only after backward) and the backward of `hidden` seconds alone it
+    overlaps run side by side, each slowed by the other (`Contention`): until the sooner
+    of the two ends."""
+    return min(hidden * (1 + contention.compute),
+               max(0.0, per_step - tail) * (1 + contention.sync))
+
+
 def exposed(sync: float, hidden: float, policy: SyncSpec = EVERY_STEP,
-            tail: float = 0.0) -> float:
-    """The seconds per step a whole sync of `sync` seconds adds to the step: spread over
-    the steps between syncs, less the backward it overlaps (`hidden`) where it does, but
-    never less than its last bucket's all-reduce (`tail`, at most `sync`), which starts
-    only once backward has ended."""
+            tail: float = 0.0, contention: Contention = NO_CONTENTION) -> float:
+    """The seconds per step a whole sync of `sync` seconds adds to the step after the
+    pipelines: spread over the steps between syncs, less what of it runs beside the
+    backward it overlaps (`hidden`) where it does (slowed by `contention`, as `slowed`
+    slows the backward), but never less than its last bucket's all-reduce (`tail`, at
+    most `sync`), which starts only once backward has ended."""
     per_step = sync / policy.interval
-    return max(tail, per_step - hidden) if policy.overlap else per_step
+    if not policy.overlap:
+        return per_step
+    beside = _together(per_step, hidden, tail, contention) / (1 + contention.sync)
+    return max(tail, per_step - beside)
+
+
+def slowed(sync: float, hidden: float, policy: SyncSpec = EVERY_STEP, tail: float = 0.0,
+           contention: Contention = NO_CONTENTION) -> float:
+    """The seconds an overlapped sync (as `exposed`) adds to the pipelines by slowing
+    the backward it runs beside (`Contention.compute`); nothing where it does not
+    overlap backward. With `exposed`, never less than the sync without contention adds:
+    what backward loses, the sync gains back only at its own slowed pace."""
+    if not policy.overlap:
+        return 0.0
+    together = _together(sync / policy.interval, hidden, tail, contention)
+    return together * contention.compute / (1 + contention.compute)
 
 
 def last_bucket(volume: float, bucket_mb: float) -> float:
@@ -105,32 +168,40 @@ class StepTime:
     policy: SyncSpec = EVERY_STEP
     tail: float = 0.0  # an overlapping sync's last bucket, never hidden (`last_bucket`)
     loading: float = 0.0  # the step's data loading (`fed`), in `pipelines` already
+    contention: Contention = NO_CONTENTION  # an overlapping sync's and backward's
 
     @property
     def exposed(self) -> float:
-        """What the step pays of the sync (`exposed`)."""
-        return exposed(self.sync, self.hidden, self.policy, self.tail)
+        """What the step pays of the sync after the pipelines (`exposed`)."""
+        return exposed(self.sync, self.hidden, self.policy, self.tail, self.contention)
+
+    @property
+    def slowed(self) -> float:
+        """What an overlapping sync slows the pipelines by (`slowed`)."""
+        return slowed(self.sync, self.hidden, self.policy, self.tail, self.contention)
 
     @property
     def total(self) -> float:
-        return unsynced(self.pipelines, self.optimizer) + self.exposed  # (as `floor` adds)
+        # (as `floor` adds; contention only adds, so `floor` stays below)
+        return unsynced(self.pipelines + self.slowed, self.optimizer) + self.exposed
 
     def phases(self) -> tuple[Phase, Phase]:
         """The sync (its share of this step, started within the last backward where it
         overlaps it) and the optimizer step on the step's time line."""
         per_step = self.sync / self.policy.interval
-        return (Phase(SYNC, self.pipelines + self.exposed - per_step, per_step),
-                Phase(OPTIMIZER, self.pipelines + self.exposed, self.optimizer))
+        end = self.pipelines + self.slowed + self.exposed
+        return (Phase(SYNC, end - per_step, per_step), Phase(OPTIMIZER, end, self.optimizer))
 
 
 def step_time(pipeline_times: list[float] | tuple[float, ...], sync: float,
               optimizer: float, hidden: float = 0.0, policy: SyncSpec = EVERY_STEP,
-              loading: float = 0.0, tail: float = 0.0) -> StepTime:
+              loading: float = 0.0, tail: float = 0.0,
+              contention: Contention = NO_CONTENTION) -> StepTime:
     """The step of pipelines that end at these times (each its T(m)), fed by data
     loading of `loading` seconds."""
     return StepTime(pipelines=float(fed(max(pipeline_times), loading)), sync=sync,
                     optimizer=optimizer, hidden=hidden, policy=policy, loading=loading,
-                    tail=tail)
+                    tail=tail, contention=contention)
 
 
 def floor(pipelines: Seconds, sync: Seconds | float, optimizer: Seconds | float,

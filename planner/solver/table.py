@@ -21,6 +21,7 @@ from planner.data.loading import InputRates, faster_loaders_first, input_rates
 from planner.dtypes import dtype_bytes
 from planner.errors import PlannerError
 from planner.solver.keys import LayerCostsKey, RangeParamsKey, RankParamsKey, ZeroKeptKey
+from planner.solver.step import NO_CONTENTION, Contention, device_contention
 from planner.types import ClusterSpec, DeviceSpec, Layer, LinkSpec, SyncSpec, TrainingSpec
 from planner.types.training import Recompute
 
@@ -37,6 +38,7 @@ class TypeInfo:
     memory: float  # bytes per device
     peak_flops: float  # dense FLOP/s in the training dtype, for MFU and bounds
     reserve: float  # bytes per device the framework keeps
+    contention: Contention = NO_CONTENTION  # an overlapped sync's (`step.Contention`)
 
 
 @dataclass(frozen=True)
@@ -220,7 +222,8 @@ def build_table(layers: Sequence[Layer], cluster: ClusterSpec, training: Trainin
             name=device.name, nodes=tuple(nodes),
             node_devices=tuple(cluster.node(n).devices for n in nodes), memory=device.memory,
             peak_flops=device.flops(training.dtype),
-            reserve=0.25 * GIB if device.is_cpu else GIB))
+            reserve=0.25 * GIB if device.is_cpu else GIB,
+            contention=device_contention(device)))
     first_node = {t.name: t.nodes[0] for t in types}
 
     def layer_costs(type_name: str, tp: int, mb: int) -> LayerCosts:

@@ -84,6 +84,10 @@ class MeasuredDevice:
     layer_times: tuple[LayerTiming, ...] = ()
     optimizer: OptimizerTiming | None = None
     source: str = ""
+    # an overlapped sync's contention (`planner.solver.step.Contention`): how much longer
+    # computing takes while a collective is in flight, and a collective beside computing
+    compute_slowdown: float = 0.0
+    sync_slowdown: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
