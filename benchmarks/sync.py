@@ -10,7 +10,9 @@ against every-step sync, measured on this machine's CPU with the real runtime.
    (`unshare --net`, which needs root), its rate capped by a token bucket (`tc qdisc ...
    tbf rate RATE`). Every figure comes from the pipeline a user runs: `planner profile
    --full` times gpt-tiny's layers on a worker core, `planner profile --processes 2`
-   measures gloo all-reduce over the slowed link, `profile merge` makes the cluster, and
+   measures gloo all-reduce over the slowed link and how computing and an all-reduce in
+   flight slow each other there (its `contention`, which joins the layers' profile),
+   `profile merge` makes the cluster, and
    `planner estimate --dp 2 --micro-batch` prices even data parallelism (one micro-batch
    a step, whose whole backward a sync may overlap), once with the sync after backward
    and once with `--overlap-sync` in buckets of BUCKET_MB (the plan's
@@ -58,7 +60,11 @@ from results import table, write_section
 MODEL = "gpt-tiny"
 WORKERS = (("worker-0", "0"), ("worker-1", "1"))
 RATE = "300mbit"  # the slowed link (tc's units): gpt-tiny's fp32 sync outlasts its backward
-BURST = "1mb"  # (above loopback's 64 KiB packets, or they never pass)
+# the bucket's depth: above loopback's 64 KiB packets, or they never pass, and no more (at
+# 1mb, a sync after the idle forward and backward passed its first megabyte at loopback
+# speed, 15% faster than the back-to-back all-reduces the profile times: no real link
+# runs above its rate)
+BURST = "128kb"
 BATCH = 48  # 24 samples a worker: one micro-batch each, its backward about half the sync
 BUCKET_MB = 0.25  # gpt-tiny's 3.5 MB of gradients in 14 buckets or so
 BUSY_TOLERANCE = 1.25  # computing this much off the profile: a disturbed run
@@ -96,8 +102,10 @@ def cluster(work: Path) -> Path:
     n, all_reduce = fit["world_size"], fit["collectives"]["all_reduce"]
     bandwidth = all_reduce["beta_bandwidth"] * 2 * (n - 1) / n  # the ring's per link
     latency = all_reduce["alpha"] / (2 * (n - 1))
+    both = work / "worker-comm.json"  # the worker core's profile, its contention measured
+    both.write_text(json.dumps(dict(json.loads(profile.read_text()), communication=fit)))
     path = work / "cluster.yaml"
-    planner("profile", "merge", str(profile), str(profile), "--names",
+    planner("profile", "merge", str(both), str(both), "--names",
             ",".join(name for name, _ in WORKERS), "--network",
             f"{bandwidth * 8 / 1e9:.6g}Gbps/{latency * 1e6:.6g}us", "-o", str(path), "--force")
     return path
@@ -136,14 +144,15 @@ def _exposed_at(plan_file: Path, busy: float) -> float:
     from cost_models.model import AnalyticalCostModel
     from planner.explain import retrace
     from planner.planfile import read_plan
-    from planner.solver.predict import tail_sync
+    from planner.solver.predict import plan_contention, tail_sync
     from planner.solver.step import exposed
 
     plan = read_plan(plan_file)
     stage = json.loads(planner("explain", str(plan_file), "--json"))["stages"][0]
     backward = busy * stage["bwd"] / (stage["fwd"] + stage["bwd"])
-    tail = tail_sync(plan, retrace(plan).layers, AnalyticalCostModel(plan.cluster))
-    return exposed(plan.prediction.whole_sync, backward, plan.training.sync, tail)
+    costs = AnalyticalCostModel(plan.cluster)
+    return exposed(plan.prediction.whole_sync, backward, plan.training.sync,
+                   tail_sync(plan, retrace(plan).layers, costs), plan_contention(plan, costs))
 
 
 def _slowest_rank(summary: dict) -> dict:
@@ -188,10 +197,14 @@ def overlap_section(work: Path, settings: Settings) -> str:
                     f"{_exposed_at(work / f'{index}.json', busy):.3f} s |")
     link = json.loads((work / "comm.json").read_text())["communication"]
     bandwidth = link["collectives"]["all_reduce"]["beta_bandwidth"]
+    contention = link["contention"]
     return (f"gpt-tiny, fp32, global batch {BATCH} as two one-micro-batch pipelines on two "
             f"cores, joined by loopback capped at {RATE} (tc tbf; gloo all-reduce measured "
-            f"at {bandwidth * 8 / 1e6:.0f} Mb/s of bus bandwidth), buckets of {BUCKET_MB} "
-            f"MiB; {settings.repeats} run(s) of {settings.steps} steps each, alternating.\n\n"
+            f"at {bandwidth * 8 / 1e6:.0f} Mb/s of bus bandwidth; with an all-reduce in "
+            f"flight, computing measured {contention['compute_slowdown']:.1%} slower and the "
+            f"all-reduce beside computing {contention['collective_slowdown']:.1%}), buckets "
+            f"of {BUCKET_MB} MiB; {settings.repeats} run(s) of {settings.steps} steps each, "
+            "alternating.\n\n"
             + table(["sync", "predicted step", "measured step", "error", "predicted exposed",
                      "measured exposed", "error", "exposed on the rank that waited longest",
                      "predicted whole sync", "measured in flight",
@@ -200,7 +213,9 @@ def overlap_section(work: Path, settings: Settings) -> str:
             + "\nMeasured exposed and computing are the rank's that computed longest (the "
             "step pays the sync after the slowest pipeline); the rank that waited longest "
             "(summary.json's gradient_sync.exposed) also waited for the other's slower "
-            "backward. The last column is the step model's exposed sync (`step.exposed`, an "
+            "backward. Predicted computing includes what an overlapped sync slows it by "
+            "(`step.slowed`, the profile's contention). The last column is the step model's "
+            "exposed sync (`step.exposed`, an "
             "overlapped sync never below its last bucket's all-reduce) with the backward the "
             "run measured (its computing, split as the profile splits forward and backward) "
             "in place of the profile's: the sync model apart from how well the profile held "
