@@ -1739,5 +1739,5 @@ def test_every_table_cache_key_is_a_named_key():
     found = list(_cache_keys(table))
     assert {type(key) for key in found} <= named, {
         key for key in found if type(key) not in named}
-    assert {keys.FoldedKey, keys.ChainShapesKey, keys.TwoTypeShapesKey,
-            keys.StageKey} <= {type(key) for key in found}
+    assert {keys.FoldedKey, keys.ChainShapesKey, keys.ChainLayoutKey, keys.TwoTypeShapesKey,
+            keys.DeviceWorkKey, keys.StageKey} <= {type(key) for key in found}

@@ -58,6 +58,19 @@ class OpenFamilies:
 
 
 @dataclass(frozen=True)
+class Traits:
+    """What `Bound` reads of a family's pattern, or of no class, found once per pattern
+    (`Bound._traits`): the rows of a call are many families, and many calls the same."""
+
+    mask: np.ndarray  # [type]: which types its stages use
+    stages: float  # (no class: 1)
+    copies: np.ndarray  # [type]: `SyncFloor.copies`
+    tp_index: int  # `SyncFloor.tp_index`
+    runs: float  # `SyncFloor.runs` (no class: inf)
+    counts: np.ndarray  # [type]: devices one of its pipelines takes
+
+
+@dataclass(frozen=True)
 class Rows:
     """The fixed classes plus each row's candidate class, as `Bound._core` bounds them."""
 
@@ -79,7 +92,7 @@ def tight_result(table: CostTable, config: Config, space: Space, family: Family,
     gathers any group could have (cached)."""
     table = fold(table, config.interleave)
     held = -(-microbatches // family.n_max) if config.gpipe else None
-    space = degree_space(space, family.tps)
+    space = single_space(degree_space(space, family.tps), family.n_max)
     key = TightKey(family.key, family.n_max, config, space, held, crowd)
     if key not in table.cache:
         table.cache[key] = optimize(class_costs(
@@ -90,6 +103,16 @@ def tight_result(table: CostTable, config: Config, space: Space, family: Family,
             schedule=config.schedule, policies=space.policies, zeros=space.zeros,
             interleave=config.interleave, microbatches=held))
     return table.cache[key]
+
+
+def single_space(space: Space, n_max: int) -> Space:
+    """The choices of a class of at most one pipeline: ZeRO shards over pipelines, so
+    it has no ZeRO stage (`partition._options` gives it the same options whatever else
+    is allowed), and the search's two parts, which allow different ZeRO stages
+    (`search._parts`), price its family once (`tight_result`)."""
+    if n_max > 1:
+        return space
+    return dataclasses.replace(space, zeros=tuple(z for z in space.zeros if z == 0))
 
 
 def tighten(table: CostTable, config: Config, space: Space, family: Family,
@@ -223,6 +246,7 @@ class Bound:
         self._n_maxes: dict[tuple[int, frozenset[str]], np.ndarray] = {}
         self._bounds: dict[tuple[int, frozenset[str]], LevelView] = {}
         self._masks: dict[tuple[str, ...], np.ndarray] = {}
+        self._traits_of: dict[tuple | None, Traits] = {}
         self._joiners: dict[tuple[int, ...], tuple[float, np.ndarray] | None] = {}
         self._open: dict[tuple[int, ...], OpenLevels] = {}
         self._alone: dict[tuple[int, ...], tuple[float, float]] = {}
@@ -281,6 +305,19 @@ class Bound:
     def _counts(self, f: Family | None) -> np.ndarray:
         """Devices of each type one of the family's pipelines takes."""
         return _devices_per_pipeline(self._kind_names, *(f.key if f else ((), ())))
+
+    def _traits(self, f: Family | None) -> Traits:
+        """The family's `Traits` (None: no class), kept per pattern."""
+        key = f.key if f else None
+        found = self._traits_of.get(key)
+        if found is None:
+            types, tps = f.key if f else (None, None)
+            found = Traits(self._mask(f), float(len(types)) if types else 1.0,
+                           self.sync.copies(types, tps) if types else self.sync.copies(None),
+                           self.sync.tp_index(tps), self.sync.runs(types, tps) if types
+                           else INF, self._counts(f))
+            self._traits_of[key] = found
+        return found
 
     def _slot_values(self, open_levels: Sequence[int], room: np.ndarray | None,
                      excluded: frozenset[str], later: np.ndarray | float) -> SlotValues:
@@ -477,25 +514,21 @@ class Bound:
             return (np.full(rows, max(full, at_least[0])),
                     np.full(rows, max(base, at_least[1])))
         size = (rows, len(self.kinds))
-        classes = [(np.broadcast_to(self._mask(f), size),
-                    np.full(rows, float(len(f.types))), np.full(rows, float(n)),
-                    np.full(rows, float(n)),
-                    np.broadcast_to(self.sync.copies(f.types, f.tps), size),
-                    np.full(rows, self.sync.tp_index(f.tps)),
-                    np.full(rows, self.sync.runs(f.types, f.tps)))
+        classes = [(np.broadcast_to((t := self._traits(f)).mask, size),
+                    np.full(rows, t.stages), np.full(rows, float(n)), np.full(rows, float(n)),
+                    np.broadcast_to(t.copies, size), np.full(rows, t.tp_index),
+                    np.full(rows, t.runs))
                    for f, n in fixed]
         live = np.array([f is not None for f, _ in candidates])
         if live.any():
-            classes.append((np.array([self._mask(f) for f, _ in candidates]),
-                            np.array([float(len(f.types)) if f else 1.0 for f, _ in candidates]),
+            traits = [self._traits(f) for f, _ in candidates]
+            classes.append((np.array([t.mask for t in traits]),
+                            np.array([t.stages for t in traits]),
                             fewest_counts(fewer, candidates),
                             np.array([float(max(n, 1)) for _, n in candidates]),
-                            np.array([self.sync.copies(f.types, f.tps) if f else
-                                      self.sync.copies(None) for f, _ in candidates]),
-                            np.array([self.sync.tp_index(f.tps if f else None)
-                                      for f, _ in candidates]),
-                            np.array([self.sync.runs(f.types, f.tps) if f else INF
-                                      for f, _ in candidates])))
+                            np.array([t.copies for t in traits]),
+                            np.array([t.tp_index for t in traits]),
+                            np.array([t.runs for t in traits])))
         joiner = self._joiner(open_levels)
         if joiner is None or not classes:
             base = self._core(fixed, candidates, open_levels, fewer, at_least[1], fits=fits)
@@ -527,7 +560,9 @@ class Bound:
         The classes are bounded in order of a cheap floor, n pipelines finishing the
         micro-batches at their least period after their least fill (`_core` is no
         lower), until that floor reaches the smallest bound found: the rest cannot
-        be smaller, in bound or base (a base is at most its bound)."""
+        be smaller, in bound or base (a base is at most its bound). They are bounded
+        in chunks growing from `_ALONE_CHUNK` (each row as in a call of its own, so the
+        chunks change the cost alone)."""
         key = tuple(open_levels)
         if key not in self._alone:
             options, floors = [], []
@@ -547,7 +582,7 @@ class Bound:
                     options.append((self.levels[level][i], int(n[i])))
                     floors.append(floor[i])
             order = np.argsort(floors, kind="stable")
-            full, base, done, size = INF, INF, 0, 64
+            full, base, done, size = INF, INF, 0, _ALONE_CHUNK
             while done < len(order) and floors[order[done]] < full:
                 chunk = [options[i] for i in order[done:done + size] if floors[i] < full]
                 bounds, bases = self.many([], chunk, (), True)
@@ -676,8 +711,9 @@ class Bound:
         """The fixed classes plus each candidate, as `_core` bounds them."""
         free = np.array([float(self.devices[k]) for k in self.kinds])
         for f, n in fixed:
-            free -= n * self._counts(f)
-        counts = np.array([self._counts(f) for f, _ in candidates]).reshape(-1, len(self.kinds))
+            free -= n * self._traits(f).counts
+        counts = np.array([self._traits(f).counts for f, _ in candidates]
+                          ).reshape(-1, len(self.kinds))
         pipes = np.array([float(n) if f else 0.0 for f, n in candidates])
         busy = np.array([f.min_busy if f else INF for f, _ in candidates])
         total = np.array([f.total if f else -INF for f, _ in candidates])
@@ -754,6 +790,10 @@ def floors_per_row(pairs: tuple[tuple[float, float], ...], after: np.ndarray
     return [kept[cut] for cut in after.tolist()]
 
 
+# the classes `Bound._best_alone` bounds first, then four times as many at a time: the
+# floor order is good (Llama-2 7B on three types, 140 classes alone: the first 4 hold
+# the least bound of every root), and a call's cost grows with its rows
+_ALONE_CHUNK = 4
 _LINEAR_RUNGS = 8  # rungs of counts one node's worth apart, before they double
 
 

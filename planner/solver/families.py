@@ -49,8 +49,10 @@ import numpy as np
 from planner.solver.evaluate import Config, Space
 from planner.solver.interleave import fold
 from planner.solver.keys import (
+    ChainLayoutKey,
     ChainLimitKey,
     ChainShapesKey,
+    DeviceWorkKey,
     FitsBy,
     HomogeneousShapesKey,
     TwoTypeFlightsKey,
@@ -59,7 +61,12 @@ from planner.solver.keys import (
 from planner.solver.limits import Limits
 from planner.solver.links import cheapest_gather
 from planner.solver.partition import INF, ZERO_GATHER_REF, ClassResult
-from planner.solver.run_floors import least_largest_parts, recompute_curve, tails_in_memory
+from planner.solver.run_floors import (
+    RecomputeCurve,
+    least_largest_parts,
+    recompute_curve,
+    tails_in_memory,
+)
 from planner.solver.structure import ClassShape, capacity, devices_of
 from planner.solver.table import CostTable
 from planner.solver.timing import in_flight
@@ -162,10 +169,15 @@ def pair_staircase(pairs: Iterable[tuple[float, float]]) -> tuple[tuple[float, f
 
 def device_work(table: CostTable, config: Config, tps: Sequence[int]) -> dict[str, float]:
     """Per type, the fewest device-seconds a micro-batch of the whole model takes on it
-    at any of these tensor-parallel degrees (on the folded table)."""
+    at any of these tensor-parallel degrees (on the folded table; cached: the search
+    and the families ask for it alike)."""
     table = fold(table, config.interleave)
-    return {t.name: min(tp * float((c := table.costs(t.name, tp, config.mb)).fwd.sum()
-                                   + c.bwd.sum()) for tp in tps) for t in table.types}
+    key = DeviceWorkKey(config.mb, tuple(tps))
+    if key not in table.cache:
+        table.cache[key] = {t.name: min(tp * float((c := table.costs(t.name, tp, config.mb)
+                                                    ).fwd.sum() + c.bwd.sum()) for tp in tps)
+                            for t in table.types}
+    return table.cache[key]
 
 
 def families(table: CostTable, config: Config, limits: Limits, space: Space,
@@ -381,6 +393,33 @@ class MiddleBlock:
 
 
 @dataclass(frozen=True)
+class EndRows:
+    """The chains (rows of `ChainRows`) whose first block, or last, is of one type, with
+    what pricing that block reads that does not depend on the micro-batch size
+    (`FamilyFloors.chain_ends`)."""
+
+    members: np.ndarray  # the rows
+    count: np.ndarray  # [row, 1]: the block's stages
+    states: tuple[np.ndarray, np.ndarray]  # [row, j]: bytes of its layers' states (first
+    # block: [0, j), last: [j, L)) without ZeRO-3 and with it (`bytes_per_param`)
+    flight: np.ndarray  # [row, 1]: micro-batches its last stage holds
+    ok: np.ndarray  # [row, j]: whether it may end (first block) or start (last) at j
+
+
+@dataclass(frozen=True)
+class ChainLayout:
+    """The chains of `ChainRows` with what of them does not depend on the micro-batch
+    size (`FamilyFloors.chain_layout`): their first and last blocks by type
+    (`EndRows`), and per middle block (the second, then the third, ...) the rows by
+    type and `MiddleBlock`."""
+
+    rows: ChainRows
+    heads: dict[str, EndRows]
+    tails: dict[str, EndRows]
+    middles: list[dict[tuple[str, MiddleBlock], list[int]]]
+
+
+@dataclass(frozen=True)
 class ChainEnds:
     """Per row of `ChainRows` and layer boundary j: the first block's least busy time
     holding layers [0, j) and least largest stage, the last block's holding [j, L)
@@ -492,7 +531,7 @@ class FamilyFloors:
         space = self.space
         plain, zero3 = states
         room = stages * self.rooms[kind]
-        curve = recompute_curve(self.table, kind, tp, self.config.mb, space.policies)
+        curve = self.curve(kind, tp)
         gather = gathered * self.gather_rate[kind]
 
         def at(x: np.ndarray | float) -> np.ndarray:
@@ -518,6 +557,11 @@ class FamilyFloors:
         return at(np.clip(np.maximum(fits, pays), 0.0, 1.0))
 
     @_memo
+    def curve(self, kind: str, tp: int) -> RecomputeCurve:
+        """`run_floors.recompute_curve` of a type at a degree (kept: `memory` asks often)."""
+        return recompute_curve(self.table, kind, tp, self.config.mb, self.space.policies)
+
+    @_memo
     def bytes_per_param(self, n: int) -> tuple[float, float]:
         """Fewest bytes per parameter a device can keep, with ZeRO over n pipelines:
         without ZeRO-3 (unless only it is allowed) and with any allowed stage."""
@@ -527,6 +571,7 @@ class FamilyFloors:
                     default=table.bytes_per_param(3, shard))
         return plain, min(table.bytes_per_param(z, shard) for z in zeros)
 
+    @_memo
     def tails(self, kind: str, tp: int) -> tuple[np.ndarray, np.ndarray]:
         """[c - 1, j]: no stage of the last c stages of a pipeline holding layers
         [j, L) is busy for less, and they are not busy for less in all (the states as
@@ -567,7 +612,7 @@ class FamilyFloors:
         degrees = tuple(tp for _, c, tp in parts for _ in range(c))
         return Fitting(types, degrees, n_max) if self.limits.allows(types) else None
 
-    @property
+    @functools.cached_property
     def fits_by(self) -> FitsBy:
         """What the patterns that fit depend on besides their types and degrees."""
         limits = self.limits
@@ -700,22 +745,13 @@ class FamilyFloors:
     def chains(self, tp: int, most: int) -> list[Family]:
         """The families of chains of three to `most` types at degree tp (see the
         module), every order of types at once, a row per family (`ChainRows`)."""
-        key = ChainShapesKey(tp, most, self.fits_by)
-        if key not in self.table.cache:  # (the same at every micro-batch size)
-            by_order: dict[tuple[str, ...], list[tuple[Fitting, tuple[int, ...]]]] = {}
-            for blocks in range(3, most + 1):
-                for order, counts in chain_patterns(self.table, self.limits, self.config, tp,
-                                                    blocks):
-                    found = self.fits([(k, c, tp) for k, c in zip(order, counts, strict=True)])
-                    if found is not None:
-                        by_order.setdefault(order, []).append((found, counts))
-            self.table.cache[key] = by_order
-        rows = ChainRows.of(self.table.cache[key])
+        layout = self.chain_layout(tp, most)
+        rows = layout.rows
         if not rows.fitting:
             return []
-        ends = self.chain_ends(tp, rows)
+        ends = self.chain_ends(tp, layout)
         if (self.table.num_layers + 1) ** 2 <= _WHOLE_MIDDLES:
-            done, reach = self.middles(tp, rows, ends.head_busy, ends.head_max)
+            done, reach = self.middles(tp, layout, ends.head_busy, ends.head_max)
         else:  # (long models: each middle block its layers' time, no memory, any period)
             done, reach = ends.head_busy.copy(), ends.head_max.copy()
             for order, members in rows.by(lambda order: order).items():
@@ -737,14 +773,51 @@ class FamilyFloors:
                 for f, t, m in zip(rows.fitting, self.fill(total, period).tolist(),
                                    period.tolist(), strict=True) if m < INF]
 
-    def chain_ends(self, tp: int, rows: ChainRows) -> ChainEnds:
-        """The first and last blocks of these chains (rows), a type at a time: per row and
-        layer boundary j, the first block's least busy time holding layers [0, j) and
-        its least largest stage, the last block's holding [j, L) and its least largest
-        stage (`head_time`, `tail_time`, raised to the least largest parts)."""
+    def chain_layout(self, tp: int, most: int) -> ChainLayout:
+        """The chains of three to `most` types at degree tp that fit, as rows
+        (`ChainRows`), with what of them does not depend on the micro-batch size
+        (`ChainLayout`; both cached in the table)."""
+        shapes = ChainShapesKey(tp, most, self.fits_by)
+        if shapes not in self.table.cache:
+            by_order: dict[tuple[str, ...], list[tuple[Fitting, tuple[int, ...]]]] = {}
+            for blocks in range(3, most + 1):
+                for order, counts in chain_patterns(self.table, self.limits, self.config, tp,
+                                                    blocks):
+                    found = self.fits([(k, c, tp) for k, c in zip(order, counts, strict=True)])
+                    if found is not None:
+                        by_order.setdefault(order, []).append((found, counts))
+            self.table.cache[shapes] = by_order
+        config = self.config
+        key = ChainLayoutKey(shapes, config.schedule, config.interleave,
+                             self.microbatches if config.gpipe else None)
+        if key not in self.table.cache:
+            rows = ChainRows.of(self.table.cache[shapes])
+            counts = rows.counts.astype(int).tolist()
+            stages = rows.stages.astype(int).tolist()
+            middles = []
+            for b in range(1, max((len(order) for order in rows.orders), default=2) - 1):
+                groups: dict[tuple[str, MiddleBlock], list[int]] = {}
+                for r, (order, f) in enumerate(zip(rows.orders, rows.fitting, strict=True)):
+                    if b < len(order) - 1:
+                        groups.setdefault((order[b], MiddleBlock(counts[r][b], self.flight(
+                            sum(counts[r][:b + 1]) - 1, stages[r], f.n_max),
+                            *self.bytes_per_param(f.n_max))), []).append(r)
+                middles.append(groups)
+            self.table.cache[key] = ChainLayout(
+                rows, *(self.end_rows(tp, rows) if rows.fitting else ({}, {})), middles)
+        return self.table.cache[key]
+
+    def end_rows(self, tp: int, rows: ChainRows
+                 ) -> tuple[dict[str, EndRows], dict[str, EndRows]]:
+        """The chains' first blocks by type and their last blocks by type (`EndRows`)."""
         layers, rooms = self.table.num_layers, self.rooms
+        counts, stages = rows.counts.astype(int).tolist(), rows.stages.astype(int).tolist()
         first_count, last_count = rows.counts[:, :1], rows.last_counts
         per = np.array([self.bytes_per_param(f.n_max) for f in rows.fitting]).reshape(-1, 2)
+        first = np.array([self.flight(c[0] - 1, s, f.n_max) for f, c, s in zip(
+            rows.fitting, counts, stages, strict=True)]).reshape(-1, 1)
+        last = np.array([self.flight(s - 1, s, f.n_max) for f, s in zip(
+            rows.fitting, stages, strict=True)]).reshape(-1, 1)
         held = self.held(tp)
         head, tail = held[None, :], (held[-1] - held)[None, :]
         head_states = (head * per[:, :1], head * per[:, 1:])
@@ -754,28 +827,38 @@ class FamilyFloors:
         last_rooms = np.array([[rooms[order[-1]]] for order in rows.orders])
         head_ok = (j >= first_count) & (head_states[1] <= first_count * first_rooms)
         tail_ok = (j <= layers - last_count) & (tail_states[1] <= last_count * last_rooms)
-        first = np.array([[self.flight(int(c[0]) - 1, int(s), f.n_max)] for f, c, s in zip(
-            rows.fitting, rows.counts, rows.stages, strict=True)])
-        last = np.array([[self.flight(int(s) - 1, int(s), f.n_max)]
-                         for f, s in zip(rows.fitting, rows.stages, strict=True)])
-        head_busy, head_max, tail_busy, tail_max = (np.full(head_ok.shape, INF)
-                                                    for _ in range(4))
-        for kind, members in rows.by(lambda order: order[0]).items():
-            ok, count = head_ok[members], first_count[members]
-            head_busy[members] = np.where(ok, self.head_time(
-                kind, tp, tuple(s[members] for s in head_states), count, first[members]), INF)
-            head_max[members] = np.where(ok, np.maximum(head_busy[members] / count, self.heads(
+        return ({kind: EndRows(members, first_count[members],
+                               tuple(s[members] for s in head_states), first[members],
+                               head_ok[members])
+                 for kind, members in rows.by(lambda order: order[0]).items()},
+                {kind: EndRows(members, last_count[members],
+                               tuple(s[members] for s in tail_states), last[members],
+                               tail_ok[members])
+                 for kind, members in rows.by(lambda order: order[-1]).items()})
+
+    def chain_ends(self, tp: int, layout: ChainLayout) -> ChainEnds:
+        """The first and last blocks of these chains (`ChainLayout`), a type at a time:
+        per row and layer boundary j, the first block's least busy time holding layers
+        [0, j) and its least largest stage, the last block's holding [j, L) and its
+        least largest stage (`head_time`, `tail_time`, raised to the least largest
+        parts)."""
+        shape = (len(layout.rows.orders), self.table.num_layers + 1)
+        head_busy, head_max, tail_busy, tail_max = (np.full(shape, INF) for _ in range(4))
+        for kind, end in layout.heads.items():
+            members, count = end.members, end.count
+            head_busy[members] = np.where(end.ok, self.head_time(
+                kind, tp, end.states, count, end.flight), INF)
+            head_max[members] = np.where(end.ok, np.maximum(head_busy[members] / count, self.heads(
                 kind, tp)[count[:, 0].astype(int) - 1]), INF)
-        for kind, members in rows.by(lambda order: order[-1]).items():
-            count = last_count[members]
+        for kind, end in layout.tails.items():
+            members, count = end.members, end.count
             largest, least = (x[count[:, 0].astype(int) - 1] for x in self.tails(kind, tp))
-            busy = self.tail_time(kind, tp, tuple(s[members] for s in tail_states), count,
-                                  last[members])
-            tail_busy[members] = np.where(tail_ok[members], np.maximum(busy, least), INF)
+            busy = self.tail_time(kind, tp, end.states, count, end.flight)
+            tail_busy[members] = np.where(end.ok, np.maximum(busy, least), INF)
             tail_max[members] = np.maximum(tail_busy[members] / count, largest)
         return ChainEnds(head_busy, head_max, tail_busy, tail_max)
 
-    def middles(self, tp: int, rows: ChainRows, head_busy: np.ndarray,
+    def middles(self, tp: int, layout: ChainLayout, head_busy: np.ndarray,
                 head_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Through the middle blocks of these chains, a block at a time: per row and
         layer boundary j, the least busy time of the blocks before the last holding
@@ -784,26 +867,23 @@ class FamilyFloors:
         the rows of every order with the same middle block)."""
         done, reach = head_busy.copy(), head_max.copy()
         step = max(1, _MIDDLE_CELLS // (self.table.num_layers + 1) ** 2)  # rows at a time
-        for b in range(1, max(len(order) for order in rows.orders) - 1):
-            groups: dict[tuple[str, MiddleBlock], list[int]] = {}
-            for r, (order, f) in enumerate(zip(rows.orders, rows.fitting, strict=True)):
-                if b < len(order) - 1:
-                    end = int(rows.counts[r, :b + 1].sum())
-                    groups.setdefault((order[b], MiddleBlock(int(rows.counts[r, b]), self.flight(
-                        end - 1, int(rows.stages[r]), f.n_max),
-                        *self.bytes_per_param(f.n_max))), []).append(r)
+        for groups in layout.middles:
             busies: dict[tuple[str, MiddleBlock], np.ndarray] = {}
             for kind in dict.fromkeys(kind for kind, _ in groups):
                 blocks = [block for k, block in groups if k == kind]
                 busies.update(((kind, block), busy) for block, busy in zip(
                     blocks, self.middle_busy(kind, tp, blocks), strict=True))
-            for (kind, block), members in groups.items():
-                busy = busies[kind, block]
-                for at in range(0, len(members), step):
-                    part = members[at:at + step]
-                    done[part] = (done[part][:, :, None] + busy[None]).min(axis=1)
-                    reach[part] = np.maximum(reach[part][:, :, None],
-                                             busy[None] / block.count).min(axis=1)
+            # every row of the block at once (`step` rows at a time), each its own block's
+            members = [r for rows in groups.values() for r in rows]
+            blocks = [(busies[key], float(key[1].count)) for key, rows in groups.items()
+                      for _ in rows]
+            for at in range(0, len(members), step):
+                part = members[at:at + step]
+                busy = np.stack([matrix for matrix, _ in blocks[at:at + step]])
+                counts = np.array([count for _, count in blocks[at:at + step]])
+                done[part] = (done[part][:, :, None] + busy).min(axis=1)
+                reach[part] = np.maximum(reach[part][:, :, None],
+                                         busy / counts[:, None, None]).min(axis=1)
         return done, reach
 
     def middle_busy(self, kind: str, tp: int, blocks: Sequence[MiddleBlock]

@@ -63,6 +63,8 @@ def floors_after(pairs: tuple[tuple[float, float], ...], t: float
     """Of a class's (period, fill) pairs, the first and those whose line (micro-batches
     finished by a time) lies above the first's somewhere after t: the first's has the
     shortest period, so past their crossing it finishes more."""
+    if len(pairs) == 1:  # (most families': their first bounds alone)
+        return pairs
     (least, fill), *rest = pairs
     return (pairs[0], *((p, f) for p, f in rest
                         if (f / p - fill / least) / (1 / p - 1 / least) > t))

@@ -235,6 +235,15 @@ class FitsBy:
 
 
 @dataclass(frozen=True)
+class DeviceWorkKey:
+    """`families.device_work`: per type, the device-seconds a micro-batch of the whole
+    model takes at least at any of these degrees."""
+
+    mb: int
+    tps: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class HomogeneousShapesKey:
     """`FamilyFloors.homogeneous`: the patterns of one block that fit."""
 
@@ -274,6 +283,18 @@ class ChainShapesKey:
     tp: int
     most: int
     by: FitsBy
+
+
+@dataclass(frozen=True)
+class ChainLayoutKey:
+    """`FamilyFloors.chain_layout`: those patterns as rows, with what pricing their
+    blocks reads that does not depend on the micro-batch size (their states' bytes, the
+    micro-batches their stages hold, the layers they may hold)."""
+
+    shapes: ChainShapesKey
+    schedule: Schedule
+    interleave: int
+    microbatches: int | None  # GPipe's (its pipelines hold all theirs), else None
 
 
 @dataclass(frozen=True)
