@@ -106,8 +106,38 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
                       schedule: Schedule = Schedule.ONE_F_ONE_B, interleave: int = 1,
                       must_fit: bool = False) -> list[PipelinePlan] | None:
     """The uniform recipe's pipelines, stage memory included but not yet priced (None
-    with `must_fit` if a device's memory overflows)."""
+    with `must_fit` if a device's memory overflows). Each step names the option at fault
+    where the recipe cannot be laid out: the options alone (`_check_options`), the tp
+    groups the cluster and the model allow (`_tp_groups`), the pipelines they hold
+    (`_pipeline_count`), the layer chunks and micro-batches, which must feed every
+    pipeline (`_check_feeds`); then the stages (`_recipe_pipelines`)."""
     check_global_batch(training.global_batch)
+    _check_options(tp, pp, micro_batch, interleave, schedule)
+    slots = _tp_groups(layers, cluster, tp, pp)
+    given, most = bool(dp), len(slots) // pp  # (most: the pipelines the devices allow)
+    dp = _pipeline_count(dp or most, cluster, slots, tp, pp)
+    schedule = Schedule.INTERLEAVED if interleave > 1 else schedule
+    chunks = megatron_bounds(layers, pp * interleave)
+    if any(a == b for a, b in chunks):
+        raise PlannerError("bad-option", f"{len(layers)} layers cannot be split into "
+                           f"--pp {pp} x --interleave {interleave} non-empty chunks.",
+                           ["lower --pp or --interleave"])
+    batch = training.global_batch
+    if batch % micro_batch:
+        raise PlannerError("bad-option", f"--micro-batch {micro_batch} does not divide the "
+                           f"global batch {batch}.", ["pick a divisor of the global batch"])
+    _check_feeds(batch, micro_batch, dp, given, most, pp, interleave, zero,
+                 f"{len(slots)} devices" if tp == 1 else f"{len(slots)} groups of --tp {tp}")
+    return _recipe_pipelines(
+        layers=layers, cluster=cluster, training=training, costs=costs,
+        layout=[slots[p * pp:(p + 1) * pp] for p in range(dp)], chunks=chunks, tp=tp,
+        micro_batch=micro_batch, recompute=recompute, zero=zero, schedule=schedule,
+        interleave=interleave, must_fit=must_fit)
+
+
+def _check_options(tp: int, pp: int, micro_batch: int, interleave: int,
+                   schedule: Schedule) -> None:
+    """The recipe's options on their own: positive, and a schedule they allow."""
     for name, value in (("--tp", tp), ("--pp", pp), ("--micro-batch", micro_batch),
                         ("--interleave", interleave)):
         if value < 1:
@@ -124,6 +154,12 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
         raise PlannerError("bad-option", f"--interleave {interleave} needs a pipeline: with "
                            "--pp 1 there is no stage to interleave chunks with.",
                            ["use --pp 2 or more", "or drop --interleave"])
+
+
+def _tp_groups(layers: Sequence[Layer], cluster: ClusterSpec, tp: int, pp: int
+               ) -> list[tuple[str, int, str]]:
+    """The cluster's tp groups (`groups`), where tp fits a node and divides the model's
+    layers, and there are layers and groups for `pp` stages."""
     biggest = max(n.devices for n in cluster.nodes)
     fitting = [t for t in (1, 2, 4, 8, 16) if t <= biggest]
     if not any(n.devices % tp == 0 for n in cluster.nodes):
@@ -144,49 +180,63 @@ def uniform_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
             "bad-option", f"--pp {pp} stages of --tp {tp} need {pp * tp} devices in groups of "
             f"{tp}; cluster {cluster.name} has {len(slots)} such groups "
             f"({cluster.num_devices} devices).", ["lower --pp" + (" or --tp" if tp > 1 else "")])
-    given, most = bool(dp), len(slots) // pp  # (most: the pipelines the devices allow)
-    dp = dp or most
+    return slots
+
+
+def _pipeline_count(dp: int, cluster: ClusterSpec, slots: Sequence[tuple[str, int, str]],
+                    tp: int, pp: int) -> int:
+    """`dp`, where the groups hold that many pipelines of `pp` stages."""
     if dp < 1 or dp * pp > len(slots):
         raise PlannerError(
             "bad-option", f"--tp {tp} x --pp {pp} x --dp {dp} needs {tp * pp * dp} devices in "
             f"groups of {tp}; cluster {cluster.name} has {len(slots)} such groups "
             f"({cluster.num_devices} devices).", ["lower --dp or --pp", "lower --tp"])
-    schedule = Schedule.INTERLEAVED if interleave > 1 else schedule
-    chunks = megatron_bounds(layers, pp * interleave)
-    if any(a == b for a, b in chunks):
-        raise PlannerError("bad-option", f"{len(layers)} layers cannot be split into "
-                           f"--pp {pp} x --interleave {interleave} non-empty chunks.",
-                           ["lower --pp or --interleave"])
-    batch = training.global_batch
-    if batch % micro_batch:
-        raise PlannerError("bad-option", f"--micro-batch {micro_batch} does not divide the "
-                           f"global batch {batch}.", ["pick a divisor of the global batch"])
+    return dp
+
+
+def _check_feeds(batch: int, micro_batch: int, dp: int, given: bool, most: int, pp: int,
+                 interleave: int, zero: int, units: str) -> None:
+    """Whether the global batch in micro-batches feeds the `dp` pipelines (`_feeds`);
+    if not, the rule it breaks and what would (`_feed_remedies`). given: whether --dp
+    was; most: the pipelines the devices allow, in `units` (devices or groups)."""
     total = batch // micro_batch
-    if not _feeds(total, dp, pp, interleave, zero):
-        units = f"{len(slots)} devices" if tp == 1 else f"{len(slots)} groups of --tp {tp}"
-        pipes = (f"--dp {dp} pipelines" if given else f"{dp} pipelines (--dp was not given, "
-                 f"and defaults to as many as the devices allow: {units}, {pp} per pipeline)")
-        remedies = _feed_remedies(batch, micro_batch, dp, given, most, pp, interleave, zero)
-        if total < dp:
-            raise PlannerError("bad-option", f"{total} micro-batch{'es' * (total != 1)} (the "
-                               f"global batch of {batch} in micro-batches of {micro_batch}) "
-                               f"cannot feed {pipes}.", remedies)
-        if zero == 3 and total % dp:
-            raise PlannerError(
-                "bad-option", f"--zero 3 needs every pipeline to run as many micro-batches "
-                f"as the others (each forward gathers the weights from all replicas), but "
-                f"{total} micro-batches over {pipes} leave some with one more.",
-                [*(["use --zero 2"] if _feeds(total, dp, pp, interleave, 2) else []),
-                 *remedies])
-        raise PlannerError("bad-option", "An interleaved schedule needs each pipeline's "
-                           f"micro-batch count to be a multiple of --pp {pp}, which {total} "
-                           f"micro-batches over {pipes} cannot be.", remedies)
+    if _feeds(total, dp, pp, interleave, zero):
+        return
+    pipes = (f"--dp {dp} pipelines" if given else f"{dp} pipelines (--dp was not given, "
+             f"and defaults to as many as the devices allow: {units}, {pp} per pipeline)")
+    remedies = _feed_remedies(batch, micro_batch, dp, given, most, pp, interleave, zero)
+    if total < dp:
+        raise PlannerError("bad-option", f"{total} micro-batch{'es' * (total != 1)} (the "
+                           f"global batch of {batch} in micro-batches of {micro_batch}) "
+                           f"cannot feed {pipes}.", remedies)
+    if zero == 3 and total % dp:
+        raise PlannerError(
+            "bad-option", f"--zero 3 needs every pipeline to run as many micro-batches "
+            f"as the others (each forward gathers the weights from all replicas), but "
+            f"{total} micro-batches over {pipes} leave some with one more.",
+            [*(["use --zero 2"] if _feeds(total, dp, pp, interleave, 2) else []),
+             *remedies])
+    raise PlannerError("bad-option", "An interleaved schedule needs each pipeline's "
+                       f"micro-batch count to be a multiple of --pp {pp}, which {total} "
+                       f"micro-batches over {pipes} cannot be.", remedies)
+
+
+def _recipe_pipelines(*, layers: Sequence[Layer], cluster: ClusterSpec,
+                      training: TrainingSpec, costs: CostModel,
+                      layout: Sequence[Sequence[tuple[str, int, str]]],
+                      chunks: Sequence[tuple[int, int]], tp: int, micro_batch: int,
+                      recompute: Recompute, zero: int, schedule: Schedule, interleave: int,
+                      must_fit: bool) -> list[PipelinePlan] | None:
+    """The pipelines of `layout` (each its stages' tp groups), the layers in `chunks`
+    (stage s holds chunks s, s + pp, ...), the micro-batches shared evenly
+    (`even_shares`); None with `must_fit` where a stage overflows its device."""
     pipelines = []
+    dp, pp = len(layout), len(layout[0])
+    total = training.global_batch // micro_batch
     alike: dict[tuple, StagePlan] = {}  # stages differ only in their devices
     # the runtime shards a stage with ZeRO among its replicas of one device type, and
     # only layers no other replica set holds: stage positions on mixed types get none
-    mixed = {s for s in range(pp) if len({slots[p * pp + s][2] for p in range(dp)}) > 1}
-    layout = [slots[p * pp:(p + 1) * pp] for p in range(dp)]
+    mixed = {s for s in range(pp) if len({layout[p][s][2] for p in range(dp)}) > 1}
     for p, m in enumerate(even_shares(total, layout, cluster, training.dtype)):
         stages = []
         for s in range(pp):
