@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from results import table, write_section
 
 from cost_models.cluster import load_cluster
-from cost_models.comm import Collective, CommGroup
+from cost_models.comm import Collective, CommGroup, bus_factor, collective_time
 from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from cost_models.model import AnalyticalCostModel
 from cost_models.tensor_parallel import as_trained
@@ -315,20 +315,34 @@ def tp_message_bytes(row: Published) -> int:
     return SEQ * row.micro_batch * row.hidden * 2
 
 
+def node_bus_rate(size: int, cluster: ClusterSpec) -> float:
+    """The bus bandwidth an all-reduce of `size` bytes among the devices of `cluster`'s
+    first node is priced at (nccl-tests' busbw: 2 (n - 1) / n of the size over the time)."""
+    node = cluster.nodes[0]
+    group = CommGroup(((node.name, node.devices),))
+    seconds = collective_time(Collective.ALL_REDUCE, size, group, cluster)
+    return bus_factor(Collective.ALL_REDUCE, group.size) * size / seconds
+
+
 def also_checked(priced: list[Priced], *, too_fast: bool) -> str:
     """What else could make the missed rows slower, each decided from its source: the
-    rate the A100's NVLink is priced at against the sizes the rows' tensor-parallel
+    rate the A100's NVLink is priced at for the sizes the rows' tensor-parallel
     collectives move, the embedding's and head's recompute, Megatron-LM's 2021 schedule."""
     split = [p.row for p in priced if p.row.stack == "Megatron-LM" and p.row.tp > 1]
     sizes = [tp_message_bytes(row) for row in split]
-    nvlink = row_cluster(split[0]).nodes[0].intra_link
+    cluster = row_cluster(split[0])
+    nvlink = cluster.nodes[0].intra_link
     return (f"Also checked: the A100's NVLink is priced at {nvlink.bandwidth / 1e9:.0f} GB/s, "
-            "the bus bandwidth NCCL reaches on it at 8 GB and still rising at 512 MB "
-            "(NCCL's developer in NVIDIA/nccl-tests issue 149, the catalog's source); the "
-            f"rows' tensor-parallel collectives move {min(sizes) / 1e6:.0f}-"
-            f"{max(sizes) / 1e6:.0f} MB each, where NCCL is slower still, but no source "
-            "found gives its rate there, so none is used. Megatron-LM's full recompute "
-            "runs the transformer layers again, not the embedding and the head "
+            "the bus bandwidth NCCL reaches on it at 8 GB (NCCL's developer in "
+            "NVIDIA/nccl-tests issue 149), with a latency of "
+            f"{nvlink.latency * 1e6:.1f} us a step fitted to NCCL's all-reduce timed size by "
+            "size on one 8 x A100 node (stas00/ml-engineering network/README.md, 1 MB to "
+            "1 GB; the catalog's sources); the rows' tensor-parallel collectives move "
+            f"{min(sizes) / 1e6:.0f}-{max(sizes) / 1e6:.0f} MB each, where NCCL is slower "
+            f"than at 8 GB: an all-reduce of those sizes is priced at "
+            f"{node_bus_rate(min(sizes), cluster) / 1e9:.0f}-"
+            f"{node_bus_rate(max(sizes), cluster) / 1e9:.0f} GB/s. Megatron-LM's full "
+            "recompute runs the transformer layers again, not the embedding and the head "
             "(megatron/model/transformer.py, `_checkpointed_forward`); the planner's "
             "runtime recomputes them too (planner/runtime/stage.py, `apply_recompute`), "
             "and that is what is priced: left out, every row would be predicted faster"

@@ -189,7 +189,7 @@ def test_cli_devices_json_and_table():
     assert set(REQUIRED) <= set(rows)
     a100 = rows["A100-80G-SXM"]
     assert a100["peak_flops"]["bf16"] == 312e12 and a100["memory_bandwidth"] == 2.039e12
-    assert a100["intra_link"] == {"name": "NVLink 3", "bandwidth": 230e9, "latency": 2e-6}
+    assert a100["intra_link"] == {"name": "NVLink 3", "bandwidth": 230e9, "latency": 10.8e-6}
     assert "NVIDIA A100-SXM4-80GB" in a100["aliases"]
     assert "datasheet" in a100["sources"]["peak_flops"]
     amd = json.loads(runner.invoke(app, ["devices", "--json", "--vendor", "AMD"]).stdout)
