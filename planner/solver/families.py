@@ -875,12 +875,12 @@ class FamilyFloors:
                     blocks, self.middle_busy(kind, tp, blocks), strict=True))
             # every row of the block at once (`step` rows at a time), each its own block's
             members = [r for rows in groups.values() for r in rows]
-            blocks = [(busies[key], float(key[1].count)) for key, rows in groups.items()
-                      for _ in rows]
+            priced = [(busies[key], float(key[1].count)) for key, rows in groups.items()
+                      for _ in rows]  # (per member: its block's busy times and stages)
             for at in range(0, len(members), step):
                 part = members[at:at + step]
-                busy = np.stack([matrix for matrix, _ in blocks[at:at + step]])
-                counts = np.array([count for _, count in blocks[at:at + step]])
+                busy = np.stack([matrix for matrix, _ in priced[at:at + step]])
+                counts = np.array([count for _, count in priced[at:at + step]])
                 done[part] = (done[part][:, :, None] + busy).min(axis=1)
                 reach[part] = np.maximum(reach[part][:, :, None],
                                          busy / counts[:, None, None]).min(axis=1)
