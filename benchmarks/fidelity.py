@@ -26,6 +26,10 @@ the catalog prices a fused flash kernel at 55% / 45% of the peak forward / backw
 A100's attention efficiency for these runs is fitted once, over all the Megatron-LM
 rows together (`calibrate`), and used for every row.
 
+NVLink 3 is priced no faster than NCCL's all-reduce measured on one 8 x A100 node (the
+catalog's bus_rates); `nvlink_against_nccl` sets that table beside the alpha-beta line and
+the price, size by size.
+
 Targets (issue 47): mean |error| <= 5% and max <= 10% over at least 10 published rows;
 Megatron's 1T model (tp 8, pp 64) fits with selective recompute and sequence
 parallelism and is predicted within 10% of its published throughput per GPU.
@@ -51,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from results import table, write_section
 
 from cost_models.cluster import load_cluster
-from cost_models.comm import Collective, CommGroup, bus_factor, collective_time
+from cost_models.comm import Collective, CommGroup, bus_factor, collective_over, collective_time
 from cost_models.compute import DEFAULT_EFFICIENCY, Efficiency
 from cost_models.model import AnalyticalCostModel
 from cost_models.tensor_parallel import as_trained
@@ -324,6 +328,37 @@ def node_bus_rate(size: int, cluster: ClusterSpec) -> float:
     return bus_factor(Collective.ALL_REDUCE, group.size) * size / seconds
 
 
+def nvlink_against_nccl(cluster: ClusterSpec) -> str:
+    """NCCL's all-reduce among the 8 GPUs of `cluster`'s first node as measured (the
+    catalog's bus_rates for its NVLink: time = 2 (n - 1) / n S / busbw), against the
+    alpha-beta line alone and the price (the line, no faster than the measurement)."""
+    node = cluster.nodes[0]
+    group = CommGroup(((node.name, node.devices),))
+    link = node.intra_link
+    line = dataclasses.replace(link, bus_rates=())
+    factor = bus_factor(Collective.ALL_REDUCE, group.size)
+    rows = []
+    for rate in link.bus_rates:
+        measured = factor * rate.size / rate.bus_bandwidth
+        fitted = collective_over(Collective.ALL_REDUCE, rate.size, group, line, None)
+        priced = collective_time(Collective.ALL_REDUCE, rate.size, group, cluster)
+        rows.append(f"| {rate.size / 2**20:,.0f} MiB | {rate.bus_bandwidth / 1e9:.2f} GB/s | "
+                    f"{measured * 1e6:,.1f} us | {fitted * 1e6:,.1f} us "
+                    f"({fitted / measured - 1:+.1%}) | {priced * 1e6:,.1f} us "
+                    f"({priced / measured - 1:+.1%}) |")
+    return (f"The A100's NVLink priced against NCCL's all-reduce among {group.size} GPUs as "
+            "measured (all_reduce_perf on one 8 x A100 node, stas00/ml-engineering "
+            "network/README.md, 'Real network throughput'; the catalog's nvlink3 bus_rates; "
+            "time = 2 (n - 1) / n S / busbw): the alpha-beta line alone "
+            f"({link.bandwidth / 1e9:.0f} GB/s, {link.latency * 1e6:.1f} us a step) and the "
+            "price, the line but no faster than the measurement (cost_models/comm.py "
+            "`measured_seconds`: power law between sizes, running maximum of the times; "
+            "where NCCL beat the line the line stays, as the solver's floors take it for the "
+            "least a collective costs).\n\n"
+            + table(["size", "busbw measured", "NCCL's time", "alpha-beta line", "priced"],
+                    rows) + "\n")
+
+
 def also_checked(priced: list[Priced], *, too_fast: bool) -> str:
     """What else could make the missed rows slower, each decided from its source: the
     rate the A100's NVLink is priced at for the sizes the rows' tensor-parallel
@@ -337,9 +372,11 @@ def also_checked(priced: list[Priced], *, too_fast: bool) -> str:
             "NVIDIA/nccl-tests issue 149), with a latency of "
             f"{nvlink.latency * 1e6:.1f} us a step fitted to NCCL's all-reduce timed size by "
             "size on one 8 x A100 node (stas00/ml-engineering network/README.md, 1 MB to "
-            "1 GB; the catalog's sources); the rows' tensor-parallel collectives move "
-            f"{min(sizes) / 1e6:.0f}-{max(sizes) / 1e6:.0f} MB each, where NCCL is slower "
-            f"than at 8 GB: an all-reduce of those sizes is priced at "
+            "1 GB; the catalog's sources), and no faster than that table's bus bandwidth "
+            "(the catalog's bus_rates, 1 MB to 16 GB; the table above); the rows' "
+            f"tensor-parallel collectives move {min(sizes) / 1e6:.0f}-"
+            f"{max(sizes) / 1e6:.0f} MB each, where NCCL is slower than at 8 GB: an "
+            f"all-reduce of those sizes is priced at "
             f"{node_bus_rate(min(sizes), cluster) / 1e9:.0f}-"
             f"{node_bus_rate(max(sizes), cluster) / 1e9:.0f} GB/s. Megatron-LM's full "
             "recompute runs the transformer layers again, not the embedding and the head "
@@ -438,7 +475,8 @@ def main() -> int:
         f"model FLOPs per GPU predicted, {published / 1e12:.0f} published ({one_t.error:+.1%}"
         f" in time; the README's MFU {ONE_T_MFU:.1%} is "
         f"{ONE_T_MFU * A100_PEAK / 1e12:.0f} TFLOP/s, counted with Megatron's formula).\n\n"
-        + _three_thousand(priced, share) + checked_causes(priced) +
+        + _three_thousand(priced, share) + nvlink_against_nccl(row_cluster(ROWS[0]))
+        + checked_causes(priced) +
         "Sources:\n" + "".join(f"- {s}\n" for s in sources)
         + f"\n({time.perf_counter() - started:.0f} s.)")
     write_section("fidelity", "python benchmarks/fidelity.py", body)

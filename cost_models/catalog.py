@@ -21,6 +21,7 @@ import yaml
 
 from planner.errors import PlannerError, unknown_name_error
 from planner.types import DeviceSpec, LinkSpec
+from planner.types.cluster import BusRate
 from planner.units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
 
 SCHEMA_VERSION = 1
@@ -125,11 +126,26 @@ def parse_catalog(text: str, source: str) -> Catalog:
 
 
 def _link(raw: Any, where: str) -> tuple[LinkSpec, str]:
-    data = _fields(raw, where, required=("name", "bandwidth", "latency", "source"))
+    data = _fields(raw, where, required=("name", "bandwidth", "latency", "source"),
+                   optional=("bus_rates",))
     spec = LinkSpec(name=_text(data["name"], f"{where}.name"),
                     bandwidth=_parse(parse_bandwidth, data["bandwidth"], f"{where}.bandwidth"),
-                    latency=_parse(parse_duration, data["latency"], f"{where}.latency"))
+                    latency=_parse(parse_duration, data["latency"], f"{where}.latency"),
+                    bus_rates=_bus_rates(data.get("bus_rates", {}), f"{where}.bus_rates"))
     return spec, _text(data["source"], f"{where}.source")
+
+
+def _bus_rates(raw: Any, where: str) -> tuple[BusRate, ...]:
+    """A link's measured bus bandwidth by message size ({bytes: rate}), smallest first."""
+    rates = sorted((_parse(parse_bytes, size, f"{where}.{size}"),
+                    _parse(parse_bandwidth, rate, f"{where}.{size}"))
+                   for size, rate in _mapping(raw, where).items())
+    sizes = [size for size, _ in rates]
+    for i, size in enumerate(sizes):
+        if size <= 0 or size in sizes[i + 1:]:
+            raise _bad(f"{where}.{size:.0f}", "give each size once, as a positive number of "
+                       "bytes")
+    return tuple(BusRate(size=size, bus_bandwidth=rate) for size, rate in rates)
 
 
 def _device(name: str, raw: Any, links: Mapping[str, LinkSpec], where: str

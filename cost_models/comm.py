@@ -23,16 +23,30 @@ node (the most on any node), N nodes:
     ring all-reduce          2(n-1)/n * S / min(B_i, B_n) + 2(n-1) * alpha
     hierarchical all-reduce  2(g-1)/g * S / B_i + 2(g-1) * alpha_i
                            + 2(N-1)/N * S / B_n + 2(N-1) * alpha_n
+
+A link may carry the bus bandwidth NCCL was measured at on it, size by size
+(`LinkSpec.bus_rates`, e.g. the catalog's NVLink 3). A ring over such a link takes the
+longer of its alpha-beta time and the measured one, factor * S / busbw(S)
+(`measured_seconds`), with no alpha added to the measured time: NCCL's latency is in it.
+The measurement only slows a price: where NCCL beat the alpha-beta line (on NVLink 3 up
+to 16 MB and from 512 MB) the line stays, since the solver's floors take a link's
+alpha-beta as the least any collective over it costs (planner/solver/links.py,
+`cheapest_gather`). One table serves every group size (busbw is nccl-tests' measure
+independent of n) and every ring collective; all-to-all across nodes stays alpha-beta.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
+import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from planner.errors import PlannerError
 from planner.types import ClusterSpec, LinkSpec, SyncAlgorithm
+from planner.types.cluster import BusRate
 
 
 class Collective(str, Enum):
@@ -105,9 +119,42 @@ def group_links(cluster: ClusterSpec, group: CommGroup) -> tuple[LinkSpec | None
 
 def _ring(kind: Collective, nbytes: float, n: int, link: LinkSpec) -> float:
     if kind is Collective.BROADCAST:
-        return nbytes / link.bandwidth + (n - 1) * link.latency
-    bw_terms, lat_terms = _SHAPE[kind]
-    return bw_terms * (n - 1) / n * nbytes / link.bandwidth + lat_terms * (n - 1) * link.latency
+        modelled = nbytes / link.bandwidth + (n - 1) * link.latency
+    else:
+        bw_terms, lat_terms = _SHAPE[kind]
+        modelled = (bw_terms * (n - 1) / n * nbytes / link.bandwidth
+                    + lat_terms * (n - 1) * link.latency)
+    measured = measured_seconds(link, nbytes)
+    return modelled if measured is None else max(modelled, bus_factor(kind, n) * measured)
+
+
+def measured_seconds(link: LinkSpec, nbytes: float) -> float | None:
+    """S / busbw(S): the seconds a collective of `nbytes` took per unit of its bus factor
+    where the link's bus bandwidth was measured (`LinkSpec.bus_rates`); None below the
+    smallest size measured, or without measurements. Between two sizes the bus bandwidth
+    follows a power law of the size (a straight line on nccl-tests' log-log plots); at or
+    above the largest size it is the largest size's."""
+    rates = link.bus_rates
+    if not rates or nbytes < rates[0].size:
+        return None
+    times = _rising_times(rates)
+    i = bisect.bisect_right([rate.size for rate in rates], nbytes) - 1
+    if i == len(rates) - 1:
+        return times[-1] * nbytes / rates[-1].size
+    step = math.log(nbytes / rates[i].size) / math.log(rates[i + 1].size / rates[i].size)
+    return times[i] * (times[i + 1] / times[i]) ** step
+
+
+@functools.lru_cache(maxsize=32)
+def _rising_times(rates: tuple[BusRate, ...]) -> tuple[float, ...]:
+    """Each measured size's S / busbw, raised to the most of any smaller size's: NCCL's
+    tables dip (on NVLink 3, 2 MB took less time than 1 MB, 16 MB moved at a lower bus
+    bandwidth than 8 MB), and the solver's floors need fewer bytes to take no more time."""
+    times, most = [], 0.0
+    for rate in rates:
+        most = max(most, rate.size / rate.bus_bandwidth)
+        times.append(most)
+    return tuple(times)
 
 
 def collective_time(kind: Collective, nbytes: float, group: CommGroup,

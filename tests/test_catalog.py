@@ -144,6 +144,11 @@ def test_loader_reads_a_catalog_file(tmp_path):
     ("memory: c, ", "", "devices.X1.sources"),
     ("aliases: [x-one]", "aliases: [x1]", "devices.X1.aliases"),
     ("bandwidth: 10GB/s", "bandwidth: 10 parsecs", "links.fast.bandwidth"),
+    ('"a test"}', '"a test", bus_rates: {1048576: fast}}', "links.fast.bus_rates.1048576"),
+    ('"a test"}', '"a test", bus_rates: {0: 1GB/s}}', "links.fast.bus_rates.0"),
+    ('"a test"}', '"a test", bus_rates: {1MiB: 1GB/s, 1048576: 2GB/s}}',
+     "links.fast.bus_rates.1048576"),
+    ('"a test"}', '"a test", bus_rates: [1GB/s]}', "links.fast.bus_rates"),
 ])
 def test_malformed_entries_name_the_entry_and_field(tmp_path, old, new, field):
     assert old in _GOOD
@@ -151,6 +156,14 @@ def test_malformed_entries_name_the_entry_and_field(tmp_path, old, new, field):
         _load(tmp_path, _GOOD.replace(old, new))
     assert err.value.kind == "bad-catalog"
     assert f"{field}:" in err.value.message and str(tmp_path) in err.value.message
+
+
+def test_a_links_measured_bus_rates_are_read_smallest_first(tmp_path):
+    text = _GOOD.replace('"a test"}', '"a test", bus_rates: {2MiB: 8GB/s, 1048576: 5GB/s}}')
+    link = _load(tmp_path, text).link("fast")
+    assert [(rate.size, rate.bus_bandwidth) for rate in link.bus_rates] == [
+        (2**20, 5e9), (2**21, 8e9)]
+    assert _load(tmp_path, _GOOD).link("fast").bus_rates == ()
 
 
 _GEMM = _GOOD.replace("    intra_link: fast\n", "    intra_link: fast\n    compute_units: 100\n"

@@ -1,11 +1,14 @@
 """benchmarks/fidelity.py's inputs and its account of the rows it misses (issue 47): the
 A100's NVLink as NCCL reaches it, and what else was checked against its source."""
 
+import dataclasses
+import math
+
 import pytest
 
 from cost_models import catalog
 from cost_models.cluster import load_cluster
-from cost_models.comm import Collective, CommGroup, collective_time
+from cost_models.comm import Collective, CommGroup, collective_over, collective_time
 
 GB = 1e9
 
@@ -79,9 +82,13 @@ def test_the_a100s_nvlink_latency_is_fitted_to_nccls_all_reduce_timed_size_by_si
     cluster = load_cluster("1x8xA100-80G-SXM")
     group = CommGroup(((cluster.nodes[0].name, 8),))
     size, measured = NCCL_ALL_REDUCE_ON_A100[6]
+    line = dataclasses.replace(nvlink, bus_rates=())  # the alpha-beta line alone
+    fitted = collective_over(Collective.ALL_REDUCE, size, group, line, None)
+    assert fitted == pytest.approx(2 * 7 / 8 * size / (230 * GB) + 2 * 7 * 10.8e-6)
+    assert fitted == pytest.approx(measured * 1e-6, rel=0.05)
+    # where NCCL was slower than the line, the measured bus bandwidth prices it
     priced = collective_time(Collective.ALL_REDUCE, size, group, cluster)
-    assert priced == pytest.approx(2 * 7 / 8 * size / (230 * GB) + 2 * 7 * 10.8e-6)
-    assert priced == pytest.approx(measured * 1e-6, rel=0.05)
+    assert priced == pytest.approx(measured * 1e-6, rel=2e-4)
     # the account of the missed rows says what their sizes are priced at
     from benchmarks import fidelity
 
@@ -89,6 +96,16 @@ def test_the_a100s_nvlink_latency_is_fitted_to_nccls_all_reduce_timed_size_by_si
                                   _priced(fidelity, "175B full", 0.02)], too_fast=True)
     assert "with a latency of 10.8 us a step" in text and "stas00/ml-engineering" in text
     rate = fidelity.node_bus_rate(2048 * 2 * 10240 * 2, cluster)  # 76B's 84 MB
-    assert rate == pytest.approx(2 * 7 / 8 * 83886080 / (
-        2 * 7 / 8 * 83886080 / (230 * GB) + 2 * 7 * 10.8e-6))
+    assert rate == pytest.approx(171.54 * GB * (176.92 / 171.54) ** math.log2(80 / 64))
     assert f"priced at {fidelity.node_bus_rate(2048 * 12288 * 2, cluster) / GB:.0f}-" in text
+
+
+def test_the_fidelity_section_sets_nvlinks_price_beside_nccls_measurement():
+    """Size by size, NCCL's time (from the catalog's bus_rates), the alpha-beta line alone
+    and the price: the line where NCCL beat it, the measurement where NCCL was slower."""
+    from benchmarks import fidelity
+
+    text = fidelity.nvlink_against_nccl(load_cluster("1x8xA100-80G-SXM"))
+    assert "| 64 MiB | 171.54 GB/s | 684.6 us | 661.8 us (-3.3%) | 684.6 us (+0.0%) |" in text
+    assert "| 1 MiB | 18.00 GB/s | 101.9 us | 159.2 us (+56.1%) | 159.2 us (+56.1%) |" in text
+    assert text.count("\n| ") == 1 + 15  # the header, 1 MB to 16 GB

@@ -15,20 +15,37 @@ from planner.errors import PlannerError
 
 
 @dataclass(frozen=True, kw_only=True)
+class BusRate:
+    """One size of a measured collective: nccl-tests' bus bandwidth (bytes/s) for a
+    message of `size` bytes (the full buffer)."""
+
+    size: float
+    bus_bandwidth: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class LinkSpec:
+    """bus_rates: the bus bandwidth measured on the link size by size (NCCL's all-reduce,
+    smallest size first), which `cost_models.comm` prices collectives of those sizes at;
+    empty where none was measured. `bandwidth` stays the rate of large messages."""
+
     name: str
     bandwidth: float
     latency: float
+    bus_rates: tuple[BusRate, ...] = ()
 
     def slowest(self, *others: LinkSpec | None) -> LinkSpec:
         """The link a transfer over all of these links sees: the lowest bandwidth and
-        the highest latency (a mixed group is limited by its slowest link)."""
+        the highest latency (a mixed group is limited by its slowest link); the measured
+        rates only where every link has the same."""
         links = [self, *(o for o in others if o is not None)]
         if len(links) == 1:
             return self
         bottleneck = min(links, key=lambda link: link.bandwidth)
+        shared = all(link.bus_rates == bottleneck.bus_rates for link in links)
         return LinkSpec(name=bottleneck.name, bandwidth=bottleneck.bandwidth,
-                        latency=max(link.latency for link in links))
+                        latency=max(link.latency for link in links),
+                        bus_rates=bottleneck.bus_rates if shared else ())
 
 
 @dataclass(frozen=True, kw_only=True)
