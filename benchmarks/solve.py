@@ -13,6 +13,9 @@
                                                     # times (`measured.py`), against
                                                     # pipelines written by hand across
                                                     # the nodes: "solve-measured"
+    python benchmarks/solve.py --measured --mixed-share-types  # the same scenario solved
+                                                    # with mixed classes on any types: a
+                                                    # row added to "solve-measured"
     python benchmarks/solve.py --cpsat              # the branch and bound against the
                                                     # CP-SAT assignment loop
                                                     # (`planner/solver/assign.py`) on
@@ -41,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from measured import HANDWRITTEN, SCENARIO, handwritten_plan, price_handwritten, write_cluster
-from results import table, write_section
+from results import RESULTS, table, write_section
 
 from cost_models.cluster import load_cluster
 from cost_models.memory import GIB
@@ -56,7 +59,7 @@ from planner.solver.predict import replay
 from planner.solver.search import search
 from planner.solver.table import build_table
 from planner.trace import trace_model
-from planner.types import Schedule, TrainingSpec
+from planner.types import Plan, Schedule, TrainingSpec
 
 SCENARIOS = [
     ("opt-350m", "1x8xA100-40G,1x8xV100-16G@100Gbps", 512, 2048,
@@ -163,6 +166,57 @@ def run_cpsat(name: str, cluster, batch: int, seq: int, label: str) -> str:
     return row
 
 
+def _measured_solve(graph, cluster, training: TrainingSpec, limits: Limits):
+    """The measured scenario's plan as the CLI's defaults solve it (60 s, 0.5% gap), and
+    the seconds the whole solve took."""
+    start = time.perf_counter()
+    plan = solve(graph, cluster, training, SolveOptions(time_limit=60.0, limits=limits))[0]
+    return plan, time.perf_counter() - start
+
+
+def _plan_row(label: str, plan: Plan, total: float, reference: float) -> str:
+    """A plan's row of the measured section: status, gap, times, its step over
+    `reference`, and its pipelines through the nodes."""
+    report, step = plan.solver, plan.prediction.step_time
+    return (f"| {label} ({report.status}, gap {report.gap:.2%}, search "
+            f"{report.wall_time:.1f} s, solve {total:.1f} s) | {step:.3g} s | "
+            f"{step / reference:.2f}x | "
+            + "; ".join(" -> ".join(dict.fromkeys(s.devices.node for s in p.stages))
+                        + f" ({len(p.stages)} stages, tp {p.stages[0].tp}, "
+                          f"{p.num_microbatches} micro-batches)" for p in plan.pipelines) + " |")
+
+
+_SHARED_ROW = "| the plan with --mixed-share-types"
+
+
+def add_measured_shared() -> None:
+    """The measured scenario solved with --mixed-share-types (two mixed classes on any
+    types) beside the plan without it: a row added to the "solve-measured" section after
+    the plan's (any such row before replaced), the rest of the section as it was."""
+    scenario = SCENARIO
+    graph = trace_model(model_spec(scenario.model), seq_len=scenario.seq, dtype=scenario.dtype)
+    cluster = load_cluster(str(write_cluster(scenario, graph, Path(tempfile.mkdtemp(
+        prefix="measured-")))))
+    training = TrainingSpec(global_batch=scenario.batch, seq_len=scenario.seq,
+                            dtype=scenario.dtype)
+    plan, _ = _measured_solve(graph, cluster, training, Limits())
+    shared, total = _measured_solve(graph, cluster, training, Limits(mixed_share_types=True))
+    row = _plan_row(_SHARED_ROW[2:], shared, total, plan.prediction.step_time)
+    print(row, flush=True)
+    text = RESULTS.read_text()
+    start, end = text.index("<!-- solve-measured:start -->"), text.index(
+        "<!-- solve-measured:end -->")
+    _, written, body = text[start:end].split("\n\n", 2)  # (the title, command and run)
+    command = written.split("`")[1].split("; ")[0]
+    if "(run " not in command:  # (the section's other rows keep the time they ran)
+        command += f" (run {written.split('Run: ')[1].split(' on ')[0]})"
+    lines = [line for line in body.split("\n") if not line.startswith(_SHARED_ROW)]
+    at = next(i for i, line in enumerate(lines) if line.startswith("| the plan (")) + 1
+    write_section("solve-measured", f"{command}; the row with --mixed-share-types: python "
+                  "benchmarks/solve.py --measured --mixed-share-types",
+                  "\n".join([*lines[:at], row, *lines[at:]]))
+
+
 def run_measured() -> str:
     """The measured-per-node scenario: the plan, its baselines and the hand-written plans
     priced as written, each with its step over the plan's."""
@@ -173,15 +227,9 @@ def run_measured() -> str:
     cluster = load_cluster(str(path))
     training = TrainingSpec(global_batch=scenario.batch, seq_len=scenario.seq,
                             dtype=scenario.dtype)
-    start = time.perf_counter()
-    plan = solve(graph, cluster, training, SolveOptions(time_limit=60.0))[0]
-    total = time.perf_counter() - start
+    plan, total = _measured_solve(graph, cluster, training, Limits())
     pred, report = plan.prediction, plan.solver
-    rows = [f"| the plan ({report.status}, gap {report.gap:.2%}, search "
-            f"{report.wall_time:.1f} s, solve {total:.1f} s) | {pred.step_time:.3g} s | 1.00x | "
-            + "; ".join(" -> ".join(dict.fromkeys(s.devices.node for s in p.stages))
-                        + f" ({len(p.stages)} stages, tp {p.stages[0].tp}, "
-                          f"{p.num_microbatches} micro-batches)" for p in plan.pipelines) + " |"]
+    rows = [_plan_row("the plan", plan, total, pred.step_time)]
     for b in plan.baselines:
         rows.append(f"| baseline {b.name} | "
                     + (f"{b.prediction.step_time:.3g} s | "
@@ -319,6 +367,7 @@ def main() -> None:
     parser.add_argument("--tp-per-class", action="store_true")
     parser.add_argument("--small-batch", action="store_true")
     parser.add_argument("--measured", action="store_true")
+    parser.add_argument("--mixed-share-types", action="store_true")
     parser.add_argument("--cpsat", action="store_true")
     parser.add_argument("--ab", type=Path, metavar="OLD_CHECKOUT")
     args = parser.parse_args()
@@ -347,6 +396,9 @@ def main() -> None:
         write_section("solve-cpsat", "python benchmarks/solve.py --cpsat",
                       table(["scenario", "GPUs", "branch and bound", "CP-SAT loop"], rows)
                       + "\n" + _CPSAT_NOTE)
+        return
+    if args.measured and args.mixed_share_types:
+        add_measured_shared()
         return
     if args.measured:
         body = run_measured()

@@ -189,6 +189,7 @@ def what_if(
     schedule: opt.ScheduleChoice = None,
     mixed: opt.Mixed = True,
     tp_per_class: opt.TpPerClass = False,
+    mixed_share_types: opt.MixedShareTypes = False,
     time_limit: opt.TimeLimit = 60.0,
     output: Output = None,
     cluster_out: Annotated[Path | None, typer.Option(
@@ -252,7 +253,7 @@ def what_if(
         raise PlannerError("bad-option", "--nic and --group describe --add nodes; give --add "
                            "too.")
     constraints = Constraints(exclude=tuple(exclude or ()), mixed=mixed,
-                              tp_per_class=tp_per_class)
+                              tp_per_class=tp_per_class, mixed_share_types=mixed_share_types)
     for key, value in (("tp", tp), ("max-tp", max_tp), ("pp", pp), ("dp", dp),
                        ("max-dp", max_dp),
                        ("micro-batch", micro_batch), ("max-stages", max_stages),

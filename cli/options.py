@@ -75,6 +75,11 @@ TpPerClass = Annotated[bool, typer.Option(
     "e.g. tp 8 on small-memory GPUs beside tp 4 on large ones, and a two-type pipeline's "
     "stages on each type theirs (default: one degree per plan; the larger search takes "
     "longer on large clusters).")]
+MixedShareTypes = Annotated[bool, typer.Option(
+    "--mixed-share-types/--no-mixed-share-types", rich_help_panel="Constraints",
+    help="Let two mixed pipeline classes share device types, e.g. A100 -> V100 beside "
+    "A100 -> RTX 4090 (default: they use disjoint types, a cut for speed the solve output "
+    "names; with it the search covers every pair and may take much longer).")]
 TimeLimit = Annotated[float | None, typer.Option(
     "--time-limit", help="Seconds for the search (the fastest type alone gets at most a "
     "quarter, the whole cluster the rest); return the best plan found by then (the report "

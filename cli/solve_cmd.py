@@ -158,6 +158,7 @@ def solve(
     last_stage: opt.LastStage = None,
     mixed: opt.Mixed = True,
     tp_per_class: opt.TpPerClass = False,
+    mixed_share_types: opt.MixedShareTypes = False,
     interleave: opt.Interleave = None,
     max_interleave: opt.MaxInterleave = None,
     schedule: opt.ScheduleChoice = None,
@@ -227,6 +228,7 @@ def solve(
     options = SolveOptions(
         limits=Limits(tp=tp, max_tp=max_tp, pp=pp, dp=dp, max_dp=max_dp, micro_batch=micro_batch,
                       max_stages=max_stages, mixed=mixed, tp_per_class=tp_per_class,
+                      mixed_share_types=mixed_share_types,
                       first_stage=first_stage,
                       last_stage=last_stage, interleave=interleave,
                       **({} if max_interleave is None else {

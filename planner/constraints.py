@@ -35,7 +35,8 @@ def recorded(options: SolveOptions) -> SolveConstraints:
         recompute=None if set(space.policies) == set(_ANY.policies) else space.policies,
         zero=None if set(space.zeros) == set(_ANY.zeros) else space.zeros,
         exclude=tuple(options.exclude), first_stage=limits.first_stage,
-        last_stage=limits.last_stage, mixed=limits.mixed, interleave=limits.interleave,
+        last_stage=limits.last_stage, mixed=limits.mixed,
+        mixed_share_types=limits.mixed_share_types, interleave=limits.interleave,
         max_interleave=None if limits.interleaves == _FREE.interleaves
         else max(limits.interleaves), schedule=limits.schedule)
 
@@ -47,6 +48,7 @@ def solve_options(constraints: SolveConstraints, **settings) -> SolveOptions:
     limits = dataclasses.replace(
         _FREE, tp=given.tp, max_tp=given.max_tp, tp_per_class=given.tp_per_class, pp=given.pp,
         dp=given.dp, max_dp=given.max_dp, micro_batch=given.micro_batch, mixed=given.mixed,
+        mixed_share_types=given.mixed_share_types,
         first_stage=given.first_stage, last_stage=given.last_stage,
         interleave=given.interleave, schedule=given.schedule,
         **({} if given.max_stages is None else {"max_stages": given.max_stages}),
@@ -89,6 +91,7 @@ def flags(constraints: SolveConstraints | None) -> str:
     words += [f"--exclude {name}" for name in given.exclude]
     words += ["--tp-per-class"] if given.tp_per_class else []
     words += ["--no-mixed"] if not given.mixed else []
+    words += ["--mixed-share-types"] if given.mixed_share_types else []
     return " ".join(words)
 
 

@@ -157,6 +157,7 @@ class Constraints:
     schedule: str | None = None  # 1f1b, gpipe or interleaved
     mixed: bool = True
     tp_per_class: bool = False
+    mixed_share_types: bool = False  # two mixed classes may share device types
     exclude: tuple[str, ...] = ()
     pinned: tuple[str, ...] = ()
 
@@ -202,6 +203,7 @@ class Constraints:
                         max_dp=self.max_dp,
                         micro_batch=self.micro_batch, mixed=self.mixed,
                         tp_per_class=self.tp_per_class,
+                        mixed_share_types=self.mixed_share_types,
                         first_stage=self.first_stage, last_stage=self.last_stage,
                         interleave=self.interleave,
                         schedule=parse_schedule(self.schedule) if self.schedule else None,

@@ -119,7 +119,8 @@ def every_structure(table: CostTable, batch: int, limits: Limits, space: Space):
 
 def structures(table: CostTable, batch: int, limits: Limits):
     """(config, class shapes) of every structure of the search space: up to
-    `Limits.mixed_classes` mixed classes over disjoint sets of types, placed in the order
+    `Limits.mixed_classes` mixed classes over disjoint sets of types (any types with
+    `Limits.mixed_share_types`), placed in the order
     of their patterns (types, then degrees), then one homogeneous class per type at
     most."""
     names = [t.name for t in table.types]
@@ -141,7 +142,8 @@ def structures(table: CostTable, batch: int, limits: Limits):
                                   for d in _block_degrees(p, choices, per_block)]
         mixed = sorted(pattern for pattern in mixed if limits.allows(pattern[0]))
         together = [c for k in range(limits.mixed_classes + 1)
-                    for c in itertools.combinations(mixed, k) if _apart(c)]
+                    for c in itertools.combinations(mixed, k)
+                    if limits.mixed_share_types or _apart(c)]
         homogeneous = [[None] + [((k,) * s, (tp,) * s) for s in lengths for tp in choices
                                  if limits.allows((k,) * s)] for k in names]
         for chosen, *alone in itertools.product(together, *homogeneous):

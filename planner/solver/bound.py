@@ -228,12 +228,15 @@ class Bound:
     def __init__(self, levels: list[list[Family]], microbatches: int,
                  devices: dict[str, int], work: dict[str, float],
                  optimizer: Callable[[Family, int], float], sync: SyncFloor,
-                 single: bool = False) -> None:
+                 single: bool = False, shared: bool = False) -> None:
         """devices: per type; work: per type, device-seconds per micro-batch of the whole
         model at least (`device_work`); sync: the floors, its kinds the devices' in
         sorted order; single: structures have one class (the open levels of a structure
-        with none add one, alone)."""
+        with none add one, alone); shared: mixed classes may share types
+        (`Limits.mixed_share_types`: no type is left out of an open mixed level,
+        `_excluded`)."""
         self.m, self.levels, self.devices = microbatches, levels, devices
+        self.shared = shared
         self.optimizer, self.single = optimizer, single
         self.kinds = sorted(devices)
         self._kind_names = tuple(self.kinds)
@@ -458,6 +461,8 @@ class Bound:
         """Per candidate, the types an open mixed level's families may not use: those of
         the mixed classes before it, fixed or the candidate (a plan's mixed classes use
         disjoint types: `search._Setup.mixed_after`)."""
+        if self.shared:
+            return [frozenset()] * len(candidates)
         used = frozenset(k for f, _ in fixed if len(set(f.types)) > 1 for k in f.types)
         return [used | frozenset(f.types) if f and len(set(f.types)) > 1 else used
                 for f, _ in candidates]

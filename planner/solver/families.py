@@ -207,15 +207,18 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space,
         mixed += [f for tp in tps
                   for f in floors.chains(tp, chain_limit(table, limits, config, tp))]
         mixed.sort(key=lambda f: f.key)
-        levels[:0] = [mixed] * mixed_in(mixed, mixed_levels(table, limits))
+        levels[:0] = [mixed] * mixed_in(mixed, mixed_levels(table, limits),
+                                        limits.mixed_share_types)
     return levels
 
 
-def mixed_in(mixed: list[Family], most: int) -> int:
+def mixed_in(mixed: list[Family], most: int, shared: bool = False) -> int:
     """The mixed classes a configuration's plans may have, of `most`: one where its
     mixed families that can run make more than `MIXED_PAIRS` pairs on disjoint types (a
-    second mixed level would take longer than the rest of the search)."""
-    if most < 2:
+    second mixed level would take longer than the rest of the search), but where mixed
+    classes may share types (`Limits.mixed_share_types`: the user asked for the whole
+    space)."""
+    if most < 2 or shared:
         return most
     sets: dict[frozenset[str], int] = {}
     for f in mixed:
@@ -229,11 +232,14 @@ def mixed_in(mixed: list[Family], most: int) -> int:
 
 def mixed_levels(table: CostTable, limits: Limits) -> int:
     """How many mixed classes a plan may have, a level of the search each: at most
-    `Limits.mixed_classes`, and as a plan's mixed classes use disjoint sets of two or
-    more types (`search._Setup.mixed_after`), at most one per two types (none with
-    `mixed` off or a single type)."""
+    `Limits.mixed_classes`, and where a plan's mixed classes use disjoint sets of two or
+    more types (`search._Setup.mixed_after`; unless `Limits.mixed_share_types`), at most
+    one per two types (none with `mixed` off or a single type)."""
     kinds = len(table.types)
-    return min(limits.mixed_classes, max(1, kinds // 2)) if limits.mixed and kinds > 1 else 0
+    if not limits.mixed or kinds < 2:
+        return 0
+    return limits.mixed_classes if limits.mixed_share_types else min(
+        limits.mixed_classes, max(1, kinds // 2))
 
 
 def chain_patterns(table: CostTable, limits: Limits, config: Config, tp: int, blocks: int

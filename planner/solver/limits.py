@@ -47,6 +47,9 @@ class Limits:
     # the most mixed pipeline classes (chains of two or more types) a plan may have: each
     # is a level of the search, and the more levels, the larger its tree (`search.py`)
     mixed_classes: int = 2
+    # whether two mixed classes may share device types (--mixed-share-types): without it
+    # the search leaves such pairs out for speed and says so (`search._mixed_classes`)
+    mixed_share_types: bool = False
     first_stage: str | None = None  # device type of every pipeline's first stage
     last_stage: str | None = None  # ... and of its last stage
 

@@ -132,7 +132,9 @@ def search_space(table: CostTable, batch: int, limits: Limits,
     fewer types than the cluster has at some degree, where longer ones would be more
     than `CHAIN_FAMILIES` patterns (`families.chain_limit`)."""
     kinds = len(table.types)
-    space = SEARCH_SPACE.format(mixed=_mixed_classes(mixed_levels(table, limits), paired))
+    space = SEARCH_SPACE.format(mixed=_mixed_classes(
+        mixed_levels(table, limits), paired, limits.mixed_share_types,
+        limits.mixed_classes if limits.mixed else 0))
     if not limits.mixed or kinds < 3:
         return space
     most: dict[int, int] = {}  # per degree, the fewest types a chain may hold
@@ -148,13 +150,19 @@ def search_space(table: CostTable, batch: int, limits: Limits,
             f"would add more than {CHAIN_FAMILIES:,} pipeline patterns per configuration)")
 
 
-def _mixed_classes(most: int, paired: Sequence[Config]) -> str:
+def _mixed_classes(most: int, paired: Sequence[Config], shared: bool = False,
+                   asked: int = 1) -> str:
     """The mixed classes of the search space, in words (`search_space`): `paired`, the
-    configurations cut to one (`families.mixed_in`)."""
+    configurations cut to one (`families.mixed_in`); `shared`, whether two may share
+    types (`Limits.mixed_share_types`: no cut on them); `asked`, the most the limits
+    allow (`Limits.mixed_classes`: more than `most` where disjoint types cap them)."""
     chains = ("pipelines chain blocks of two or more device types in any order, a type "
               "at most once")
     if most == 0:
         return "no mixed pipeline class,"
+    if most == 1 and asked > 1 and not shared:  # (too few types for two disjoint ones)
+        return (f"one optional mixed pipeline class (a cut for speed: a second would share "
+                f"a device type with it, --mixed-share-types searches it; its {chains}),")
     if most == 1:
         return f"one optional mixed pipeline class (its {chains}),"
     cut = ""
@@ -163,8 +171,11 @@ def _mixed_classes(most: int, paired: Sequence[Config]) -> str:
         cut = (f"; cut for speed to one where a configuration's mixed patterns make more "
                f"than {families_module.MIXED_PAIRS:,} pairs on disjoint types: at "
                f"{', '.join(at)}")
+    if shared:
+        return f"up to {most} mixed pipeline classes on any device types (their {chains}),"
     return (f"up to {most} mixed pipeline classes over disjoint sets of device types (a cut "
-            f"for speed: two that share a type are left out; their {chains}{cut}),")
+            f"for speed: two that share a type are left out, --mixed-share-types searches "
+            f"them; their {chains}{cut}),")
 
 
 # candidates a node's children bound by ranges of their counts at once; beyond, only
@@ -233,23 +244,31 @@ class _Setup:
     # per set of types, the place of the last mixed family that can run on none of them
     last_apart: dict[frozenset[str], int] = field(default_factory=dict)
     disjoint: dict[frozenset[str], list[Family]] = field(default_factory=dict)  # (`apart`)
+    shared: bool = False  # mixed classes may share types (`Limits.mixed_share_types`)
+
+    def used(self, chosen: Sequence[tuple[tuple[str, ...], tuple[int, ...]]]
+             ) -> frozenset[str]:
+        """The types a mixed class after these may not use: those of their mixed classes
+        (a cut for speed, `search_space`), none where mixed classes may share types."""
+        return frozenset() if self.shared else _mixed_types(chosen)
 
     def mixed_after(self, node: _Node) -> list[Family]:
         """The families a node's level offers: at a mixed level past the first, those
         after the mixed family the node chose last (a structure's mixed classes are
         chosen in their placement order, so none twice) on device types none of its
-        mixed classes uses (a cut for speed, `search_space`)."""
+        mixed classes uses (a cut for speed, `search_space`; `used`)."""
         level = self.levels[node.level]
         if 0 < node.level < self.mixed:
-            used = _mixed_types(node.chosen)
+            used = self.used(node.chosen)
             return [f for f in level[self.rank[node.chosen[-1]] + 1:]
                     if used.isdisjoint(f.types)]
         return level
 
     def apart(self, chosen: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]
               ) -> list[Family]:
-        """The mixed families on none of the types these families' mixed classes use."""
-        used = _mixed_types(chosen)
+        """The mixed families on none of the types these families' mixed classes use
+        (`used`)."""
+        used = self.used(chosen)
         if used not in self.disjoint:
             self.disjoint[used] = [f for f in self.levels[0] if used.isdisjoint(f.types)]
         return self.disjoint[used]
@@ -257,8 +276,8 @@ class _Setup:
     def may_follow(self, chosen: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]) -> bool:
         """Whether a mixed level may add a class after these (the last of them mixed):
         some family that can run comes after the last in placement order and uses none
-        of their types."""
-        used = _mixed_types(chosen)
+        of their types (`used`)."""
+        used = self.used(chosen)
         if used not in self.last_apart:
             self.last_apart[used] = max((i for i, f in enumerate(self.levels[0])
                                          if f.min_busy < INF and used.isdisjoint(f.types)),
@@ -361,11 +380,12 @@ class _Search:
         bound = Bound(levels, self.batch // config.mb, devices, device_work(folded, config, tps),
                       optimizer_bound(folded, float(table.params.sum()), space),
                       SyncFloor(folded, config, space, sorted(devices), self.gathers, tps,
-                                _least_degrees(levels)), self.single)
+                                _least_degrees(levels)), self.single,
+                      self.limits.mixed_share_types)
         mixed = mixed_in(levels[0], mixed_levels(folded, self.limits))
         rank = {f.key: i for i, f in enumerate(levels[0])} if mixed else {}
         self.state[config] = _Setup(levels, bound, {f.key: f for lv in levels for f in lv},
-                                    mixed, rank)
+                                    mixed, rank, shared=self.limits.mixed_share_types)
         root = _Node(0.0, next(self.counter), config, 0.0, 0, (), ())
         root.bound, root.base = bound([], range(len(levels)))
         return root

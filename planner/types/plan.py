@@ -219,6 +219,7 @@ class SolveConstraints:
     first_stage: str | None = None
     last_stage: str | None = None
     mixed: bool = True
+    mixed_share_types: bool = False  # two mixed classes may share device types
     interleave: int | None = None
     max_interleave: int | None = None  # (None: the solver's default)
     schedule: Schedule | None = None
