@@ -336,6 +336,8 @@ class _Search:
         self.table, self.batch, self.limits, self.pricing = table, batch, limits, space
         if single:  # (one mixed level: its structures hold one class)
             self.limits = dataclasses.replace(limits, mixed_classes=min(1, limits.mixed_classes))
+        # pricing: the whole space, in either part (a structure priced in both gets one
+        # price, `_leaf`); space: what this part's bounds and families assume
         self.space = space if single else dataclasses.replace(space, zeros=(0,))
         self.top_k, self.gap, self.single, self.deadline = top_k, gap, single, deadline
         self.heap: list[_Node] = []
@@ -1154,8 +1156,13 @@ def _leaf(table: CostTable, node: _Node, batch: int, limits: Limits, space: Spac
     evaluation, skipped = refine(table, priced, microbatches, threshold, gap, deadline)
     if evaluation is None:
         return skipped
+    # Already found (by a dive, or in the other part): both parts price a structure with
+    # the same, full space (`_Search.pricing`; only their bounds and families are
+    # ZeRO-free, `_Search.space`), so the copy held is this structure's exact best too
+    # (`refine`), and no better ZeRO pricing is dropped (tests/test_solver_search.py,
+    # test_a_structure_the_zero_free_part_prices_first_keeps_its_zero_pricing).
     if any((e.config, e.shapes) == (evaluation.config, evaluation.shapes) for e in best):
-        return skipped  # already found (by a dive)
+        return skipped
     if evaluation.step_time < threshold:
         best.append(evaluation)
         best.sort(key=lambda e: e.step_time)
