@@ -28,8 +28,11 @@ from planner.solver.limits import Limits
 from planner.solver.search import search
 from planner.trace import trace_model
 from planner.types import TrainingSpec
-from tests.solver_tables import GIB, every_structure, random_table
-from tests.test_solver_search import _check_subtree_bounds, assert_equals_brute_force
+from tests.solver_tables import GIB, random_table
+from tests.test_solver_search import (
+    assert_equals_brute_force,
+    check_both_parts_subtree_bounds,
+)
 
 
 def _chain_instance(rng: random.Random):
@@ -94,12 +97,7 @@ def test_every_node_bound_is_below_every_structure_of_its_subtree_over_chains(se
     """`test_every_node_bound_is_below_every_structure_in_its_subtree` on instances of
     three or four types, where the mixed level holds chains of every length."""
     table, batch, limits = _chain_instance(random.Random(seed))
-    for single in (False, True):
-        space = Space() if single else Space(zeros=(0,))
-        values = [(config, shapes, v) for config, shapes, v in every_structure(
-            table, batch, limits, space) if not single or (len(shapes) == 1 and (
-                config.gpipe or len(set(shapes[0].tps)) == 1))]
-        _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
+    check_both_parts_subtree_bounds(table, batch, limits, seed)
 
 
 @pytest.mark.parametrize("seed", range(6))

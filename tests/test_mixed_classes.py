@@ -18,7 +18,11 @@ from planner.solver.families import mixed_levels
 from planner.solver.limits import Limits
 from planner.solver.search import search
 from tests.solver_tables import GIB, every_structure, random_table
-from tests.test_solver_search import _check_subtree_bounds, assert_equals_brute_force
+from tests.test_solver_search import (
+    _check_subtree_bounds,
+    assert_equals_brute_force,
+    check_both_parts_subtree_bounds,
+)
 
 
 def _instance(rng: random.Random):
@@ -79,12 +83,7 @@ def test_every_node_bound_is_below_every_structure_of_its_subtree_over_mixed_cla
     levels are open at the root and one below each node that fixes a mixed class and
     must add another."""
     table, batch, limits = _instance(random.Random(seed))
-    for single in (False, True):
-        space = Space() if single else Space(zeros=(0,))
-        values = [(config, shapes, v) for config, shapes, v in every_structure(
-            table, batch, limits, space) if not single or (len(shapes) == 1 and (
-                config.gpipe or len(set(shapes[0].tps)) == 1))]
-        _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
+    check_both_parts_subtree_bounds(table, batch, limits, seed)
 
 
 def test_node_bounds_hold_where_two_mixed_classes_win():
@@ -201,12 +200,7 @@ def test_every_node_bound_is_below_every_structure_of_its_subtree_sharing_types(
     """The generic floor test with --mixed-share-types: two mixed levels open at the
     root on any types, and one below each node that fixes a mixed class, on any too."""
     table, batch, limits = _shared_types(seed)
-    for single in (False, True):
-        space = Space() if single else Space(zeros=(0,))
-        values = [(config, shapes, v) for config, shapes, v in every_structure(
-            table, batch, limits, space) if not single or (len(shapes) == 1 and (
-                config.gpipe or len(set(shapes[0].tps)) == 1))]
-        _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
+    check_both_parts_subtree_bounds(table, batch, limits, seed)
 
 
 def test_node_bounds_hold_where_mixed_classes_that_share_a_type_win():

@@ -1163,14 +1163,7 @@ def test_every_node_bound_is_below_every_structure_in_its_subtree(seed):
     last class), and a leaf's bound with its first layer's sync. A part bounds what it
     is responsible for: the ZeRO-free structures, or those of one class."""
     table, batch, limits = random_instance(random.Random(seed))
-    for single in (False, True):
-        space = Space() if single else Space(zeros=(0,))
-        # (a class whose blocks differ in degree runs without ZeRO: the ZeRO-free part
-        # holds it, but GPipe's)
-        values = [(config, shapes, v) for config, shapes, v in every_structure(
-            table, batch, limits, space) if not single or (len(shapes) == 1 and (
-                config.gpipe or len(set(shapes[0].tps)) == 1))]
-        _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
+    check_both_parts_subtree_bounds(table, batch, limits, seed)
 
 
 @pytest.mark.slow  # seconds to a minute a run: `pytest -m slow` (CI) runs it
@@ -1434,6 +1427,18 @@ def test_the_one_class_root_bound_is_the_least_over_every_class(seed):
                 options.append((f, n))
         full, base = bound.many([], options, (), True) if options else ([INF], [INF])
         assert bound._best_alone(opened) == (min(full), min(base))
+
+
+def check_both_parts_subtree_bounds(table, batch, limits, seed: int) -> None:
+    """`_check_subtree_bounds` for both parts of a search: the ZeRO-free structures, and
+    those of one class (a class whose blocks differ in degree runs without ZeRO: the
+    ZeRO-free part holds it, but GPipe's)."""
+    for single in (False, True):
+        space = Space() if single else Space(zeros=(0,))
+        values = [(config, shapes, v) for config, shapes, v in every_structure(
+            table, batch, limits, space) if not single or (len(shapes) == 1 and (
+                config.gpipe or len(set(shapes[0].tps)) == 1))]
+        _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
 
 
 def _check_subtree_bounds(table, batch, limits, single, values, rng):

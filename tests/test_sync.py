@@ -12,14 +12,16 @@ from cli.main import app
 from planner.errors import PlannerError
 from planner.planfile import plan_json, read_plan, write_plan
 from planner.runtime.summary import read_losses
-from planner.solver.evaluate import Space
 from planner.solver.step import floor, pipelines_within, step_time, synced, unsynced
 from planner.sync import AutoSync, parse_sync, solve_auto
 from planner.types import SyncSpec, TrainingSpec
 from tests.runtime_helpers import on_devices, run_ranks, tiny_plan
-from tests.solver_tables import every_structure, random_instance
+from tests.solver_tables import random_instance
 from tests.test_runtime import _check_against_reference, _run
-from tests.test_solver_search import _check_subtree_bounds, assert_equals_brute_force
+from tests.test_solver_search import (
+    assert_equals_brute_force,
+    check_both_parts_subtree_bounds,
+)
 
 slow = pytest.mark.slow
 
@@ -253,12 +255,7 @@ def test_every_node_bound_is_below_every_structure_under_every_sync_policy(seed,
     under the default (`test_solver_search`'s test of the same name)."""
     table, batch, limits = random_instance(random.Random(seed))
     table = dataclasses.replace(table, sync=policy, cache={})
-    for single in (False, True):
-        space = Space() if single else Space(zeros=(0,))
-        values = [(config, shapes, v) for config, shapes, v in every_structure(
-            table, batch, limits, space) if not single or (len(shapes) == 1 and (
-                config.gpipe or len(set(shapes[0].tps)) == 1))]
-        _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
+    check_both_parts_subtree_bounds(table, batch, limits, seed)
 
 
 # --- options, plan files, pricing -------------------------------------------------------
