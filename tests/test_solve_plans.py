@@ -208,6 +208,38 @@ def test_tp_per_class_starts_from_the_best_plans_of_one_degree(setup, monkeypatc
     assert [call[:2] for call in calls] == [(2, False)]
 
 
+
+def test_mixed_share_types_starts_from_the_best_plans_of_the_default_space(setup,
+                                                                           monkeypatch):
+    """--mixed-share-types first searches the default space (mixed classes on disjoint
+    types), and the larger one from its best plans, on a cost table of its own, so it
+    returns none slower (on the measured-per-node scenario the larger search alone
+    stopped at 28.9 s in 60 s, where the default space gives 19.96 s)."""
+    import importlib
+
+    solver = importlib.import_module("planner.solver")
+    search, calls = solver._search, []
+
+    def spy(model, cluster, training, options, costs, seeds=(), progress=None, table=None):
+        given = table
+        table, result = search(model, cluster, training, options, costs, seeds, progress, table)
+        calls.append((len(cluster.nodes), options.limits.mixed_share_types, seeds, result,
+                      given))
+        return table, result
+
+    monkeypatch.setattr(solver, "_search", spy)
+    graph, cluster, training, _ = setup
+    options = SolveOptions(gap=0.0, limits=Limits(mixed_share_types=True),
+                           with_baselines=False)
+    plan = solve(graph, cluster, training, options)[0]
+    assert [call[:2] for call in calls] == [
+        (1, False), (2, False), (2, True)]  # the fastest type alone, the default, any
+    default = calls[1][3].best[0]
+    assert (default.config, default.shapes) in calls[2][2]
+    assert calls[2][4] is None  # (its families differ: a cost table of its own)
+    assert plan.prediction.step_time <= default.step_time * (1 + 1e-9)
+    assert plan.solver.explored == calls[1][3].explored + calls[2][3].explored
+
 def test_a_solve_leaves_no_cycles_and_the_collector_as_it_found_it(setup):
     """The solve runs with the collector's automatic passes paused
     (`collector.paused`), so whatever it left in cycles would wait for a full pass

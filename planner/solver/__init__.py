@@ -332,16 +332,18 @@ def solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         return _solve(model, cluster, training, options or SolveOptions(), costs, progress)
 
 
-def _one_degree(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
-                options: SolveOptions, costs: CostModel, seeds: tuple, start: float
-                ) -> tuple[SearchResult | None, CostTable | None]:
-    """With --tp-per-class, the best plans with one tensor-parallel degree for every
-    class (`options`, tp_per_class off) first, in at most two thirds of the time left:
-    a far smaller space whose plans are plans of the larger one, so they seed its
-    search, which then returns none slower (at 1,024 GPUs the larger search alone
-    stopped at 20.3 s in 10 s, where one degree gives 19.5 s; with half the time, the
-    one-degree search stopped at 19.7 s, finding 19.5 s after 5 s). Returns its result
-    (None if no plan has one degree) and the cost table, for the larger search to go
+def _narrower_first(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
+                    options: SolveOptions, costs: CostModel, seeds: tuple, start: float
+                    ) -> tuple[SearchResult | None, CostTable | None]:
+    """With --tp-per-class or --mixed-share-types, the best plans of the default space
+    (`options`: one tensor-parallel degree for every class, mixed classes on disjoint
+    types) first, in at most two thirds of the time left: a far smaller space whose plans
+    are plans of the larger one, so they seed its search, which then returns none slower
+    (at 1,024 GPUs the larger search alone stopped at 20.3 s in 10 s, where one degree
+    gives 19.5 s; with half the time, the one-degree search stopped at 19.7 s, finding
+    19.5 s after 5 s; on the measured-per-node scenario, classes sharing types alone
+    stopped at 28.9 s in 60 s, where the default space gives 19.96 s). Returns its
+    result (None if no plan is in it) and the cost table, for the larger search to go
     on with."""
     limit = options.time_limit
     if limit is not None:
@@ -370,8 +372,10 @@ def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
     alone: list[Plan] = []
     alone_error: PlannerError | None = None  # why the fastest type alone has no plan
     seeds: tuple = ()
+    # the default space (one degree per plan, mixed classes on disjoint types): searched
+    # first where the options widen it (`_narrower_first`); one type alone has one class
     one_degree = dataclasses.replace(options, limits=dataclasses.replace(
-        options.limits, tp_per_class=False))  # (one type alone: one class, the same plans)
+        options.limits, tp_per_class=False, mixed_share_types=False))
     if len(alone_cluster.nodes) == len(used.nodes):
         options = one_degree
     else:
@@ -385,20 +389,25 @@ def _solve(model: ModelGraph, cluster: ClusterSpec, training: TrainingSpec,
         except PlannerError as exc:  # the baseline says why (memory, or the constraints)
             alone_error = exc
     interrupted = bool(alone) and alone[0].solver.status == "interrupted"
+    wider = options.limits.tp_per_class or options.limits.mixed_share_types
     table = first = None
-    if options.limits.tp_per_class:
+    if wider:
         if not interrupted:
-            first, table = _one_degree(model, used, training, one_degree, costs, seeds, start)
+            first, table = _narrower_first(model, used, training, one_degree, costs, seeds,
+                                           start)
         if first is not None:
             seeds += tuple((e.config, e.shapes) for e in first.best)
             interrupted = first.status == "interrupted"
-        seeds = tuple((dataclasses.replace(config, tp=None), shapes)
-                      for config, shapes in seeds)  # (every class at its own degree)
+        if options.limits.mixed_share_types:  # (its families differ: a table of its own)
+            table = None
+        if options.limits.tp_per_class:
+            seeds = tuple((dataclasses.replace(config, tp=None), shapes)
+                          for config, shapes in seeds)  # (every class at its own degree)
     if interrupted:  # the full search prices the seeds and stops
         options = dataclasses.replace(options, time_limit=0.0)
     elif options.time_limit is not None:  # the searches share the limit
         options = dataclasses.replace(options, time_limit=max(
-            options.time_limit / (4 if options.limits.tp_per_class else 2),
+            options.time_limit / (4 if wider else 2),
             options.time_limit - (time.perf_counter() - start)))
     table, result = _search(model, used, training, options, costs, seeds, progress, table)
     if first is not None:  # (its search began with the one-degree one)
