@@ -169,12 +169,9 @@ def test_ctrl_c_in_the_first_search_returns_the_plan_found_so_far(setup, monkeyp
     assert "before the search stopped" in fastest.description
 
 
-def test_tp_per_class_starts_from_the_best_plans_of_one_degree(setup, monkeypatch):
-    """--tp-per-class first searches the plans with one degree for every class, a far
-    smaller space, and the larger one from their best, so it returns none slower,
-    whatever stops it (at 1,024 GPUs the larger search alone stopped at 20.3 s in
-    10 s, where one degree gives 19.5 s). With one device type there is one class:
-    one search."""
+def _searches(monkeypatch, limit: str) -> list[tuple]:
+    """The solve's searches as they run: (nodes, the limit named, seeds, result, the
+    cost table given, the one returned) each."""
     import importlib
 
     solver = importlib.import_module("planner.solver")
@@ -183,11 +180,21 @@ def test_tp_per_class_starts_from_the_best_plans_of_one_degree(setup, monkeypatc
     def spy(model, cluster, training, options, costs, seeds=(), progress=None, table=None):
         given = table
         table, result = search(model, cluster, training, options, costs, seeds, progress, table)
-        calls.append((len(cluster.nodes), options.limits.tp_per_class, seeds, result,
+        calls.append((len(cluster.nodes), getattr(options.limits, limit), seeds, result,
                       given, table))
         return table, result
 
     monkeypatch.setattr(solver, "_search", spy)
+    return calls
+
+
+def test_tp_per_class_starts_from_the_best_plans_of_one_degree(setup, monkeypatch):
+    """--tp-per-class first searches the plans with one degree for every class, a far
+    smaller space, and the larger one from their best, so it returns none slower,
+    whatever stops it (at 1,024 GPUs the larger search alone stopped at 20.3 s in
+    10 s, where one degree gives 19.5 s). With one device type there is one class:
+    one search."""
+    calls = _searches(monkeypatch, "tp_per_class")
     graph, cluster, training, _ = setup
     options = SolveOptions(gap=0.0, limits=Limits(tp_per_class=True), with_baselines=False)
     start = time.perf_counter()
@@ -215,19 +222,7 @@ def test_mixed_share_types_starts_from_the_best_plans_of_the_default_space(setup
     types), and the larger one from its best plans, on a cost table of its own, so it
     returns none slower (on the measured-per-node scenario the larger search alone
     stopped at 28.9 s in 60 s, where the default space gives 19.96 s)."""
-    import importlib
-
-    solver = importlib.import_module("planner.solver")
-    search, calls = solver._search, []
-
-    def spy(model, cluster, training, options, costs, seeds=(), progress=None, table=None):
-        given = table
-        table, result = search(model, cluster, training, options, costs, seeds, progress, table)
-        calls.append((len(cluster.nodes), options.limits.mixed_share_types, seeds, result,
-                      given))
-        return table, result
-
-    monkeypatch.setattr(solver, "_search", spy)
+    calls = _searches(monkeypatch, "mixed_share_types")
     graph, cluster, training, _ = setup
     options = SolveOptions(gap=0.0, limits=Limits(mixed_share_types=True),
                            with_baselines=False)
