@@ -134,27 +134,36 @@ def measured_seconds(link: LinkSpec, nbytes: float) -> float | None:
     smallest size measured, or without measurements. Between two sizes the bus bandwidth
     follows a power law of the size (a straight line on nccl-tests' log-log plots); at or
     above the largest size it is the largest size's."""
-    rates = link.bus_rates
-    if not rates or nbytes < rates[0].size:
+    if not link.bus_rates or nbytes < link.bus_rates[0].size:
         return None
-    times = _rising_times(rates)
-    i = bisect.bisect_right([rate.size for rate in rates], nbytes) - 1
-    if i == len(rates) - 1:
-        return times[-1] * nbytes / rates[-1].size
-    step = math.log(nbytes / rates[i].size) / math.log(rates[i + 1].size / rates[i].size)
-    return times[i] * (times[i + 1] / times[i]) ** step
+    curve = _measured_curve(link.bus_rates)
+    i = bisect.bisect_right(curve.sizes, nbytes) - 1
+    if i == len(curve.sizes) - 1:
+        return curve.times[-1] * nbytes / curve.sizes[-1]
+    step = math.log(nbytes / curve.sizes[i]) / math.log(curve.sizes[i + 1] / curve.sizes[i])
+    return curve.times[i] * (curve.times[i + 1] / curve.times[i]) ** step
+
+
+@dataclass(frozen=True)
+class MeasuredCurve:
+    """A link's measured sizes and each one's S / busbw, raised to the most of any
+    smaller size's (`_measured_curve`)."""
+
+    sizes: tuple[float, ...]
+    times: tuple[float, ...]
 
 
 @functools.lru_cache(maxsize=32)
-def _rising_times(rates: tuple[BusRate, ...]) -> tuple[float, ...]:
-    """Each measured size's S / busbw, raised to the most of any smaller size's: NCCL's
-    tables dip (on NVLink 3, 2 MB took less time than 1 MB, 16 MB moved at a lower bus
-    bandwidth than 8 MB), and the solver's floors need fewer bytes to take no more time."""
+def _measured_curve(rates: tuple[BusRate, ...]) -> MeasuredCurve:
+    """The sizes and their times, once per table (every collective price reads them):
+    each time raised to the most of any smaller size's, as NCCL's tables dip (on NVLink 3,
+    2 MB took less time than 1 MB, 16 MB moved at a lower bus bandwidth than 8 MB) and
+    the solver's floors need fewer bytes to take no more time."""
     times, most = [], 0.0
     for rate in rates:
         most = max(most, rate.size / rate.bus_bandwidth)
         times.append(most)
-    return tuple(times)
+    return MeasuredCurve(tuple(rate.size for rate in rates), tuple(times))
 
 
 def collective_time(kind: Collective, nbytes: float, group: CommGroup,
