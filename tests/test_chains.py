@@ -6,6 +6,7 @@ faster (or the only plan that fits)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import random
 
@@ -121,6 +122,54 @@ def test_a_chains_first_bounds_are_below_every_split(seed):
                 assert family.total <= exact.floor * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_least_largest_ranges_is_the_least_largest_part_of_every_cut(seed):
+    """`run_floors.least_largest_ranges` against every cut of every range of layers into
+    that many parts (infinite where there are fewer layers than parts)."""
+    from planner.solver.partition import INF
+    from planner.solver.run_floors import least_largest_ranges
+
+    table = random_table(seed, layers=random.Random(seed).randint(3, 6), types=[("a", [2])])
+    costs = table.costs("a", 1, 1)
+    times = list(costs.fwd + costs.bwd)
+    size = len(times) + 1
+    for count in (1, 2, 3):
+        found = least_largest_ranges(table, "a", 1, 1, count)
+        for i, j in itertools.product(range(size), repeat=2):
+            if j - i < count:
+                assert found[i, j] == INF
+                continue
+            least = min(max(sum(times[a:b]) for a, b in itertools.pairwise((i, *inner, j)))
+                        for inner in itertools.combinations(range(i + 1, j), count - 1))
+            assert found[i, j] == pytest.approx(least, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_middle_blocks_least_largest_part_raises_its_chains_periods(seed, monkeypatch):
+    """A chain's middle block has no stage less busy than its layers' least largest part
+    (`FamilyFloors.largest_stage`), not only than their mean: against the mean alone, no
+    chain's first period is lower and, where layers are uneven, some are higher (and
+    still below every split: `test_a_chains_first_bounds_are_below_every_split`, on the
+    same instances)."""
+    import planner.solver.families as families_module
+
+    def periods(cells: int) -> dict:
+        monkeypatch.setattr(families_module, "RANGE_CELLS", cells)
+        rng = random.Random(seed)
+        table = random_table(seed, layers=rng.randint(4, 7), types=[
+            ("a", [2]), ("b", [2]), ("c", [1, 1]), ("d", [2])],
+            memory=rng.choice([2, 4, 8]) * GIB)
+        level = families(table, Config(mb=1), Limits(max_stages=5), Space(zeros=(0,)), 4,
+                         [1])[0]
+        return {f.key: f.min_busy for f in level if len(set(f.types)) >= 3}
+
+    mean_only, raised = periods(0), periods(1 << 21)
+    assert raised.keys() == mean_only.keys()
+    assert all(raised[k] >= mean_only[k] for k in raised)
+    if seed in (0, 1, 3, 5):  # (uneven layers here: 21 to 39 chains raised)
+        assert sum(raised[k] > mean_only[k] * (1 + 1e-9) for k in raised) >= 10
+
+
 def test_chain_families_are_every_order_and_length_up_to_the_limit():
     table = random_table(0, layers=6, types=[("a", [2]), ("b", [1]), ("c", [2]), ("d", [1])])
     config = Config(mb=1)
@@ -219,3 +268,48 @@ def test_chains_of_every_order_are_bounded_together_as_one_at_a_time(seed, monke
                 alone, config, limits, space, 4).chains(1, 3)]
         assert together == apart
     assert orders == 6  # (every order of the three types has a chain that fits)
+
+
+def test_a_dive_settles_the_children_it_tries(monkeypatch):
+    """A dive settles each child it tries (`_Search.dive`): on the benchmark's Llama-2 7B
+    cluster the chains' first bounds are loose, and pricing each child once, taking the
+    next of least bound, left the dives with a plan 5% slower (three pipelines of an
+    A100 and an RTX 4090); settled, the one over all eight GPUs, the optimum, is the
+    child whose classes alone finish soonest, so the queue starts pruning with it."""
+    search_module = importlib.import_module("planner.solver.search")
+    first: list[float] = []  # the best plan once the dives are done, per search
+
+    def start(runs, *args):
+        original(runs, *args)
+        first.append(runs[0].best[0].step_time)
+
+    original = search_module._start
+    monkeypatch.setattr(search_module, "_start", start)
+    cluster = load_cluster("1x3xA100-80G,1x3xRTX4090,1x2xRTX3090@10Gbps")
+    graph = trace_model(model_spec("llama2-7b"), seq_len=4096, dtype="bf16")
+    plan = solve(graph, cluster, TrainingSpec(global_batch=64, seq_len=4096, dtype="bf16"),
+                 costs=AnalyticalCostModel(cluster))[0]
+    assert {s.device_type for s in plan.pipelines[0].stages} == {
+        "A100-80G-SXM", "RTX4090", "RTX3090"}
+    assert first[-1] == pytest.approx(plan.prediction.step_time, rel=1e-9)
+
+
+@pytest.mark.parametrize("zeros", [(0, 1, 3), (1, 3)])
+def test_the_part_of_one_class_leaves_patterns_of_one_pipeline_to_the_other(zeros):
+    """A class of one pipeline runs without ZeRO, so where the ZeRO-free part is searched
+    it holds those structures, priced alike: the part of one class offers on 1F1B only
+    the patterns the cluster holds two pipelines of (`_Search.least_pipelines`), GPipe
+    (searched only there) every pattern, and so does 1F1B where ZeRO-0 is not allowed
+    (no other part)."""
+    from planner.solver.search import _Search
+
+    table = random_table(3, layers=5, types=[("a", [2]), ("b", [2]), ("c", [1, 1])],
+                         memory=8 * GIB)
+    single = _Search(table, 4, Limits(max_stages=4), Space(zeros=zeros), 1, 0.0, True, [],
+                     itertools.count())
+    fewest = {config: min(f.n_max for level in setup.levels for f in level)
+              for config, setup in single.state.items()}
+    assert any(config.gpipe for config in fewest) and any(
+        not config.gpipe for config in fewest)
+    for config, least in fewest.items():
+        assert least == (2 if 0 in zeros and not config.gpipe else 1)

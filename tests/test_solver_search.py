@@ -1432,13 +1432,23 @@ def test_the_one_class_root_bound_is_the_least_over_every_class(seed):
 def check_both_parts_subtree_bounds(table, batch, limits, seed: int) -> None:
     """`_check_subtree_bounds` for both parts of a search: the ZeRO-free structures, and
     those of one class (a class whose blocks differ in degree runs without ZeRO: the
-    ZeRO-free part holds it, but GPipe's)."""
+    ZeRO-free part holds it, but GPipe's; so does a pattern of which the cluster holds
+    one pipeline, `_Search.least_pipelines`)."""
     for single in (False, True):
         space = Space() if single else Space(zeros=(0,))
         values = [(config, shapes, v) for config, shapes, v in every_structure(
             table, batch, limits, space) if not single or (len(shapes) == 1 and (
-                config.gpipe or len(set(shapes[0].tps)) == 1))]
+                config.gpipe or (len(set(shapes[0].tps)) == 1
+                                 and _holds_two(table, shapes[0]))))]
         _check_subtree_bounds(table, batch, limits, single, values, random.Random(seed))
+
+
+def _holds_two(table, shape) -> bool:
+    """Whether the cluster holds two pipelines of the class's pattern."""
+    from planner.solver.structure import blocks, capacity
+
+    return min(capacity(table, tp, kind, count)
+               for kind, count, tp in blocks(shape.types, shape.tps)) >= 2
 
 
 def _check_subtree_bounds(table, batch, limits, single, values, rng):

@@ -28,11 +28,13 @@ policies' activations overflow. A family whose devices cannot hold the states ho
 the layers are split is dropped.
 
 A chain of three or more blocks (`FamilyFloors.chains`) is bounded the same way at its
-first and last blocks; a middle block adds its layers' time on its type (a dynamic
-program over the blocks' boundaries), its memory left out, and its stages only the
-layers they need: the period is at least the least largest of the first and last
-blocks' stages over every placement of the blocks' boundaries, and at least the total
-over the stages.
+first and last blocks; a middle block adds its layers' time on its type and what its
+memory adds (a dynamic program over the blocks' boundaries; on long models its memory
+left out), and its largest stage is at least its mean and its layers' least largest
+part over its stages (`run_floors.least_largest_ranges`, for every range of layers:
+on long models, the mean alone): the period is at least the least largest stage of
+any block over every placement of the blocks' boundaries, and at least the total over
+the stages.
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ from planner.solver.limits import Limits
 from planner.solver.links import cheapest_gather
 from planner.solver.partition import INF, ZERO_GATHER_REF, ClassResult
 from planner.solver.run_floors import (
+    RANGE_CELLS,
     RecomputeCurve,
     least_largest_parts,
+    least_largest_ranges,
     recompute_curve,
     tails_in_memory,
 )
@@ -185,8 +189,8 @@ def device_work(table: CostTable, config: Config, tps: Sequence[int]) -> dict[st
 
 
 def families(table: CostTable, config: Config, limits: Limits, space: Space,
-             microbatches: int, tps: Sequence[int], split: bool = False
-             ) -> list[list[Family]]:
+             microbatches: int, tps: Sequence[int], split: bool = False,
+             least_pipelines: int = 1) -> list[list[Family]]:
     """The levels of mixed patterns first (`mixed_levels` of them, absent with `mixed`
     off or a single type), then one level of homogeneous patterns per device type,
     fastest type first (the fewest device-seconds per micro-batch); each level holds its
@@ -194,9 +198,11 @@ def families(table: CostTable, config: Config, limits: Limits, space: Space,
     `block_degrees`) the two-type ones also at every two different degrees of their
     blocks. A mixed level holds chains of up to `chain_limit` types in the order of
     their keys (`Family.key`), which is the order their classes are placed in
-    (`search.placement_order`): each mixed level is one list, the same families."""
+    (`search.placement_order`): each mixed level is one list, the same families.
+    least_pipelines: the patterns of which the cluster holds fewer pipelines are left
+    out (`FamilyFloors.fits`)."""
     table = fold(table, config.interleave)
-    floors = FamilyFloors(table, config, limits, space, microbatches)
+    floors = FamilyFloors(table, config, limits, space, microbatches, least_pipelines)
     kinds = [t.name for t in table.types]
     work = device_work(table, config, tps)
     levels = [[f for tp in tps for f in floors.homogeneous(k, tp)]
@@ -449,9 +455,9 @@ class FamilyFloors:
     is kept in the table's cache across configurations."""
 
     def __init__(self, table: CostTable, config: Config, limits: Limits, space: Space,
-                 microbatches: int) -> None:
+                 microbatches: int, least_pipelines: int = 1) -> None:
         self.table, self.config, self.limits, self.space = table, config, limits, space
-        self.microbatches = microbatches
+        self.microbatches, self.least_pipelines = microbatches, least_pipelines
         self.lengths = stage_counts(limits, config, table.num_layers)
         self.longest = max(self.lengths, default=1)
         self.rooms = {t.name: t.memory - t.reserve for t in table.types}
@@ -611,9 +617,12 @@ class FamilyFloors:
 
     def fits(self, parts: Sequence[tuple[str, int, int]]) -> Fitting | None:
         """The pattern of these blocks (type, stages, degree), or None if the stage pins
-        rule it out or its devices cannot hold the states however the layers are split
-        (each rank holds at least its share at the widest degree)."""
+        rule it out, the cluster holds fewer than `least_pipelines` of its pipelines or
+        its devices cannot hold the states however the layers are split (each rank holds
+        at least its share at the widest degree)."""
         n_max = min(self.most(k, c, tp) for k, c, tp in parts)
+        if n_max < self.least_pipelines:
+            return None
         widest = max(tp for _, _, tp in parts)
         least = self.held(widest)[-1] * self.bytes_per_param(n_max)[1] if n_max >= 1 else INF
         if sum(c * self.rooms[k] for k, c, _ in parts) < least:
@@ -626,7 +635,8 @@ class FamilyFloors:
     def fits_by(self) -> FitsBy:
         """What the patterns that fit depend on besides their types and degrees."""
         limits = self.limits
-        return FitsBy(self.lengths, limits.first_stage, limits.last_stage, self.space.zeros)
+        return FitsBy(self.lengths, limits.first_stage, limits.last_stage, self.space.zeros,
+                      self.least_pipelines)
 
     def fill(self, busy: float | np.ndarray, period: float | np.ndarray) -> float | np.ndarray:
         """The least fill of a pipeline whose stages are busy this long in all and whose
@@ -872,9 +882,10 @@ class FamilyFloors:
                 head_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Through the middle blocks of these chains, a block at a time: per row and
         layer boundary j, the least busy time of the blocks before the last holding
-        layers [0, j), and the least largest mean of a block among them (from the first
-        block's, `head_busy` and `head_max`; `middle_busy` prices a block, the same for
-        the rows of every order with the same middle block)."""
+        layers [0, j), and the least largest stage of a block among them (from the
+        first block's, `head_busy` and `head_max`; `middle_busy` prices a block and
+        `largest_stage` its largest stage, the same for the rows of every order with the
+        same middle block)."""
         done, reach = head_busy.copy(), head_max.copy()
         step = max(1, _MIDDLE_CELLS // (self.table.num_layers + 1) ** 2)  # rows at a time
         for groups in layout.middles:
@@ -885,16 +896,29 @@ class FamilyFloors:
                     blocks, self.middle_busy(kind, tp, blocks), strict=True))
             # every row of the block at once (`step` rows at a time), each its own block's
             members = [r for rows in groups.values() for r in rows]
-            priced = [(busies[key], float(key[1].count)) for key, rows in groups.items()
-                      for _ in rows]  # (per member: its block's busy times and stages)
+            largest = {key: self.largest_stage(key[0], tp, key[1].count, busies[key])
+                       for key in groups}
+            priced = [(busies[key], largest[key]) for key, rows in groups.items()
+                      for _ in rows]  # (per member: its block's busy times and largest stage)
             for at in range(0, len(members), step):
                 part = members[at:at + step]
                 busy = np.stack([matrix for matrix, _ in priced[at:at + step]])
-                counts = np.array([count for _, count in priced[at:at + step]])
+                largest = np.stack([matrix for _, matrix in priced[at:at + step]])
                 done[part] = (done[part][:, :, None] + busy).min(axis=1)
-                reach[part] = np.maximum(reach[part][:, :, None],
-                                         busy / counts[:, None, None]).min(axis=1)
+                reach[part] = np.maximum(reach[part][:, :, None], largest).min(axis=1)
         return done, reach
+
+    def largest_stage(self, kind: str, tp: int, count: int, busy: np.ndarray) -> np.ndarray:
+        """[i, j]: no stage of a middle block of `count` stages of type `kind` holding
+        layers [i, j), whose least busy time is `busy`, is busy for less: the block's
+        mean, and its layers' least largest part (`least_largest_ranges`, slightly
+        lowered against rounding as `least_largest_parts` is; where the model is short
+        enough for it)."""
+        mean = busy / count
+        if len(busy) ** 3 > RANGE_CELLS:
+            return mean
+        parts = least_largest_ranges(self.table, kind, tp, self.config.mb, count)
+        return np.maximum(mean, parts * (1 - 1e-9))
 
     def middle_busy(self, kind: str, tp: int, blocks: Sequence[MiddleBlock]
                     ) -> list[np.ndarray]:

@@ -197,6 +197,17 @@ class LeastLargestPartsKey:
 
 
 @dataclass(frozen=True)
+class LeastLargestRangesKey:
+    """`run_floors.least_largest_ranges`: the least largest part of `count`-way cuts of
+    every range of layers."""
+
+    kind: str
+    tp: int
+    mb: int
+    count: int
+
+
+@dataclass(frozen=True)
 class TailsInMemoryKey:
     """`run_floors.tails_in_memory`: a pipeline's last c stages' least busy time with
     what memory adds."""
@@ -232,6 +243,7 @@ class FitsBy:
     first_stage: str | None  # the stage pins (`Limits.allows`)
     last_stage: str | None
     zeros: tuple[int, ...]  # the ZeRO stages allowed
+    least_pipelines: int  # the fewest pipelines of a pattern the cluster must hold
 
 
 @dataclass(frozen=True)

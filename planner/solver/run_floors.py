@@ -1,6 +1,6 @@
 """Floors of runs of consecutive layers on one device type, for the families' first
 bounds (`families.FamilyFloors`): the least largest part of any cut of a prefix (or
-suffix) of the layers into c stages, the least busy times of a pipeline's last c
+suffix, or any range) of the layers into c stages, the least busy times of a pipeline's last c
 stages within memory, and the fewest seconds of recompute that free a number of
 activation bytes."""
 
@@ -11,7 +11,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from planner.solver.evaluate import Config, Space
-from planner.solver.keys import LeastLargestPartsKey, RecomputeCurveKey, TailsInMemoryKey
+from planner.solver.keys import (
+    LeastLargestPartsKey,
+    LeastLargestRangesKey,
+    RecomputeCurveKey,
+    TailsInMemoryKey,
+)
 from planner.solver.partition import INF
 from planner.solver.table import CostTable
 from planner.types.training import Recompute
@@ -37,6 +42,32 @@ def least_largest_parts(table: CostTable, kind: str, tp: int, mb: int, most: int
             rows.append(np.maximum(ranges, rows[-1][None, :]).min(axis=1) if from_end else
                         np.maximum(rows[-1][:, None], ranges).min(axis=0))
         table.cache[key] = np.array(rows) * (1 - 1e-9)
+    return table.cache[key]
+
+
+RANGE_CELLS = 1 << 21  # the most (layer boundaries)^3 `least_largest_ranges` is asked for
+
+
+def least_largest_ranges(table: CostTable, kind: str, tp: int, mb: int, count: int
+                         ) -> np.ndarray:
+    """[i, j]: the least largest busy time of a part over the cuts of layers [i, j) into
+    `count` parts (infinite where there are fewer layers than parts): no stage of a block
+    of `count` stages holding those layers is busy for less (`least_largest_parts` for
+    every range at once: a min-max program over the layers' forward and backward times,
+    (L + 1)^3 cells a part, so asked for only up to `RANGE_CELLS`; cached, not lowered
+    against rounding)."""
+    key = LeastLargestRangesKey(kind, tp, mb, count)
+    if key not in table.cache:
+        if count == 1:
+            costs = table.costs(kind, tp, mb)
+            cum = np.concatenate([[0.0], np.cumsum(costs.fwd + costs.bwd)])
+            size = len(cum)
+            table.cache[key] = np.where(np.triu(np.ones((size, size), dtype=bool), 1),
+                                        cum[None, :] - cum[:, None], INF)
+        else:  # [i, k, j]: the first count - 1 parts hold [i, k), the last [k, j)
+            fewer = least_largest_ranges(table, kind, tp, mb, count - 1)
+            ranges = least_largest_ranges(table, kind, tp, mb, 1)
+            table.cache[key] = np.maximum(fewer[:, :, None], ranges[None, :, :]).min(axis=1)
     return table.cache[key]
 
 
