@@ -347,6 +347,33 @@ def test_time_limit_returns_a_feasible_plan_and_a_bound():
     assert result.status in ("feasible", "optimal")
 
 
+def test_children_are_bounded_a_chunk_at_a_time_until_the_deadline(monkeypatch):
+    """`_Search.many` bounds a node's children `_MANY_ROWS` at a time, as one
+    `Bound.many` call would (rows are bounded apart); past the deadline with a plan in
+    hand, the rows left keep the node's own bound and base, which hold for its subtree
+    (with --mixed-share-types one root's children took 56 s, past the time limit)."""
+    from planner.solver.search import _Search
+
+    module = importlib.import_module("planner.solver.search")  # (its name: the function)
+    table = random_table(5, layers=5, types=[("a", [3, 3]), ("b", [3, 3]), ("c", [2])])
+    limits = Limits(max_stages=4)
+    run = _Search(table, 6, limits, Space(), 1, 0.0, False, [], itertools.count())
+    node = min(run.heap)
+    rows = run.options(node)[1:]
+    open_levels = range(0, len(run.state[node.config].levels))
+    assert len(rows) > 4
+    whole = run.state[node.config].bound.many(
+        [], rows, open_levels, True, (node.bound, node.base),
+        run.row_fits(node, rows, open_levels, True))
+    monkeypatch.setattr(module, "_MANY_ROWS", 2)
+    chunked = run.many(node, [], rows, open_levels, True)
+    assert np.allclose(chunked, whole, rtol=1e-12)
+    run.best.append(search(table, 6, limits=limits).best[0])
+    run.deadline = 0.0
+    late = run.many(node, [], rows, open_levels, True)
+    assert np.all(late[0] == node.bound) and np.all(late[1] == node.base)
+
+
 def test_configurations_past_the_deadline_wait_at_the_floor_until_taken():
     """Past its deadline the search stops setting configurations up (their families are
     much of a big search's set-up): the seeds' are set up first, the others wait in the
