@@ -896,9 +896,9 @@ class FamilyFloors:
                     blocks, self.middle_busy(kind, tp, blocks), strict=True))
             # every row of the block at once (`step` rows at a time), each its own block's
             members = [r for rows in groups.values() for r in rows]
-            largest = {key: self.largest_stage(key[0], tp, key[1].count, busies[key])
-                       for key in groups}
-            priced = [(busies[key], largest[key]) for key, rows in groups.items()
+            stage_floors = {key: self.largest_stage(key[0], tp, key[1].count, busies[key])
+                            for key in groups}
+            priced = [(busies[key], stage_floors[key]) for key, rows in groups.items()
                       for _ in rows]  # (per member: its block's busy times and largest stage)
             for at in range(0, len(members), step):
                 part = members[at:at + step]
